@@ -1,0 +1,23 @@
+"""memlm: memory-augmented language models (DeltaNet, Expire-Span, Feedback Transformer) for 🤗 Transformers.
+
+Importing memlm registers its configurations and models with AutoConfig, AutoModel and AutoModelForCausalLM.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration.configuration_deltanet import DeltaNetConfig
+from .modeling.modeling_deltanet import DeltaNetCache, DeltaNetForCausalLM, DeltaNetModel, DeltaNetPreTrainedModel
+
+__version__ = "0.1.0"
+
+AutoConfig.register(DeltaNetConfig.model_type, DeltaNetConfig, exist_ok=True)
+AutoModel.register(DeltaNetConfig, DeltaNetModel, exist_ok=True)
+AutoModelForCausalLM.register(DeltaNetConfig, DeltaNetForCausalLM, exist_ok=True)
+
+__all__ = [
+    "DeltaNetCache",
+    "DeltaNetConfig",
+    "DeltaNetForCausalLM",
+    "DeltaNetModel",
+    "DeltaNetPreTrainedModel",
+]

@@ -1,0 +1,291 @@
+"""DeltaNet configuration (Schlag, Irie & Schmidhuber, 2021: "Linear Transformers Are Secretly Fast Weight
+Programmers"). The options follow SPEC §1: feature map φ, key/query normalisation, update rule, β, short
+convolution, output norm and gate. Every field is validated when the config is built."""
+
+import difflib
+
+from transformers import PreTrainedConfig
+
+FEATURE_MAPS = ("dpfp", "elu+1", "favor+", "silu", "identity")
+# Feature maps whose every component is >= 0, so that dividing by the sum of components is meaningful.
+NONNEGATIVE_FEATURE_MAPS = ("dpfp", "elu+1", "favor+")
+NORMALIZATIONS = ("sum", "l2", "none")
+UPDATE_RULES = ("delta", "sum")
+VALUE_ACTIVATIONS = ("identity", "silu")
+HIDDEN_ACTIVATIONS = ("silu", "gelu", "gelu_new", "relu")
+
+PRESETS = {
+    # Schlag et al. (2021), Sec. 4-5: DPFP-1 features, sum-normalised keys and queries, delta rule with learned β.
+    "paper": {
+        "feature_map": "dpfp",
+        "dpfp_nu": 1,
+        "query_key_normalization": "sum",
+        "update_rule": "delta",
+        "use_beta": True,
+        "short_convolution": False,
+        "output_norm": False,
+        "output_gate": False,
+        "value_activation": "identity",
+        "scale_queries": False,
+    },
+    # The layout of flash-linear-attention's DeltaNet checkpoints (fla/layers/delta_net.py): SiLU features after a
+    # short convolution, L2-normalised keys and queries, SiLU on values, per-head output RMSNorm, queries scaled by
+    # d_k^-1/2 inside the kernel.
+    "fla": {
+        "feature_map": "silu",
+        "query_key_normalization": "l2",
+        "update_rule": "delta",
+        "use_beta": True,
+        "short_convolution": True,
+        "convolution_size": 4,
+        "output_norm": True,
+        "output_gate": False,
+        "value_activation": "silu",
+        "scale_queries": True,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+    },
+}
+
+
+class DeltaNetConfig(PreTrainedConfig):
+    r"""
+    Configuration of a DeltaNet language model: a stack of pre-norm blocks whose token mixer is a fast-weight memory
+    `S_t` (one `d_k × d_v` matrix per head) written with the delta rule and read with the queries (SPEC §1):
+
+        v̄_t = S_{t-1}ᵀ k_t,   S_t = S_{t-1} + β_t k_t (v_t − v̄_t)ᵀ,   o_t = S_tᵀ q_t
+
+    Two presets are one line away: `DeltaNetConfig.from_preset("paper")` (Schlag et al.) and
+    `DeltaNetConfig.from_preset("fla")` (the flash-linear-attention layout, so its checkpoints can be converted).
+
+    Args:
+        vocab_size (`int`): number of tokens in the vocabulary.
+        hidden_size (`int`): width of the residual stream.
+        intermediate_size (`int`, *optional*): width of the gated MLP; defaults to the multiple of 256 nearest above
+            `hidden_size * 8 / 3` (the SwiGLU rule flash-linear-attention uses).
+        num_hidden_layers (`int`): number of blocks.
+        num_attention_heads (`int`): number of fast-weight heads.
+        key_head_dim (`int`, *optional*): per-head width of the key/query projections before the feature map;
+            defaults to `hidden_size // num_attention_heads`.
+        value_head_dim (`int`, *optional*): per-head width of the values; defaults to
+            `hidden_size // num_attention_heads`.
+        feature_map (`str`): φ applied to keys and queries: `"dpfp"` (deterministic parameter-free projection,
+            paper Eq. 37, width `2 * dpfp_nu * key_head_dim`), `"elu+1"`, `"favor+"` (Performer positive random
+            features, width `favor_features`), `"silu"` or `"identity"`.
+        dpfp_nu (`int`): ν of DPFP, one of 1, 2, 3; only used with `feature_map="dpfp"`.
+        favor_features (`int`): number m of random features of FAVOR+; only used with `feature_map="favor+"`. The
+            random projection is redrawn at every training forward, kept fixed in eval mode and saved with the model.
+        query_key_normalization (`str`): how φ(k) and φ(q) are normalised: `"sum"` (divide by the sum of the
+            components, paper Sec. 4.2; needs a non-negative feature map), `"l2"` or `"none"`.
+        update_rule (`str`): `"delta"` (the delta rule above) or `"sum"` (plain linear attention,
+            `S_t = S_{t-1} + k_t v_tᵀ`).
+        attention_normalizer (`bool`): sum rule only: divide the output by `z_tᵀ q_t` with `z_t = Σ k_τ`
+            (Katharopoulos et al.); needs a non-negative feature map.
+        use_beta (`bool`): learn the writing strength `β_t = σ(w_β · x_t)` per head; when off β = 1.
+        short_convolution (`bool`): a causal depthwise convolution over time on the projected queries, keys and
+            values before the feature map.
+        convolution_size (`int`): kernel width of the short convolution (>= 2).
+        output_norm (`bool`): RMSNorm over each head's output.
+        output_gate (`bool`): multiply each head's output by `silu(W_g x_t)`.
+        value_activation (`str`): `"identity"` or `"silu"` applied to the values (after the convolution).
+        scale_queries (`bool`): multiply queries by `d_k^-1/2` (d_k the feature width) before reading the memory.
+        chunk_size (`int`): chunk length of the chunkwise training kernel; does not change the result.
+        hidden_act (`str`): activation of the gated MLP.
+        hidden_dropout (`float`): dropout on the output of each token mixer and MLP before the residual sum.
+        rms_norm_eps (`float`): epsilon of every RMSNorm.
+        initializer_range (`float`): standard deviation of the normal initialisation of linear and embedding weights.
+        use_cache (`bool`): return the memory (`DeltaNetCache`) as `past_key_values`.
+        tie_word_embeddings (`bool`): share the input embedding and the LM head.
+    """
+
+    model_type = "memlm_deltanet"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    key_head_dim: int | None = None
+    value_head_dim: int | None = None
+    feature_map: str = "dpfp"
+    dpfp_nu: int = 1
+    favor_features: int = 64
+    query_key_normalization: str = "sum"
+    update_rule: str = "delta"
+    attention_normalizer: bool = False
+    use_beta: bool = True
+    short_convolution: bool = False
+    convolution_size: int = 4
+    output_norm: bool = False
+    output_gate: bool = False
+    value_activation: str = "identity"
+    scale_queries: bool = False
+    chunk_size: int = 64
+    hidden_act: str = "silu"
+    hidden_dropout: float = 0.0
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        _reject_misspelled_options(self, kwargs)
+        heads = self.num_attention_heads
+        if (self.key_head_dim is None or self.value_head_dim is None) and _is_positive(self.hidden_size):
+            if not _is_positive(heads):
+                raise ValueError(f"DeltaNetConfig.num_attention_heads must be a positive integer, got {heads!r}.")
+            if self.hidden_size % heads:
+                raise ValueError(
+                    f"DeltaNetConfig.hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                    f"({heads}); pass key_head_dim and value_head_dim explicitly or change one of them."
+                )
+            self.key_head_dim = self.hidden_size // heads if self.key_head_dim is None else self.key_head_dim
+            self.value_head_dim = self.hidden_size // heads if self.value_head_dim is None else self.value_head_dim
+        if self.intermediate_size is None and _is_positive(self.hidden_size):
+            self.intermediate_size = 256 * ((int(self.hidden_size * 4 * 2 / 3) + 255) // 256)
+        self._validate()
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "DeltaNetConfig":
+        """A config following one of the named layouts (`"paper"` or `"fla"`), with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"Unknown DeltaNet preset {name!r}; allowed presets: {', '.join(PRESETS)}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def feature_dim(self) -> int:
+        """Width d_k of φ(k) per head, i.e. the number of rows of each head's fast-weight matrix."""
+        if self.feature_map == "dpfp":
+            return 2 * self.dpfp_nu * self.key_head_dim
+        if self.feature_map == "favor+":
+            return self.favor_features
+        return self.key_head_dim
+
+    def describe(self) -> list[str]:
+        """The configuration in words, one line per aspect (used by the model card)."""
+        feature = {
+            "dpfp": f"DPFP-{self.dpfp_nu} (deterministic parameter-free projection, paper Eq. 37)",
+            "elu+1": "ELU + 1 (Katharopoulos et al., 2020)",
+            "favor+": f"FAVOR+ with {self.favor_features} positive orthogonal random features (Performer)",
+            "silu": "SiLU",
+            "identity": "identity",
+        }[self.feature_map]
+        rule = (
+            "delta rule: S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀk_t)ᵀ"
+            if self.update_rule == "delta"
+            else "sum rule (linear attention): S_t = S_{t-1} + k_t v_tᵀ"
+            + (", outputs divided by the attention normaliser z_tᵀq_t" if self.attention_normalizer else "")
+        )
+        lines = [
+            f"{self.num_hidden_layers} layers, hidden size {self.hidden_size}, {self.num_attention_heads} heads, "
+            f"gated MLP of width {self.intermediate_size} ({self.hidden_act}), vocabulary of {self.vocab_size} tokens"
+            + (", tied input/output embeddings" if self.tie_word_embeddings else ""),
+            f"Update rule: {rule}",
+            f"Feature map φ on keys and queries: {feature}; normalisation: {self.query_key_normalization}",
+            f"Fast-weight memory per head: {self.feature_dim} × {self.value_head_dim} "
+            f"(key/query projection {self.key_head_dim} per head before φ)",
+            "Write strength β_t = σ(w_β·x_t) learned per head" if self.use_beta else "Write strength β = 1",
+            f"Short causal convolution of width {self.convolution_size} on queries, keys and values"
+            if self.short_convolution
+            else "No short convolution",
+            "Per-head output: " + (" and ".join(
+                part for part, on in (("RMSNorm", self.output_norm), ("SiLU gate", self.output_gate)) if on
+            ) or "none"),
+            f"Values: {self.value_activation}; queries scaled by d_k^-1/2: {'yes' if self.scale_queries else 'no'}",
+        ]
+        return lines
+
+    def _validate(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "key_head_dim", "value_head_dim", "favor_features", "chunk_size"):
+            value = getattr(self, name)
+            if not _is_positive(value):
+                raise ValueError(f"DeltaNetConfig.{name} must be a positive integer, got {value!r}.")
+        _check_choice("feature_map", self.feature_map, FEATURE_MAPS)
+        _check_choice("query_key_normalization", self.query_key_normalization, NORMALIZATIONS)
+        _check_choice("update_rule", self.update_rule, UPDATE_RULES)
+        _check_choice("value_activation", self.value_activation, VALUE_ACTIVATIONS)
+        _check_choice("hidden_act", self.hidden_act, HIDDEN_ACTIVATIONS)
+        if self.dpfp_nu not in (1, 2, 3) or isinstance(self.dpfp_nu, bool):
+            raise ValueError(f"DeltaNetConfig.dpfp_nu must be 1, 2 or 3 (paper Eq. 37), got {self.dpfp_nu!r}.")
+        for name in ("attention_normalizer", "use_beta", "short_convolution", "output_norm", "output_gate",
+                     "scale_queries", "use_cache", "tie_word_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"DeltaNetConfig.{name} must be True or False, got {value!r}.")
+        if not _is_int(self.convolution_size) or self.convolution_size < 2:
+            raise ValueError(
+                f"DeltaNetConfig.convolution_size must be an integer >= 2, got {self.convolution_size!r}."
+            )
+        if not isinstance(self.hidden_dropout, (int, float)) or not 0.0 <= self.hidden_dropout < 1.0:
+            raise ValueError(f"DeltaNetConfig.hidden_dropout must be in [0, 1), got {self.hidden_dropout!r}.")
+        if not isinstance(self.rms_norm_eps, (int, float)) or self.rms_norm_eps <= 0:
+            raise ValueError(f"DeltaNetConfig.rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}.")
+        if not isinstance(self.initializer_range, (int, float)) or self.initializer_range < 0:
+            raise ValueError(
+                f"DeltaNetConfig.initializer_range must be a number >= 0, got {self.initializer_range!r}."
+            )
+        # Combinations that make no sense.
+        if self.query_key_normalization == "sum" and self.feature_map not in NONNEGATIVE_FEATURE_MAPS:
+            raise ValueError(
+                f"DeltaNetConfig.query_key_normalization='sum' divides by the sum of the feature components, which "
+                f"needs a non-negative feature map ({', '.join(NONNEGATIVE_FEATURE_MAPS)}); feature_map="
+                f"{self.feature_map!r} can be negative. Use query_key_normalization='l2' or 'none', or another "
+                "feature map."
+            )
+        if self.attention_normalizer and self.update_rule != "sum":
+            raise ValueError(
+                "DeltaNetConfig.attention_normalizer=True only applies to update_rule='sum' (the delta rule keeps "
+                f"its memory bounded by itself); got update_rule={self.update_rule!r}."
+            )
+        if self.attention_normalizer and self.feature_map not in NONNEGATIVE_FEATURE_MAPS:
+            raise ValueError(
+                "DeltaNetConfig.attention_normalizer=True divides by z_tᵀq_t, which needs a non-negative feature map "
+                f"({', '.join(NONNEGATIVE_FEATURE_MAPS)}); got feature_map={self.feature_map!r}."
+            )
+        for name in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value < self.vocab_size):
+                raise ValueError(
+                    f"DeltaNetConfig.{name} must be None or an id in [0, vocab_size={self.vocab_size}), got {value!r}."
+                )
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        for value in eos:
+            if value is not None and (not _is_int(value) or not 0 <= value < self.vocab_size):
+                raise ValueError(
+                    f"DeltaNetConfig.eos_token_id must be None, an id or a list of ids in [0, vocab_size="
+                    f"{self.vocab_size}), got {self.eos_token_id!r}."
+                )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive(value) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _check_choice(name: str, value, allowed: tuple[str, ...]):
+    if value not in allowed:
+        raise ValueError(f"DeltaNetConfig.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}.")
+
+
+def _reject_misspelled_options(config: PreTrainedConfig, extra_options: dict):
+    """Extra keyword arguments are kept (as 🤗 configs do, for forward compatibility), except ones that look like a
+    misspelled field: those would otherwise be silently ignored."""
+    fields = [name for name in type(config).__dataclass_fields__ if not name.startswith("_")]
+    for name in extra_options:
+        close = difflib.get_close_matches(name, fields, n=1, cutoff=0.85)
+        if close and close[0] != name:
+            raise ValueError(
+                f"{type(config).__name__} got an unknown option {name!r}; did you mean {close[0]!r}?"
+            )
+
+
+__all__ = ["DeltaNetConfig"]

@@ -1,0 +1,122 @@
+"""The delta rule and the sum rule of DeltaNet (SPEC §1): one public function per rule.
+
+Schlag, Irie & Schmidhuber (2021), *Linear Transformers Are Secretly Fast Weight Programmers*.
+Per head and step t, with the memory ``S ∈ R^{d_k×d_v}``:
+
+- delta rule (Sec. 4.2, Eqs. 20-25): ``v̄_t = Sᵀ k_t``, ``S ← S + β_t k_t (v_t − v̄_t)ᵀ``, ``o_t = Sᵀ q_t``;
+- sum rule (Eqs. 17-19, without the attention normaliser): ``S ← S + k_t v_tᵀ``, ``o_t = Sᵀ q_t``.
+
+:func:`delta_rule` and :func:`sum_rule` validate their inputs and dispatch on the backend (see
+:func:`memlm.kernels.resolve_backend`): ``"torch"`` runs the chunkwise implementation of ``chunk.py``
+(or, for a single token, the O(1) decoding step), ``"reference"`` the recurrent loops of
+``reference.py``. Queries are used as given: scaling is the caller's job.
+"""
+
+import torch
+
+from memlm.kernels import resolve_backend
+from memlm.kernels.delta_rule.chunk import delta_rule_chunk, delta_rule_step, sum_rule_chunk, sum_rule_step
+from memlm.kernels.delta_rule.reference import delta_rule_reference, sum_rule_reference
+
+__all__ = ["delta_rule", "delta_rule_reference", "sum_rule", "sum_rule_reference"]
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+) -> None:
+    """Raise ``ValueError`` naming the offending argument and its shape if the inputs do not fit together."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must be a 4-dimensional tensor (batch, heads, tokens, width), got {shape}.")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}.")
+    batch_size, num_heads, length, key_dim = key.shape
+    value_dim = value.shape[-1]
+    if query.shape != key.shape:
+        raise ValueError(
+            f"query and key must have the same shape (batch, heads, tokens, key width), got query "
+            f"{tuple(query.shape)} and key {tuple(key.shape)}."
+        )
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(
+            f"value must share (batch, heads, tokens) with key, got value {tuple(value.shape)} and key {tuple(key.shape)}."
+        )
+    if length == 0:
+        raise ValueError(f"the sequences must hold at least one token, got key {tuple(key.shape)}.")
+    if beta is not None and beta.shape != (batch_size, num_heads, length):
+        raise ValueError(
+            f"beta must have shape (batch, heads, tokens) = {(batch_size, num_heads, length)}, got {tuple(beta.shape)}."
+        )
+    expected_state = (batch_size, num_heads, key_dim, value_dim)
+    if initial_state is not None and initial_state.shape != expected_state:
+        raise ValueError(
+            f"initial_state must have shape (batch, heads, key width, value width) = {expected_state}, "
+            f"got {tuple(initial_state.shape)}."
+        )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}.")
+
+
+def delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the delta rule over a sequence (SPEC §1).
+
+    Args:
+        query: ``(B, H, T, d_k)``, already feature-mapped, normalised and scaled by the caller.
+        key: ``(B, H, T, d_k)``.
+        value: ``(B, H, T, d_v)``.
+        beta: write strengths ``(B, H, T)``; ``None`` means β = 1.
+        initial_state: memory entering the sequence, ``(B, H, d_k, d_v)`` (float32); ``None`` means zeros.
+        output_final_state: also return the memory after the last token.
+        chunk_size: tokens per chunk of the chunkwise implementation (any T works; the last chunk is padded).
+        backend: ``"torch"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS`` (default ``"torch"``).
+
+    Returns:
+        The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
+        float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``.
+    """
+    _check_inputs(query, key, value, beta, initial_state, chunk_size)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return delta_rule_reference(query, key, value, beta, initial_state, output_final_state)
+    if key.shape[2] == 1:
+        return delta_rule_step(query, key, value, beta, initial_state, output_final_state)
+    return delta_rule_chunk(query, key, value, beta, initial_state, output_final_state, chunk_size)
+
+
+def sum_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the sum rule (un-normalised causal linear attention) over a sequence (SPEC §1).
+
+    Same arguments and returns as :func:`delta_rule`, without ``beta``.
+    """
+    _check_inputs(query, key, value, None, initial_state, chunk_size)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return sum_rule_reference(query, key, value, initial_state, output_final_state)
+    if key.shape[2] == 1:
+        return sum_rule_step(query, key, value, initial_state, output_final_state)
+    return sum_rule_chunk(query, key, value, initial_state, output_final_state, chunk_size)

@@ -1,0 +1,313 @@
+"""Chunkwise-parallel delta rule and sum rule in plain PyTorch (SPEC §1), with a hand-written backward.
+
+The sequence is cut into ``N`` chunks of ``C`` tokens. Inside a chunk with entering state ``S₀`` and
+rows ``K, Q, V, β`` (SPEC §1, the WY form of the delta rule)::
+
+    A = I + strictly_lower(diag(β) K Kᵀ);   W = A⁻¹ diag(β) K;   U = A⁻¹ diag(β) V
+    O = Q S₀ + causal(Q Kᵀ) (U − W S₀)            causal keeps j ≤ i
+    S_C = S₀ + Kᵀ (U − W S₀)
+
+Everything that does not depend on ``S₀`` is computed for all chunks at once, so that per chunk ``n``::
+
+    Qeff_n = Q_n − causal(Q_n K_nᵀ) W_n    Decay_n = I − K_nᵀ W_n
+    Base_n = causal(Q_n K_nᵀ) U_n          Add_n   = K_nᵀ U_n
+    O_n = Qeff_n S_n + Base_n              S_{n+1} = Decay_n S_n + Add_n
+
+and only the ``N``-step state recurrence (one small matmul per chunk) runs as a Python loop. The
+backward runs the state-gradient recurrence by hand in reverse,
+``dS_n = Qeff_nᵀ dO_n + Decay_nᵀ dS_{n+1}``, from the ``N`` chunk-entry states saved by the forward
+(never one state per token, never autograd through the loop), then differentiates the chunk-local
+quantities above in closed form, batched over all chunks.
+
+The readable definition is ``reference.py``; the tests check this file against it.
+"""
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["delta_rule_chunk", "delta_rule_step", "sum_rule_chunk", "sum_rule_step"]
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """Internal math and state run in float32, or in float64 when any input is float64."""
+    if any(tensor is not None and tensor.dtype == torch.float64 for tensor in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _to_chunks(tensor: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, H, T, ...)`` → ``(B·H, N, C, ...)`` in ``dtype``, zero-padding T up to ``N·C``.
+
+    Zero keys and values are exact padding for both rules: a token with k = 0 and v = 0 neither
+    reads nor writes the state, and padded positions come after every real one.
+    """
+    batch_size, num_heads, length = tensor.shape[:3]
+    padding = -length % chunk_size
+    tensor = tensor.to(dtype)
+    if padding:
+        # F.pad pads from the last dimension backwards; pad dimension 2 (time) at its end.
+        tensor = F.pad(tensor, (0, 0) * (tensor.dim() - 3) + (0, padding))
+    return tensor.reshape(batch_size * num_heads, (length + padding) // chunk_size, chunk_size, *tensor.shape[3:])
+
+
+def _from_chunks(tensor: torch.Tensor, batch_size: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`_to_chunks`: ``(B·H, N, C, ...)`` → ``(B, H, T, ...)`` in ``dtype``."""
+    tensor = tensor.reshape(batch_size, -1, tensor.shape[1] * tensor.shape[2], *tensor.shape[3:])
+    return tensor[:, :, :length].to(dtype)
+
+
+class DeltaRuleChunkFunction(torch.autograd.Function):
+    """The chunkwise delta rule of SPEC §1 with a hand-written backward; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, beta, initial_state, chunk_size):
+        batch_size, num_heads, length, key_dim = key.shape
+        value_dim = value.shape[-1]
+        dtype = _compute_dtype(query, key, value, beta, initial_state)
+        query_chunks = _to_chunks(query, chunk_size, dtype)
+        key_chunks = _to_chunks(key, chunk_size, dtype)
+        value_chunks = _to_chunks(value, chunk_size, dtype)
+        if beta is None:
+            beta_chunks = torch.ones(key_chunks.shape[:3], dtype=dtype, device=key.device)
+        else:
+            beta_chunks = _to_chunks(beta, chunk_size, dtype)
+        heads, num_chunks = key_chunks.shape[:2]
+        if initial_state is None:
+            state = key_chunks.new_zeros(heads, key_dim, value_dim)
+        else:
+            state = initial_state.to(dtype).reshape(heads, key_dim, value_dim)
+
+        # Chunk-local quantities, batched over all chunks: flatten (B·H, N) into one batch dimension.
+        flat = (heads * num_chunks, chunk_size)
+        query_flat = query_chunks.reshape(*flat, key_dim)
+        key_flat = key_chunks.reshape(*flat, key_dim)
+        # [diag(β) K | diag(β) V]: right-hand side of the triangular solve.
+        weighted = torch.cat([key_chunks, value_chunks], dim=-1).mul_(beta_chunks[..., None]).reshape(*flat, -1)
+        # A = I + strictly_lower(diag(β) K Kᵀ). solve_triangular with unitriangular=True reads only the strictly
+        # lower triangle, so the full product stands in for A without masking. Solving A X = I once per chunk
+        # (batched, no loop) and multiplying is faster on CPU than solving for the wide [K | V] right-hand side,
+        # and the backward reuses A⁻¹ instead of solving again.
+        gram = torch.bmm(weighted[..., :key_dim], key_flat.mT)
+        identity = torch.eye(chunk_size, dtype=dtype, device=key.device).expand_as(gram)
+        inverse = torch.linalg.solve_triangular(gram, identity, upper=False, unitriangular=True)
+        # [W | U] = A⁻¹ [diag(β) K | diag(β) V].
+        solved = torch.bmm(inverse, weighted)
+        w, u = solved[..., :key_dim], solved[..., key_dim:]
+        scores = torch.bmm(query_flat, key_flat.mT).tril_()  # causal(Q Kᵀ)
+        query_effective = torch.baddbmm(query_flat, scores, w, alpha=-1)  # Q − causal(QKᵀ) W
+        identity = torch.eye(key_dim, dtype=dtype, device=key.device)
+        decay = torch.baddbmm(identity, key_flat.mT, w, alpha=-1)  # I − Kᵀ W
+        add = torch.bmm(key_flat.mT, u)  # Kᵀ U
+        base = torch.bmm(scores, u)  # causal(QKᵀ) U
+
+        # The only sequential part: S_{n+1} = Decay_n S_n + Add_n over the N chunks.
+        decay = decay.view(heads, num_chunks, key_dim, key_dim)
+        add = add.view(heads, num_chunks, key_dim, value_dim)
+        states = [state]
+        for index in range(num_chunks):
+            state = torch.baddbmm(add[:, index], decay[:, index], state)
+            states.append(state)
+        final_state = states.pop()
+        states = torch.stack(states, dim=1)  # S_n entering chunk n, (B·H, N, d_k, d_v)
+
+        # O_n = Qeff_n S_n + Base_n.
+        output = torch.baddbmm(base, query_effective, states.view(heads * num_chunks, key_dim, value_dim))
+        output = output.view(heads, num_chunks, chunk_size, value_dim)
+
+        ctx.save_for_backward(
+            query_chunks, key_chunks, value_chunks, beta_chunks, inverse, solved, scores, query_effective, decay, states
+        )
+        ctx.beta_is_none = beta is None
+        ctx.has_initial_state = initial_state is not None
+        ctx.input_dtypes = (query.dtype, key.dtype, value.dtype, None if beta is None else beta.dtype)
+        ctx.state_dtype = None if initial_state is None else initial_state.dtype
+        ctx.length = length
+        ctx.batch_size = batch_size
+        final_state = final_state.view(batch_size, num_heads, key_dim, value_dim)
+        return _from_chunks(output, batch_size, length, value.dtype), final_state
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_final_state):
+        (
+            query_chunks,
+            key_chunks,
+            value_chunks,
+            beta_chunks,
+            inverse,
+            solved,
+            scores,
+            query_effective,
+            decay,
+            states,
+        ) = ctx.saved_tensors
+        heads, num_chunks, chunk_size, key_dim = key_chunks.shape
+        value_dim = value_chunks.shape[-1]
+        dtype = states.dtype
+        flat = (heads * num_chunks, chunk_size)
+
+        if grad_output is None:
+            grad_output_flat = value_chunks.new_zeros(*flat, value_dim)
+        else:
+            grad_output_flat = _to_chunks(grad_output, chunk_size, dtype).reshape(*flat, value_dim)
+        states_flat = states.view(heads * num_chunks, key_dim, value_dim)
+
+        # Reverse state recurrence: dS_n = Qeff_nᵀ dO_n + Decay_nᵀ dS_{n+1}, with dS_N = d(final state).
+        grad_state_from_output = torch.bmm(query_effective.mT, grad_output_flat).view(
+            heads, num_chunks, key_dim, value_dim
+        )
+        if grad_final_state is None:
+            grad_state = states.new_zeros(heads, key_dim, value_dim)
+        else:
+            grad_state = grad_final_state.to(dtype).reshape(heads, key_dim, value_dim)
+        grad_next_states = [None] * num_chunks  # dS_{n+1}: gradient of the state leaving chunk n
+        for index in reversed(range(num_chunks)):
+            grad_next_states[index] = grad_state
+            grad_state = torch.baddbmm(grad_state_from_output[:, index], decay[:, index].mT, grad_state)
+        grad_next_states = torch.stack(grad_next_states, dim=1).view(heads * num_chunks, key_dim, value_dim)
+
+        # Gradients of the chunk-local quantities, all chunks at once:
+        # dQeff = dO Sᵀ, dDecay = dS_next Sᵀ, dAdd = dS_next, dBase = dO.
+        # With X = [W | U], Y = [−dQeff | dBase] and G = [−dDecay | dAdd] the four products
+        # Qeff = Q − P W, Decay = I − Kᵀ W, Add = Kᵀ U, Base = P U (P = causal(Q Kᵀ)) give
+        # dP = Y Xᵀ, dX = Pᵀ Y + K G, and dK ∋ X Gᵀ.
+        grad_query_effective = torch.bmm(grad_output_flat, states_flat.mT)
+        grad_decay = torch.bmm(grad_next_states, states_flat.mT)
+        grad_y = torch.cat([grad_query_effective.neg_(), grad_output_flat], dim=-1)
+        grad_g = torch.cat([grad_decay.neg_(), grad_next_states], dim=-1)
+        query_flat = query_chunks.reshape(*flat, key_dim)
+        key_flat = key_chunks.reshape(*flat, key_dim)
+
+        grad_scores = torch.bmm(grad_y, solved.mT).tril_()  # causal mask of P = causal(Q Kᵀ)
+        grad_solved = torch.baddbmm(torch.bmm(scores.mT, grad_y), key_flat, grad_g)
+        grad_query = torch.baddbmm(-grad_query_effective, grad_scores, key_flat)  # dQeff + dP K (sign undone)
+        grad_key = torch.baddbmm(torch.bmm(solved, grad_g.mT), grad_scores.mT, query_flat)
+
+        # Through X = A⁻¹ R with R = [diag(β) K | diag(β) V]: dR = A⁻ᵀ dX, dA = −dR Xᵀ (strictly lower part).
+        grad_weighted = torch.bmm(inverse.mT, grad_solved)
+        grad_gram = torch.bmm(grad_weighted, solved.mT).tril_(-1).neg_()
+        # gram = diag(β) K Kᵀ: d(diag(β) K) += dgram K and dK += dgramᵀ diag(β) K.
+        key_beta = key_flat * beta_chunks.reshape(*flat, 1)
+        grad_key.baddbmm_(grad_gram.mT, key_beta)
+        grad_key_beta = torch.baddbmm(grad_weighted[..., :key_dim], grad_gram, key_flat)
+        grad_value_beta = grad_weighted[..., key_dim:]
+
+        beta_flat = beta_chunks.reshape(*flat, 1)
+        grad_key.addcmul_(grad_key_beta, beta_flat)
+        grad_value = grad_value_beta * beta_flat
+        grad_beta = None
+        if ctx.needs_input_grad[3]:
+            value_flat = value_chunks.reshape(*flat, value_dim)
+            grad_beta = (grad_key_beta * key_flat).sum(-1) + (grad_value_beta * value_flat).sum(-1)
+            grad_beta = _from_chunks(grad_beta.view(heads, num_chunks, chunk_size), ctx.batch_size, ctx.length, ctx.input_dtypes[3])
+
+        def unchunk(tensor, dtype):
+            return _from_chunks(tensor.view(heads, num_chunks, chunk_size, -1), ctx.batch_size, ctx.length, dtype)
+
+        query_dtype, key_dtype, value_dtype, _ = ctx.input_dtypes
+        grad_initial_state = None
+        if ctx.needs_input_grad[4]:
+            grad_initial_state = grad_state.view(ctx.batch_size, -1, key_dim, value_dim).to(ctx.state_dtype)
+        return (
+            unchunk(grad_query, query_dtype) if ctx.needs_input_grad[0] else None,
+            unchunk(grad_key, key_dtype) if ctx.needs_input_grad[1] else None,
+            unchunk(grad_value, value_dtype) if ctx.needs_input_grad[2] else None,
+            grad_beta,
+            grad_initial_state,
+            None,
+        )
+
+
+def delta_rule_chunk(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise delta rule (SPEC §1). Inputs are not validated here; use ``memlm.kernels.delta_rule``.
+
+    Shapes: query/key ``(B, H, T, d_k)``, value ``(B, H, T, d_v)``, beta ``(B, H, T)`` or ``None``
+    (β = 1), initial_state ``(B, H, d_k, d_v)`` or ``None`` (zeros). Returns the output in the value's
+    dtype and the final state in float32 (float64 for float64 inputs) if ``output_final_state``.
+    """
+    output, final_state = DeltaRuleChunkFunction.apply(query, key, value, beta, initial_state, chunk_size)
+    return output, (final_state if output_final_state else None)
+
+
+def sum_rule_chunk(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise sum rule (causal linear attention), differentiated by autograd.
+
+    Per chunk ``n``: ``O_n = Q_n S_n + causal(Q_n K_nᵀ) V_n`` with ``S_n = S₀ + Σ_{m<n} K_mᵀ V_m``, an
+    exclusive cumulative sum, so there is no loop at all. Same shapes and dtypes as :func:`delta_rule_chunk`.
+    """
+    batch_size, num_heads, length, key_dim = key.shape
+    value_dim = value.shape[-1]
+    dtype = _compute_dtype(query, key, value, initial_state)
+    query_chunks = _to_chunks(query, chunk_size, dtype)
+    key_chunks = _to_chunks(key, chunk_size, dtype)
+    value_chunks = _to_chunks(value, chunk_size, dtype)
+    heads, num_chunks = key_chunks.shape[:2]
+
+    chunk_updates = key_chunks.mT @ value_chunks  # K_nᵀ V_n, (B·H, N, d_k, d_v)
+    # Exclusive cumulative sum: the state entering chunk n holds the updates of chunks 0..n-1.
+    states = torch.cat([torch.zeros_like(chunk_updates[:, :1]), chunk_updates[:, :-1].cumsum(dim=1)], dim=1)
+    if initial_state is not None:
+        states = states + initial_state.to(dtype).reshape(heads, 1, key_dim, value_dim)
+    scores = (query_chunks @ key_chunks.mT).tril()  # causal(Q Kᵀ)
+    output = query_chunks @ states + scores @ value_chunks
+    final_state = None
+    if output_final_state:
+        final_state = (states[:, -1] + chunk_updates[:, -1]).reshape(batch_size, num_heads, key_dim, value_dim)
+    return _from_chunks(output, batch_size, length, value.dtype), final_state
+
+
+def delta_rule_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One delta-rule step for decoding (T = 1): O(d_k·d_v), independent of the context length.
+
+    Same arguments and returns as :func:`delta_rule_chunk` with ``T == 1``.
+    """
+    dtype = _compute_dtype(query, key, value, beta, initial_state)
+    query_step, key_step, value_step = query.to(dtype), key.to(dtype), value.to(dtype)  # (B, H, 1, d)
+    if initial_state is None:
+        state = key_step.new_zeros(*key.shape[:2], key.shape[-1], value.shape[-1])
+    else:
+        state = initial_state.to(dtype)
+    retrieved = key_step @ state  # v̄ = Sᵀ k, as a row
+    delta = value_step - retrieved
+    if beta is not None:
+        delta = delta * beta.to(dtype)[..., None]
+    state = state + key_step.mT @ delta  # S + β k (v − v̄)ᵀ
+    output = query_step @ state  # (Sᵀ q)ᵀ
+    return output.to(value.dtype), (state if output_final_state else None)
+
+
+def sum_rule_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One sum-rule step for decoding (T = 1): O(d_k·d_v), independent of the context length."""
+    dtype = _compute_dtype(query, key, value, initial_state)
+    query_step, key_step, value_step = query.to(dtype), key.to(dtype), value.to(dtype)
+    update = key_step.mT @ value_step  # k vᵀ
+    state = update if initial_state is None else initial_state.to(dtype) + update
+    output = query_step @ state
+    return output.to(value.dtype), (state if output_final_state else None)

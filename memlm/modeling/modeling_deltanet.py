@@ -1,0 +1,617 @@
+"""DeltaNet: a causal language model whose token mixer is a fast-weight memory written with the delta rule.
+
+Schlag, Irie & Schmidhuber (ICML 2021), "Linear Transformers Are Secretly Fast Weight Programmers". Per head and
+step t, with the fast-weight matrix S_t (d_k × d_v), SPEC §1 / paper Eqs. 23-25:
+
+    k_t = φ(W_k x_t),  q_t = φ(W_q x_t),  v_t = W_v x_t,  β_t = σ(w_β · x_t)
+    S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ,       o_t = S_tᵀ q_t
+
+The file reads top to bottom: small blocks (norm, short convolution, feature map, MLP) → the fast-weight attention
+→ the decoder layer → the cache (`past_key_values`) → PreTrainedModel → DeltaNetModel → DeltaNetForCausalLM.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils import logging
+
+from ..configuration.configuration_deltanet import DeltaNetConfig
+from ..export import RemoteCodeMixin
+from ..kernels.delta_rule import delta_rule, sum_rule
+
+logger = logging.get_logger(__name__)
+
+# Epsilons of the key/query normalisations; l2 matches flash-linear-attention's l2norm (x / sqrt(Σx² + eps)).
+L2_NORM_EPS = 1e-6
+SUM_NORM_EPS = 1e-6
+# Katharopoulos et al.: o_t = S_tᵀq_t / (z_tᵀq_t + eps).
+ATTENTION_NORMALIZER_EPS = 1e-6
+# Keyword arguments that 🤗 `generate`, `Trainer` and the loss accept; anything else is a mistake worth an error.
+ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "output_attentions")
+
+
+class DeltaNetRMSNorm(nn.Module):
+    """RMSNorm computed in float32: y = x / sqrt(mean(x²) + eps) · w."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (hidden_states * self.weight.float()).to(input_dtype)
+
+
+class DeltaNetShortConvolution(nn.Module):
+    """Causal depthwise convolution over time (kernel `convolution_size`), applied to the concatenated query, key and
+    value projections. It keeps the last `convolution_size - 1` inputs as its state, so decoding a token costs O(1)."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        # Same layout as a depthwise nn.Conv1d: (channels, 1, kernel); weight[:, 0, -1] multiplies the current input.
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+
+    def forward(self, inputs: torch.Tensor, tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """inputs (B, T, C), tail (B, kernel-1, C) or None (zeros) → outputs (B, T, C), new tail (B, kernel-1, C)."""
+        batch_size, _, channels = inputs.shape
+        if tail is None:
+            tail = inputs.new_zeros(batch_size, self.kernel_size - 1, channels)
+        window = torch.cat([tail.to(inputs.dtype), inputs], dim=1)
+        outputs = F.conv1d(window.transpose(1, 2), self.weight, groups=channels).transpose(1, 2)
+        return outputs, window[:, -(self.kernel_size - 1) :]
+
+
+class DeltaNetFeatureMap(nn.Module):
+    """φ applied per head to keys and queries (SPEC §1), followed by the key/query normalisation."""
+
+    def __init__(self, config: DeltaNetConfig):
+        super().__init__()
+        self.kind = config.feature_map
+        self.nu = config.dpfp_nu
+        self.normalization = config.query_key_normalization
+        if self.kind == "favor+":
+            # Performer's positive random features: one (m × d) projection per layer, shared by the heads, redrawn by
+            # `redraw_projection` at every training forward, fixed in eval mode and saved with the weights.
+            self.register_buffer("projection", torch.empty(config.favor_features, config.key_head_dim))
+
+    @torch.no_grad()
+    def redraw_projection(self):
+        """Orthogonal random features (Choromanski et al., 2021, Sec. 2.4): Gaussian rows orthogonalised in blocks and
+        rescaled to chi-distributed norms."""
+        features, dim = self.projection.shape
+        blocks = []
+        for start in range(0, features, dim):
+            gaussian = torch.randn(dim, dim, device=self.projection.device, dtype=torch.float32)
+            orthogonal, _ = torch.linalg.qr(gaussian)
+            blocks.append(orthogonal.T[: min(dim, features - start)])
+        norms = torch.randn(features, dim, device=self.projection.device, dtype=torch.float32).norm(dim=1)
+        init.copy_(self.projection, (torch.cat(blocks) * norms[:, None]).to(self.projection.dtype))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.kind == "dpfp":
+            # Paper Eq. 37: r = [relu(x), relu(−x)], φ(x) = concat_{j=1..ν} r ⊙ roll(r, j).
+            rectified = torch.cat([F.relu(hidden_states), F.relu(-hidden_states)], dim=-1)
+            features = torch.cat([rectified * rectified.roll(shifts=j, dims=-1) for j in range(1, self.nu + 1)], -1)
+        elif self.kind == "elu+1":
+            features = F.elu(hidden_states) + 1
+        elif self.kind == "silu":
+            features = F.silu(hidden_states)
+        elif self.kind == "identity":
+            features = hidden_states
+        else:  # favor+: φ(x) = exp(ωᵀx' − |x'|²/2) / sqrt(m) with x' = x · d^-1/4 (Performer, Eq. for FAVOR+).
+            scaled = hidden_states.float() * hidden_states.shape[-1] ** -0.25
+            exponent = scaled @ self.projection.float().T - scaled.pow(2).sum(-1, keepdim=True) / 2
+            if self.normalization != "none":
+                # Both normalisations divide out a positive per-vector factor, so subtracting the max is exact.
+                exponent = exponent - exponent.amax(-1, keepdim=True).detach()
+            features = (torch.exp(exponent) / math.sqrt(self.projection.shape[0])).to(hidden_states.dtype)
+        if self.normalization == "sum":
+            # Paper Sec. 4.2 (sum normalisation): φ(x) / Σ_j φ(x)_j.
+            return features / features.sum(-1, keepdim=True).clamp_min(SUM_NORM_EPS)
+        if self.normalization == "l2":
+            features32 = features.float()
+            return (features32 * torch.rsqrt(features32.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)).to(features.dtype)
+        return features
+
+
+class DeltaNetAttention(nn.Module):
+    """The fast-weight memory of one layer: projections → short convolution → φ and normalisation → delta (or sum)
+    rule → per-head output norm and gate → output projection."""
+
+    def __init__(self, config: DeltaNetConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.key_head_dim = config.key_head_dim
+        self.value_head_dim = config.value_head_dim
+        self.feature_dim = config.feature_dim
+        key_width = self.num_heads * self.key_head_dim
+        value_width = self.num_heads * self.value_head_dim
+
+        self.q_proj = nn.Linear(config.hidden_size, key_width, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, key_width, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, value_width, bias=False)
+        self.beta_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False) if config.use_beta else None
+        self.convolution = (
+            DeltaNetShortConvolution(2 * key_width + value_width, config.convolution_size)
+            if config.short_convolution
+            else None
+        )
+        self.feature_map = DeltaNetFeatureMap(config)
+        self.g_proj = nn.Linear(config.hidden_size, value_width, bias=False) if config.output_gate else None
+        self.output_norm = DeltaNetRMSNorm(self.value_head_dim, config.rms_norm_eps) if config.output_norm else None
+        self.o_proj = nn.Linear(value_width, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        fast_weights: torch.Tensor | None = None,
+        convolution_tail: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """hidden_states (B, T, D); attention_mask (B, T) with 0 at padding, which writes nothing into the memory;
+        fast_weights (B, H, d_k, d_v[+1]) float32 and convolution_tail (B, kernel-1, C) carried from earlier tokens."""
+        batch_size, length, _ = hidden_states.shape
+        key_width = self.num_heads * self.key_head_dim
+        projected = torch.cat(
+            [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
+        )
+        keep = None
+        if attention_mask is not None:
+            keep = attention_mask[:, :, None].bool()
+            projected = projected.masked_fill(~keep, 0.0)  # padding enters neither the convolution nor the memory
+        new_tail = None
+        if self.convolution is not None:
+            projected, new_tail = self.convolution(projected, convolution_tail)
+        query, key, value = projected.split([key_width, key_width, projected.shape[-1] - 2 * key_width], dim=-1)
+
+        query = self.feature_map(query.view(batch_size, length, self.num_heads, -1).transpose(1, 2))
+        key = self.feature_map(key.view(batch_size, length, self.num_heads, -1).transpose(1, 2))
+        value = value.view(batch_size, length, self.num_heads, -1).transpose(1, 2)
+        if self.config.value_activation == "silu":
+            value = F.silu(value)
+        if keep is not None:
+            key = torch.where(keep[:, None], key, torch.zeros((), dtype=key.dtype, device=key.device))
+        if self.config.scale_queries:
+            query = query * self.feature_dim**-0.5
+        beta = None
+        if self.beta_proj is not None:
+            beta = torch.sigmoid(self.beta_proj(hidden_states).float()).transpose(1, 2).to(value.dtype)
+
+        if self.config.update_rule == "delta":
+            output, new_state = delta_rule(
+                query, key, value, beta,
+                initial_state=fast_weights, output_final_state=return_state, chunk_size=self.config.chunk_size,
+            )  # fmt: skip
+        else:
+            if beta is not None:
+                key = key * beta[..., None]  # with the sum rule, β scales each write
+            if self.config.attention_normalizer:
+                # Appending a constant 1 to the values makes the last column of S the normaliser z_t = Σ k_τ.
+                value = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
+            output, new_state = sum_rule(
+                query, key, value,
+                initial_state=fast_weights, output_final_state=return_state, chunk_size=self.config.chunk_size,
+            )  # fmt: skip
+            if self.config.attention_normalizer:
+                output = output[..., :-1] / (output[..., -1:] + ATTENTION_NORMALIZER_EPS)
+
+        output = output.transpose(1, 2)  # (B, T, H, d_v)
+        if self.output_norm is not None:
+            output = self.output_norm(output)
+        if self.g_proj is not None:
+            gate = self.g_proj(hidden_states).view(batch_size, length, self.num_heads, self.value_head_dim)
+            output = output * F.silu(gate)
+        output = self.o_proj(output.reshape(batch_size, length, -1))
+        return output, new_state, new_tail
+
+
+class DeltaNetMLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) · up(x))."""
+
+    def __init__(self, config: DeltaNetConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+class DeltaNetDecoderLayer(GradientCheckpointingLayer):
+    """x = x + attention(norm(x)); x = x + mlp(norm(x)). The memory enters and leaves as tensors (not through the
+    cache object), so gradient checkpointing recomputes the layer from the same state."""
+
+    def __init__(self, config: DeltaNetConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = DeltaNetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = DeltaNetAttention(config, layer_idx)
+        self.post_attention_layernorm = DeltaNetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DeltaNetMLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        fast_weights: torch.Tensor | None = None,
+        convolution_tail: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        mixed, fast_weights, convolution_tail = self.attention(
+            self.input_layernorm(hidden_states), attention_mask, fast_weights, convolution_tail, return_state
+        )
+        hidden_states = hidden_states + self.dropout(mixed)
+        hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        return hidden_states, fast_weights, convolution_tail
+
+
+class DeltaNetCacheLayer:
+    """The memory of one layer: fast weights S (B, H, d_k, d_v) in float32, the short convolution's last inputs
+    (B, kernel-1, C), and the number of tokens seen."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self):
+        self.fast_weights: torch.Tensor | None = None
+        self.convolution_tail: torch.Tensor | None = None
+        self.seen_tokens = 0
+
+    def __repr__(self):
+        shape = None if self.fast_weights is None else tuple(self.fast_weights.shape)
+        return f"DeltaNetCacheLayer(fast_weights={shape}, seen_tokens={self.seen_tokens})"
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.fast_weights is not None
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.fast_weights is None else self.fast_weights.shape[0]
+
+    def update(self, fast_weights: torch.Tensor | None, convolution_tail: torch.Tensor | None, num_tokens: int):
+        # Tensors are replaced, never written in place, so a gradient-checkpointed layer recomputes from old ones.
+        self.fast_weights = fast_weights
+        self.convolution_tail = convolution_tail
+        self.seen_tokens += num_tokens
+
+    def _apply(self, function):
+        if self.fast_weights is not None:
+            self.fast_weights = function(self.fast_weights)
+        if self.convolution_tail is not None:
+            self.convolution_tail = function(self.convolution_tail)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._apply(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._apply(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._apply(lambda tensor: tensor[indices.to(tensor.device) if torch.is_tensor(indices) else indices])
+
+    def reset(self):
+        self.fast_weights = None
+        self.convolution_tail = None
+        self.seen_tokens = 0
+
+    def crop(self, tokens_to_remove: int):
+        if tokens_to_remove != 0:
+            raise ValueError("A DeltaNet memory cannot be rolled back: its fast weights keep no per-token history.")
+
+    def offload(self):
+        self._apply(lambda tensor: tensor.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        return None
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+
+class DeltaNetCache(Cache):
+    """`past_key_values` of DeltaNet: per layer the fast weights, the short-convolution tail and the step count.
+    Memory is O(1) in the context length. Supports beam search (`reorder_cache`), `num_return_sequences`
+    (`batch_repeat_interleave`) and batch selection (`batch_select_indices`)."""
+
+    def __init__(self, config: DeltaNetConfig):
+        super().__init__(layers=[DeltaNetCacheLayer() for _ in range(config.num_hidden_layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of tokens (padding included) the memory has consumed."""
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].seen_tokens
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def update(self, *args, **kwargs):
+        raise TypeError(
+            "DeltaNetCache holds fast weights, not keys and values; DeltaNet layers write it themselves."
+        )
+
+
+class DeltaNetPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
+    config: DeltaNetConfig
+    config_class = DeltaNetConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeltaNetDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _can_compile_fullgraph = False
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    # The memory cannot be rolled back, so assisted decoding (which needs rollback) is refused by `generate`.
+    _is_stateful = True
+    hub_card_template = "deltanet.md"
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # `generate` must not build a DynamicCache: the model creates its own DeltaNetCache on the first forward.
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        super()._init_weights(module)
+        if isinstance(module, DeltaNetShortConvolution):
+            # nn.Conv1d's default: uniform in ±1/sqrt(fan_in) with fan_in = kernel size for a depthwise convolution.
+            bound = 1 / math.sqrt(module.kernel_size)
+            init.uniform_(module.weight, -bound, bound)
+        elif isinstance(module, DeltaNetFeatureMap) and module.kind == "favor+":
+            module.redraw_projection()
+
+
+class DeltaNetModel(DeltaNetPreTrainedModel):
+    def __init__(self, config: DeltaNetConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [DeltaNetDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = DeltaNetRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: DeltaNetCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast | tuple:
+        r"""
+        position_ids: accepted for compatibility with 🤗 `generate`; DeltaNet has no positional encoding (the order is
+            in the recurrence), so they are not used.
+        past_key_values: a `DeltaNetCache` carrying each layer's fast weights from earlier tokens.
+        attention_mask: (B, T) or (B, past + T); positions with 0 are padding and write nothing into the memory.
+        """
+        _check_extra_kwargs(kwargs, type(self).__name__)
+        if kwargs.get("output_attentions"):
+            raise ValueError("DeltaNet has no attention weights to return (output_attentions=True).")
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if input_ids is not None:
+            _check_input_ids(input_ids, self.config.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must have shape (batch, length, hidden_size={self.config.hidden_size}), "
+                f"got {tuple(inputs_embeds.shape)}."
+            )
+        batch_size, length = inputs_embeds.shape[:2]
+
+        if past_key_values is not None and not isinstance(past_key_values, DeltaNetCache):
+            raise TypeError(
+                f"DeltaNet keeps its memory in a DeltaNetCache; got past_key_values of type "
+                f"{type(past_key_values).__name__}. Pass None (a cache is created) or the DeltaNetCache a previous "
+                "call returned."
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = DeltaNetCache(self.config)
+        if past_key_values is not None and len(past_key_values.layers) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"The DeltaNetCache has {len(past_key_values.layers)} layers but the model has "
+                f"{self.config.num_hidden_layers}."
+            )
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if past_key_values is not None and past_key_values.batch_size not in (-1, batch_size):
+            raise ValueError(
+                f"The DeltaNetCache holds a batch of {past_key_values.batch_size} rows but the input has {batch_size}."
+            )
+        attention_mask = _current_mask(attention_mask, batch_size, length, past_length)
+
+        if self.training:
+            for layer in self.layers:
+                if layer.attention.feature_map.kind == "favor+":
+                    # Redrawn here, outside the (possibly checkpointed) layers, so a recomputation sees the same draw.
+                    layer.attention.feature_map.redraw_projection()
+
+        hidden_states = inputs_embeds
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        for layer_idx, decoder_layer in enumerate(self.layers):
+            cache_layer = past_key_values.layers[layer_idx] if past_key_values is not None else None
+            hidden_states, fast_weights, convolution_tail = decoder_layer(
+                hidden_states,
+                attention_mask=attention_mask,
+                fast_weights=cache_layer.fast_weights if cache_layer is not None else None,
+                convolution_tail=cache_layer.convolution_tail if cache_layer is not None else None,
+                return_state=cache_layer is not None,
+            )
+            if cache_layer is not None:
+                cache_layer.update(fast_weights, convolution_tail, length)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            # As in 🤗 Llama: the last entry is the normed output.
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class DeltaNetForCausalLM(DeltaNetPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DeltaNetConfig):
+        super().__init__(config)
+        self.model = DeltaNetModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: DeltaNetCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        r"""
+        labels: (B, T) token ids; the loss is the next-token cross-entropy (labels are shifted inside), -100 ignored.
+        logits_to_keep: an int keeps the last that many positions (0 keeps all); a tensor selects positions.
+
+        Example:
+
+        ```python
+        >>> import memlm
+        >>> from transformers import AutoModelForCausalLM
+        >>> model = memlm.DeltaNetForCausalLM(memlm.DeltaNetConfig.from_preset("paper", vocab_size=256,
+        ...     hidden_size=64, num_hidden_layers=2, num_attention_heads=2))
+        >>> output = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False)
+        ```"""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss_kwargs = {key: kwargs[key] for key in ("num_items_in_batch", "ignore_index") if key in kwargs}
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+def _check_extra_kwargs(kwargs: dict, owner: str):
+    unexpected = sorted(set(kwargs) - set(ACCEPTED_EXTRA_KWARGS))
+    if unexpected:
+        raise TypeError(f"{owner}.forward() got unexpected keyword argument(s): {', '.join(unexpected)}.")
+
+
+def _check_input_ids(input_ids: torch.Tensor, vocab_size: int):
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {int(input_ids.min())} to "
+            f"{int(input_ids.max())}. Is the tokenizer the one this model was trained with?"
+        )
+
+
+def _current_mask(
+    attention_mask: torch.Tensor | None, batch_size: int, length: int, past_length: int
+) -> torch.Tensor | None:
+    """The (B, T) part of a 2-D padding mask that covers the current tokens; None when nothing is masked."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
+        length,
+        past_length + length,
+    ):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask of shape (batch={batch_size}, length={length}) or "
+            f"(batch={batch_size}, past + length={past_length + length}); got {tuple(attention_mask.shape)}."
+        )
+    current = attention_mask[:, -length:]
+    if bool(current.bool().all()):
+        return None
+    return current
+
+
+__all__ = ["DeltaNetCache", "DeltaNetForCausalLM", "DeltaNetModel", "DeltaNetPreTrainedModel"]

@@ -1,0 +1,42 @@
+"""A byte-level tokenizer built with 🤗 `tokenizers`: no download and no training, so every machine can make it.
+
+Token id b (0-255) is the byte b; then come the special tokens. Any text round-trips exactly.
+"""
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+END_OF_TEXT = "<|endoftext|>"
+PADDING = "<|pad|>"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters (what ByteLevel pre-tokenizes to)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    characters = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, characters)))
+
+
+def byte_level_tokenizer(model_max_length: int = 1_000_000) -> PreTrainedTokenizerFast:
+    """A `PreTrainedTokenizerFast` with 258 tokens: the 256 bytes, `<|endoftext|>` (256, also BOS) and `<|pad|>`
+    (257). Save it beside a model with `save_pretrained`; `AutoTokenizer.from_pretrained` loads it back."""
+    byte_to_char = _bytes_to_unicode()
+    vocabulary = {byte_to_char[byte]: byte for byte in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=[], fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([END_OF_TEXT, PADDING])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=END_OF_TEXT,
+        eos_token=END_OF_TEXT,
+        pad_token=PADDING,
+        model_max_length=model_max_length,
+    )

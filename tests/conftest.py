@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny DeltaNet configurations covering every option, and a real byte-level tokenizer."""
+
+import os
+
+# Tests never reach a hub: everything they load they built themselves.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from memlm import DeltaNetConfig  # noqa: E402
+from memlm.tokenization import byte_level_tokenizer  # noqa: E402
+
+TINY = {
+    "vocab_size": 258,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "chunk_size": 8,
+    "eos_token_id": 256,
+    "bos_token_id": 256,
+    "pad_token_id": 257,
+}
+
+# Each variant turns on a different set of options, so that together they cover every config field.
+DELTANET_VARIANTS = {
+    "paper": lambda **extra: DeltaNetConfig.from_preset("paper", **{**TINY, **extra}),
+    "fla": lambda **extra: DeltaNetConfig.from_preset("fla", **{**TINY, **extra}),
+    "fla_gated": lambda **extra: DeltaNetConfig.from_preset("fla", output_gate=True, **{**TINY, **extra}),
+    "sum_rule_normalised": lambda **extra: DeltaNetConfig(
+        feature_map="elu+1", query_key_normalization="none", update_rule="sum", attention_normalizer=True,
+        **{**TINY, **extra},
+    ),
+    "favor_conv_gate": lambda **extra: DeltaNetConfig(
+        feature_map="favor+", favor_features=12, query_key_normalization="l2", short_convolution=True,
+        convolution_size=3, output_gate=True, **{**TINY, **extra},
+    ),
+    "dpfp3_no_beta": lambda **extra: DeltaNetConfig(
+        feature_map="dpfp", dpfp_nu=3, query_key_normalization="sum", use_beta=False, output_norm=True,
+        value_head_dim=12, **{**TINY, **extra},
+    ),
+    "identity_sum_rule": lambda **extra: DeltaNetConfig(
+        feature_map="identity", query_key_normalization="none", update_rule="sum", use_beta=False,
+        scale_queries=True, key_head_dim=8, **{**TINY, **extra},
+    ),
+}
+
+
+@pytest.fixture(params=list(DELTANET_VARIANTS))
+def deltanet_config(request) -> DeltaNetConfig:
+    return DELTANET_VARIANTS[request.param]()
+
+
+@pytest.fixture(params=["paper", "fla"])
+def preset_config(request) -> DeltaNetConfig:
+    return DELTANET_VARIANTS[request.param]()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return byte_level_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,416 @@
+"""DeltaNet as a 🤗 model: exact semantics of every option, cache equivalence, padding, dtypes, errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
+
+from memlm import DeltaNetCache, DeltaNetConfig, DeltaNetForCausalLM, DeltaNetModel
+from tests.conftest import DELTANET_VARIANTS
+
+
+def reference_attention(attention, hidden_states):
+    """A token-by-token reading of SPEC §1 written independently of the model code: projections, causal convolution
+    as an explicit sum over the window, φ by its definition, normalisation, the recurrence, output norm and gate."""
+    config = attention.config
+    batch_size, length, _ = hidden_states.shape
+    heads, key_dim, value_dim = config.num_attention_heads, config.key_head_dim, config.value_head_dim
+    query = hidden_states @ attention.q_proj.weight.T
+    key = hidden_states @ attention.k_proj.weight.T
+    value = hidden_states @ attention.v_proj.weight.T
+    if config.short_convolution:
+        weight = attention.convolution.weight[:, 0]  # (channels, kernel); the last tap multiplies the current input
+        projected = torch.cat([query, key, value], -1)
+        convolved = torch.zeros_like(projected)
+        kernel = weight.shape[1]
+        for t in range(length):
+            for j in range(kernel):
+                source = t - (kernel - 1) + j
+                if source >= 0:
+                    convolved[:, t] += weight[:, j] * projected[:, source]
+        query, key, value = convolved.split([heads * key_dim, heads * key_dim, heads * value_dim], -1)
+
+    def features(x):  # x (..., key_dim)
+        if config.feature_map == "dpfp":
+            r = torch.cat([x.clamp_min(0), (-x).clamp_min(0)], -1)
+            n = r.shape[-1]
+            parts = [torch.stack([r[..., i] * r[..., (i - j) % n] for i in range(n)], -1)
+                     for j in range(1, config.dpfp_nu + 1)]
+            out = torch.cat(parts, -1)
+        elif config.feature_map == "elu+1":
+            out = torch.where(x > 0, x + 1, torch.exp(x))
+        elif config.feature_map == "silu":
+            out = x * torch.sigmoid(x)
+        elif config.feature_map == "identity":
+            out = x
+        else:
+            omega = attention.feature_map.projection
+            scaled = x / key_dim**0.25
+            out = torch.exp(scaled @ omega.T - (scaled**2).sum(-1, keepdim=True) / 2) / omega.shape[0] ** 0.5
+        if config.query_key_normalization == "sum":
+            out = out / out.sum(-1, keepdim=True)
+        elif config.query_key_normalization == "l2":
+            out = out / torch.sqrt((out**2).sum(-1, keepdim=True) + 1e-6)
+        return out
+
+    query = features(query.view(batch_size, length, heads, key_dim))
+    key = features(key.view(batch_size, length, heads, key_dim))
+    value = value.view(batch_size, length, heads, value_dim)
+    if config.value_activation == "silu":
+        value = value * torch.sigmoid(value)
+    if config.scale_queries:
+        query = query / query.shape[-1] ** 0.5
+    if config.use_beta:
+        beta = torch.sigmoid(hidden_states @ attention.beta_proj.weight.T)  # (B, T, H)
+    else:
+        beta = torch.ones(batch_size, length, heads)
+    memory = torch.zeros(batch_size, heads, query.shape[-1], value_dim)
+    normaliser = torch.zeros(batch_size, heads, query.shape[-1])
+    outputs = []
+    for t in range(length):
+        k, v, q, b = key[:, t], value[:, t], query[:, t], beta[:, t, :, None]
+        if config.update_rule == "delta":
+            retrieved = torch.einsum("bhkv,bhk->bhv", memory, k)
+            memory = memory + torch.einsum("bhk,bhv->bhkv", k, b * (v - retrieved))
+        else:
+            memory = memory + torch.einsum("bhk,bhv->bhkv", b * k, v)
+            normaliser = normaliser + b * k
+        out = torch.einsum("bhkv,bhk->bhv", memory, q)
+        if config.attention_normalizer:
+            out = out / ((normaliser * q).sum(-1, keepdim=True) + 1e-6)
+        outputs.append(out)
+    output = torch.stack(outputs, 1)  # (B, T, H, d_v)
+    if config.output_norm:
+        output = output / torch.sqrt((output**2).mean(-1, keepdim=True) + config.rms_norm_eps)
+        output = output * attention.output_norm.weight
+    if config.output_gate:
+        gate = (hidden_states @ attention.g_proj.weight.T).view(batch_size, length, heads, value_dim)
+        output = output * gate * torch.sigmoid(gate)
+    return output.reshape(batch_size, length, -1) @ attention.o_proj.weight.T
+
+
+def _randomised(model):
+    """Norm weights start at 1 and would hide a wrong weight; give every parameter a random value."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model
+
+
+def test_attention_matches_the_token_by_token_reference(deltanet_config):
+    model = _randomised(DeltaNetModel(deltanet_config).eval())
+    attention = model.layers[0].attention
+    hidden_states = torch.randn(2, 19, deltanet_config.hidden_size)
+    output, _, _ = attention(hidden_states)
+    expected = reference_attention(attention, hidden_states)
+    torch.testing.assert_close(output, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_full_forward_equals_prefill_then_token_by_token_decoding(deltanet_config):
+    model = _randomised(DeltaNetForCausalLM(deltanet_config).eval())
+    input_ids = torch.randint(0, 256, (2, 23))
+    with torch.no_grad():
+        full = model(input_ids).logits
+        prefill = model(input_ids[:, :10], use_cache=True)
+        cache, pieces = prefill.past_key_values, [prefill.logits]
+        for t in range(10, 23):
+            step = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            pieces.append(step.logits)
+    assert isinstance(cache, DeltaNetCache) and cache.get_seq_length() == 23
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-4, rtol=0)
+
+
+def test_prefill_in_several_chunks_equals_one_forward(preset_config):
+    model = _randomised(DeltaNetForCausalLM(preset_config).eval())
+    input_ids = torch.randint(0, 256, (1, 30))
+    with torch.no_grad():
+        full = model(input_ids).logits
+        first = model(input_ids[:, :13], use_cache=True)
+        second = model(input_ids[:, 13:], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=1e-4, rtol=0)
+
+
+def test_left_padding_equals_each_row_alone(deltanet_config):
+    model = _randomised(DeltaNetForCausalLM(deltanet_config).eval())
+    pad = deltanet_config.pad_token_id
+    rows = [torch.randint(0, 256, (n,)) for n in (11, 6, 3)]
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, width - len(row) :] = row
+        attention_mask[index, width - len(row) :] = 1
+    with torch.no_grad():
+        batch = model(input_ids, attention_mask=attention_mask, use_cache=True)
+        next_tokens = torch.randint(0, 256, (len(rows), 4))
+        mask = torch.cat([attention_mask, torch.ones(len(rows), 4, dtype=torch.long)], 1)
+        continued = model(next_tokens, attention_mask=mask, past_key_values=batch.past_key_values, use_cache=True)
+        for index, row in enumerate(rows):
+            alone = model(row[None], use_cache=True)
+            torch.testing.assert_close(batch.logits[index, width - len(row) :], alone.logits[0], atol=1e-4, rtol=0)
+            alone_next = model(next_tokens[index : index + 1], past_key_values=alone.past_key_values, use_cache=True)
+            torch.testing.assert_close(continued.logits[index], alone_next.logits[0], atol=1e-4, rtol=0)
+
+
+def test_padding_writes_nothing_into_the_memory():
+    config = DELTANET_VARIANTS["fla"]()
+    model = _randomised(DeltaNetForCausalLM(config).eval())
+    row = torch.randint(0, 256, (1, 5))
+    padded = torch.cat([torch.full((1, 7), config.pad_token_id), row], 1)
+    mask = torch.cat([torch.zeros(1, 7, dtype=torch.long), torch.ones(1, 5, dtype=torch.long)], 1)
+    with torch.no_grad():
+        alone = model(row, use_cache=True).past_key_values
+        with_padding = model(padded, attention_mask=mask, use_cache=True).past_key_values
+        only_padding = model(padded[:, :7], attention_mask=mask[:, :7], use_cache=True).past_key_values
+    for layer, padded_layer, empty_layer in zip(alone.layers, with_padding.layers, only_padding.layers):
+        torch.testing.assert_close(padded_layer.fast_weights, layer.fast_weights, atol=1e-5, rtol=0)
+        torch.testing.assert_close(padded_layer.convolution_tail, layer.convolution_tail, atol=1e-6, rtol=0)
+        assert torch.count_nonzero(empty_layer.fast_weights) == 0
+        assert torch.count_nonzero(empty_layer.convolution_tail) == 0
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(preset_config):
+    model = _randomised(DeltaNetForCausalLM(preset_config))
+    input_ids = torch.randint(0, 256, (2, 17))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+    plain = gradients()
+    model.gradient_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    checkpointed = gradients()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
+
+
+def test_gradient_checkpointing_keeps_a_carried_memory():
+    config = DELTANET_VARIANTS["fla"]()
+    model = _randomised(DeltaNetForCausalLM(config)).train()
+    first, second = torch.randint(0, 256, (2, 2, 9))
+    with torch.no_grad():
+        cache = model(first, use_cache=True).past_key_values
+    reference = model(second, past_key_values=copy.deepcopy(cache), use_cache=True).logits
+    model.gradient_checkpointing_enable()
+    checkpointed = model(second, past_key_values=copy.deepcopy(cache), use_cache=True).logits
+    torch.testing.assert_close(checkpointed, reference)
+    checkpointed.sum().backward()
+
+
+def test_every_parameter_gets_a_gradient(deltanet_config):
+    model = DeltaNetForCausalLM(deltanet_config)
+    input_ids = torch.randint(0, 256, (2, 12))
+    model(input_ids, labels=input_ids).loss.backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and torch.count_nonzero(parameter.grad) > 0, name
+
+
+def test_favor_features_are_redrawn_in_training_fixed_in_eval_and_saved(tmp_path):
+    config = DELTANET_VARIANTS["favor_conv_gate"]()
+    model = DeltaNetForCausalLM(config)
+    projection = model.model.layers[0].attention.feature_map.projection
+    input_ids = torch.randint(0, 256, (1, 8))
+    model.train()
+    before = projection.clone()
+    model(input_ids)
+    after_first = projection.clone()
+    model(input_ids)
+    assert not torch.equal(before, after_first) and not torch.equal(after_first, projection)
+    model.eval()
+    frozen = projection.clone()
+    first, second = model(input_ids).logits, model(input_ids).logits
+    assert torch.equal(first, second) and torch.equal(frozen, projection)
+    model.save_pretrained(tmp_path)
+    loaded = DeltaNetForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded.model.layers[0].attention.feature_map.projection, projection)
+    torch.testing.assert_close(loaded(input_ids).logits, first)
+
+
+def test_hidden_dropout_is_active_only_in_training():
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS["paper"](hidden_dropout=0.5))
+    input_ids = torch.randint(0, 256, (1, 10))
+    model.train()
+    assert not torch.equal(model(input_ids).logits, model(input_ids).logits)
+    model.eval()
+    assert torch.equal(model(input_ids).logits, model(input_ids).logits)
+
+
+def test_chunk_size_does_not_change_the_result():
+    input_ids = torch.randint(0, 256, (2, 40))
+    logits = []
+    for chunk_size in (4, 16, 64):
+        torch.manual_seed(1)
+        model = DeltaNetForCausalLM(DELTANET_VARIANTS["paper"](chunk_size=chunk_size)).eval()
+        logits.append(model(input_ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[0], logits[2], atol=1e-5, rtol=0)
+
+
+def test_inputs_embeds_hidden_states_tuples_and_logits_to_keep(preset_config):
+    model = DeltaNetForCausalLM(preset_config).eval()
+    input_ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        by_ids = model(input_ids, output_hidden_states=True)
+        by_embeds = model(inputs_embeds=model.get_input_embeddings()(input_ids))
+        as_tuple = model(input_ids, return_dict=False)
+        last_two = model(input_ids, logits_to_keep=2).logits
+        picked = model(input_ids, logits_to_keep=torch.tensor([0, 4])).logits
+    torch.testing.assert_close(by_embeds.logits, by_ids.logits)
+    assert len(by_ids.hidden_states) == preset_config.num_hidden_layers + 1
+    torch.testing.assert_close(by_ids.hidden_states[0], model.get_input_embeddings()(input_ids))
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], by_ids.logits)
+    torch.testing.assert_close(last_two, by_ids.logits[:, -2:])
+    torch.testing.assert_close(picked, by_ids.logits[:, [0, 4]])
+
+
+def test_tied_and_untied_embeddings(tmp_path):
+    tied = DeltaNetForCausalLM(DELTANET_VARIANTS["paper"](tie_word_embeddings=True))
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    untied = DeltaNetForCausalLM(DELTANET_VARIANTS["paper"]())
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+    tied.save_pretrained(tmp_path)
+    loaded = DeltaNetForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_resize_token_embeddings():
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]())
+    model.resize_token_embeddings(300)
+    assert model.config.vocab_size == 300 and model.lm_head.weight.shape[0] == 300
+    logits = model(torch.tensor([[299, 5, 7]])).logits
+    assert logits.shape == (1, 3, 300)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_close_to_float32(preset_config, dtype):
+    model = _randomised(DeltaNetForCausalLM(preset_config).eval())
+    input_ids = torch.randint(0, 256, (2, 21))
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        half = copy.deepcopy(model).to(dtype)
+        output = half(input_ids, use_cache=True)
+    assert output.logits.dtype == dtype
+    assert all(layer.fast_weights.dtype == torch.float32 for layer in output.past_key_values.layers)
+    error = (output.logits.float() - reference).norm() / reference.norm()
+    assert error < 0.05
+
+
+def test_dtype_argument_of_from_pretrained(tmp_path):
+    DeltaNetForCausalLM(DELTANET_VARIANTS["paper"]()).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
+
+
+def test_meta_device_initialisation():
+    config = DELTANET_VARIANTS["favor_conv_gate"]()
+    with torch.device("meta"):
+        model = DeltaNetForCausalLM(config)
+    assert all(parameter.is_meta for parameter in model.parameters())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_auto_classes_build_memlm_models():
+    config = DELTANET_VARIANTS["paper"]()
+    assert type(AutoModel.from_config(config)) is DeltaNetModel
+    assert type(AutoModelForCausalLM.from_config(config)) is DeltaNetForCausalLM
+
+
+def test_initialisation_follows_initializer_range():
+    model = DeltaNetForCausalLM(DeltaNetConfig.from_preset("paper", hidden_size=256, num_attention_heads=4,
+                                                            vocab_size=512, initializer_range=0.05))
+    std = model.model.layers[0].attention.q_proj.weight.std().item()
+    assert abs(std - 0.05) < 0.005
+    assert torch.equal(model.model.norm.weight, torch.ones(256))
+
+
+def test_bad_inputs_raise_clear_errors():
+    config = DELTANET_VARIANTS["paper"]()
+    model = DeltaNetForCausalLM(config).eval()
+    input_ids = torch.randint(0, 256, (2, 5))
+    with pytest.raises(TypeError, match="DeltaNetCache; got past_key_values of type DynamicCache"):
+        model(input_ids, past_key_values=DynamicCache())
+    with pytest.raises(ValueError, match=r"attention_mask must be a 2-D padding mask of shape \(batch=2, length=5\)"):
+        model(input_ids, attention_mask=torch.ones(2, 7))
+    with pytest.raises(ValueError, match=r"attention_mask must be a 2-D"):
+        model(input_ids, attention_mask=torch.ones(2, 1, 5, 5))
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=258\); got values from 0 to 258"):
+        model(torch.tensor([[0, 258]]))
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        model(torch.tensor([[-1, 3]]))
+    with pytest.raises(ValueError, match="input_ids must be integer token ids"):
+        model(torch.rand(1, 3))
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model(input_ids, inputs_embeds=torch.zeros(2, 5, 32))
+    with pytest.raises(ValueError, match=r"inputs_embeds must have shape \(batch, length, hidden_size=32\)"):
+        model(inputs_embeds=torch.zeros(2, 5, 31))
+    with pytest.raises(TypeError, match="unexpected keyword argument.*position_embeddings"):
+        model(input_ids, position_embeddings=None)
+    with pytest.raises(ValueError, match="no attention weights"):
+        model(input_ids, output_attentions=True)
+    cache = model(input_ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="holds a batch of 2 rows but the input has 3"):
+        model(torch.randint(0, 256, (3, 1)), past_key_values=cache)
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        cache.crop(2)
+    with pytest.raises(TypeError, match="holds fast weights, not keys and values"):
+        cache.update(torch.zeros(1), torch.zeros(1), 0)
+
+
+def test_cache_reorder_repeat_and_select():
+    config = DELTANET_VARIANTS["fla"]()
+    model = _randomised(DeltaNetForCausalLM(config).eval())
+    prompt = torch.randint(0, 256, (3, 6))
+    follow = torch.randint(0, 256, (3, 1))
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+        reordered = copy.deepcopy(cache)
+        reordered.reorder_cache(torch.tensor([2, 0, 0]))
+        out = model(follow, past_key_values=reordered).logits
+        expected = model(torch.cat([prompt[[2, 0, 0]], follow], 1)).logits[:, -1:]
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+
+        repeated = copy.deepcopy(cache)
+        repeated.batch_repeat_interleave(2)
+        follow6 = torch.randint(0, 256, (6, 1))
+        out = model(follow6, past_key_values=repeated).logits
+        expected = model(torch.cat([prompt.repeat_interleave(2, 0), follow6], 1)).logits[:, -1:]
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+
+        selected = copy.deepcopy(cache)
+        selected.batch_select_indices(torch.tensor([1]))
+        out = model(follow[1:2], past_key_values=selected).logits
+        expected = model(torch.cat([prompt[1:2], follow[1:2]], 1)).logits[:, -1:]
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.layers[0].fast_weights is None
+
+
+def test_cache_memory_does_not_grow_with_the_context():
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()).eval()
+    with torch.no_grad():
+        short = model(torch.randint(0, 256, (1, 8)), use_cache=True).past_key_values
+        long = model(torch.randint(0, 256, (1, 200)), use_cache=True).past_key_values
+
+    def size(cache):
+        return sum(layer.fast_weights.numel() + layer.convolution_tail.numel() for layer in cache.layers)
+
+    assert size(short) == size(long)
+    assert long.get_seq_length() == 200
+
+
+def test_loss_is_next_token_cross_entropy():
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS["paper"]()).eval()
+    input_ids = torch.randint(0, 256, (2, 8))
+    output = model(input_ids, labels=input_ids)
+    expected = F.cross_entropy(output.logits[:, :-1].reshape(-1, 258), input_ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(output.loss, expected)

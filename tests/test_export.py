@@ -1,0 +1,154 @@
+"""Saved checkpoints: safetensors only, identical logits after loading, self-contained remote code, model card."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from transformers import AutoModelForCausalLM
+
+from memlm import DeltaNetForCausalLM
+from memlm.export import GENERATED_CARD_MARK, bundle_sources, flat_module_name
+from tests.conftest import DELTANET_VARIANTS
+
+PROMPT = [[3, 14, 15, 92, 65, 35, 89, 79]]
+
+
+def _saved(tmp_path, name="fla", tokenizer=None):
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS[name]()).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    directory = tmp_path / "checkpoint"
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return model, directory
+
+
+@pytest.mark.parametrize("name", ["paper", "fla", "favor_conv_gate"])
+def test_round_trip_is_exact_and_uses_safetensors(tmp_path, name):
+    model, directory = _saved(tmp_path, name)
+    files = sorted(path.name for path in directory.iterdir())
+    assert "model.safetensors" in files
+    assert not any(file.endswith((".bin", ".pt", ".pkl")) for file in files)
+    loaded = AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert type(loaded) is DeltaNetForCausalLM
+    with torch.no_grad():
+        assert torch.equal(loaded(torch.tensor(PROMPT)).logits, model(torch.tensor(PROMPT)).logits)
+
+
+def test_bundle_is_flat_and_names_only_its_own_files(tmp_path):
+    _, directory = _saved(tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_deltanet.DeltaNetConfig",
+        "AutoModel": "modeling_deltanet.DeltaNetModel",
+        "AutoModelForCausalLM": "modeling_deltanet.DeltaNetForCausalLM",
+    }
+    python_files = {path.name for path in directory.glob("*.py")}
+    assert {"modeling_deltanet.py", "configuration_deltanet.py", "memlm_delta_rule.py"} <= python_files
+    for path in directory.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level or (node.module or "").split(".")[0] != "memlm", (path.name, node.module)
+                if node.level:
+                    assert node.level == 1 and f"{node.module}.py" in python_files, (path.name, node.module)
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.split(".")[0] == "memlm" for alias in node.names), path.name
+
+
+def test_flat_names():
+    assert flat_module_name("memlm.modeling.modeling_deltanet") == "modeling_deltanet"
+    assert flat_module_name("memlm.configuration.configuration_deltanet") == "configuration_deltanet"
+    assert flat_module_name("memlm.kernels.delta_rule.chunk") == "memlm_delta_rule_chunk"
+    assert flat_module_name("memlm.kernels") == "memlm_kernels"  # never shadows the 🤗 `kernels` package
+    assert set(bundle_sources(["memlm.kernels.delta_rule"])) == {
+        "memlm_delta_rule.py", "memlm_delta_rule_chunk.py", "memlm_delta_rule_reference.py", "memlm_kernels.py"
+    }
+
+
+REMOTE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["memlm"] = None  # memlm is not installed here: importing it fails
+    try:
+        import memlm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("memlm should not be importable")
+    import json
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    directory, resaved = sys.argv[1], sys.argv[2]
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+    assert not type(model).__module__.startswith("memlm"), type(model).__module__
+    prompt = torch.tensor({prompt})
+    with torch.no_grad():
+        logits = model(prompt).logits
+    generated = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    generator = pipeline("text-generation", model=directory, trust_remote_code=True, device="cpu")
+    text = generator("abc", max_new_tokens=3, do_sample=False)[0]["generated_text"]
+    model.save_pretrained(resaved)  # saving a remote-code model keeps its code
+    again = AutoModelForCausalLM.from_pretrained(resaved, trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(again(prompt).logits, logits)
+    print(json.dumps({{"logits": logits.tolist(), "generated": generated.tolist(), "text": text}}))
+    """
+).format(prompt=PROMPT)
+
+
+def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, tokenizer):
+    model, directory = _saved(tmp_path, "fla", tokenizer)
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
+                   "PYTHONPATH": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_SCRIPT, str(directory), str(tmp_path / "resaved")],
+        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = json.loads(result.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        expected = model(torch.tensor(PROMPT)).logits
+    assert torch.equal(torch.tensor(remote["logits"]), expected)
+    generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert remote["generated"] == generated.tolist()
+    assert remote["text"].startswith("abc")
+
+
+def test_model_card_is_rendered_with_valid_metadata(tmp_path):
+    model, directory = _saved(tmp_path, "paper")
+    card = ModelCard.load(directory / "README.md")
+    assert card.data.library_name == "transformers"
+    assert card.data.pipeline_tag == "text-generation"
+    assert card.data.license == "apache-2.0"
+    assert {"memlm", "deltanet"} <= set(card.data.tags)
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    assert f"({parameters / 1e3:.1f}K parameters)" in card.text
+    assert "DPFP-1" in card.text and "delta rule" in card.text
+    assert "@inproceedings{schlag2021linear" in card.text
+    assert str(directory.resolve()) in card.text  # how to load it names this checkpoint
+    assert GENERATED_CARD_MARK in card.text
+
+
+def test_a_readme_written_by_the_user_is_kept(tmp_path):
+    model, directory = _saved(tmp_path)
+    (directory / "README.md").write_text("# my notes\n")
+    model.save_pretrained(directory)
+    assert (directory / "README.md").read_text() == "# my notes\n"
+    (directory / "README.md").unlink()
+    model.save_pretrained(directory)
+    assert GENERATED_CARD_MARK in (directory / "README.md").read_text()
+
+
+def test_templates_ship_inside_the_package():
+    setup = (Path(__file__).resolve().parents[1] / "setup.cfg").read_text()
+    assert "memlm.hub_cards = hub_cards" in setup and "memlm.hub_cards = *.md" in setup
