@@ -58,8 +58,10 @@ def _rewrite_module(module_name: str) -> tuple[str, list[str]]:
             continue
         if node.level == 0 and (node.module or "").split(".")[0] != PACKAGE:
             continue
-        target = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else (
-            node.module
+        target = (
+            importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            if node.level
+            else (node.module)
         )
         indent = lines[node.lineno - 1][: len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())]
         if node.module is None:
@@ -139,9 +141,18 @@ class RemoteCodeMixin:
         if card is not None:
             readme.write_text(card, encoding="utf-8")
 
-    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
-                    token: str | bool | None = None, revision: str | None = None, create_pr: bool = False,
-                    max_shard_size: int | str | None = "50GB", tags: list[str] | None = None):
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+        tags: list[str] | None = None,
+    ):
         """Upload the weights, the config, the flat code bundle and the memlm model card (🤗's default push would
         replace the card with a generic one)."""
         import tempfile

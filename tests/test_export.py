@@ -70,7 +70,10 @@ def test_flat_names():
     assert flat_module_name("memlm.kernels.delta_rule.chunk") == "memlm_delta_rule_chunk"
     assert flat_module_name("memlm.kernels") == "memlm_kernels"  # never shadows the 🤗 `kernels` package
     assert set(bundle_sources(["memlm.kernels.delta_rule"])) == {
-        "memlm_delta_rule.py", "memlm_delta_rule_chunk.py", "memlm_delta_rule_reference.py", "memlm_kernels.py"
+        "memlm_delta_rule.py",
+        "memlm_delta_rule_chunk.py",
+        "memlm_delta_rule_reference.py",
+        "memlm_kernels.py",
     }
 
 
@@ -108,11 +111,19 @@ REMOTE_SCRIPT = textwrap.dedent(
 
 def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, tokenizer):
     model, directory = _saved(tmp_path, "fla", tokenizer)
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
-                   "PYTHONPATH": ""}
+    environment = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "PYTHONPATH": "",
+    }
     result = subprocess.run(
         [sys.executable, "-c", REMOTE_SCRIPT, str(directory), str(tmp_path / "resaved")],
-        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     remote = json.loads(result.stdout.strip().splitlines()[-1])

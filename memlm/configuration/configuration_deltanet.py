@@ -193,16 +193,29 @@ class DeltaNetConfig(PreTrainedConfig):
             f"Short causal convolution of width {self.convolution_size} on queries, keys and values"
             if self.short_convolution
             else "No short convolution",
-            "Per-head output: " + (" and ".join(
-                part for part, on in (("RMSNorm", self.output_norm), ("SiLU gate", self.output_gate)) if on
-            ) or "none"),
+            "Per-head output: "
+            + (
+                " and ".join(
+                    part for part, on in (("RMSNorm", self.output_norm), ("SiLU gate", self.output_gate)) if on
+                )
+                or "none"
+            ),
             f"Values: {self.value_activation}; queries scaled by d_k^-1/2: {'yes' if self.scale_queries else 'no'}",
         ]
         return lines
 
     def _validate(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "key_head_dim", "value_head_dim", "favor_features", "chunk_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "key_head_dim",
+            "value_head_dim",
+            "favor_features",
+            "chunk_size",
+        ):
             value = getattr(self, name)
             if not _is_positive(value):
                 raise ValueError(f"DeltaNetConfig.{name} must be a positive integer, got {value!r}.")
@@ -213,8 +226,16 @@ class DeltaNetConfig(PreTrainedConfig):
         _check_choice("hidden_act", self.hidden_act, HIDDEN_ACTIVATIONS)
         if self.dpfp_nu not in (1, 2, 3) or isinstance(self.dpfp_nu, bool):
             raise ValueError(f"DeltaNetConfig.dpfp_nu must be 1, 2 or 3 (paper Eq. 37), got {self.dpfp_nu!r}.")
-        for name in ("attention_normalizer", "use_beta", "short_convolution", "output_norm", "output_gate",
-                     "scale_queries", "use_cache", "tie_word_embeddings"):
+        for name in (
+            "attention_normalizer",
+            "use_beta",
+            "short_convolution",
+            "output_norm",
+            "output_gate",
+            "scale_queries",
+            "use_cache",
+            "tie_word_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"DeltaNetConfig.{name} must be True or False, got {value!r}.")
@@ -283,9 +304,7 @@ def _reject_misspelled_options(config: PreTrainedConfig, extra_options: dict):
     for name in extra_options:
         close = difflib.get_close_matches(name, fields, n=1, cutoff=0.85)
         if close and close[0] != name:
-            raise ValueError(
-                f"{type(config).__name__} got an unknown option {name!r}; did you mean {close[0]!r}?"
-            )
+            raise ValueError(f"{type(config).__name__} got an unknown option {name!r}; did you mean {close[0]!r}?")
 
 
 __all__ = ["DeltaNetConfig"]

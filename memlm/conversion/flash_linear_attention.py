@@ -44,17 +44,21 @@ def convert_config(fla_config: dict) -> DeltaNetConfig:
     """memlm's DeltaNetConfig (FLA preset) equivalent to an FLA DeltaNet config.json."""
     model_type = fla_config.get("model_type")
     if model_type != FLA_MODEL_TYPE:
-        raise ValueError(f"Not a flash-linear-attention DeltaNet config: model_type is {model_type!r}, expected "
-                         f"{FLA_MODEL_TYPE!r}.")
+        raise ValueError(
+            f"Not a flash-linear-attention DeltaNet config: model_type is {model_type!r}, expected {FLA_MODEL_TYPE!r}."
+        )
     if fla_config.get("attn"):
-        raise ValueError("The checkpoint mixes softmax-attention layers into DeltaNet (config 'attn' = "
-                         f"{fla_config['attn']!r}); memlm's DeltaNet has fast-weight layers only.")
+        raise ValueError(
+            "The checkpoint mixes softmax-attention layers into DeltaNet (config 'attn' = "
+            f"{fla_config['attn']!r}); memlm's DeltaNet has fast-weight layers only."
+        )
     if fla_config.get("allow_neg_eigval"):
         raise ValueError("allow_neg_eigval=True (β in (0, 2)) is not supported by memlm's DeltaNet.")
     activation = fla_config.get("qk_activation", "silu")
     if activation not in FLA_FEATURE_MAPS:
-        raise ValueError(f"qk_activation={activation!r} has no memlm feature map; supported: "
-                         f"{', '.join(FLA_FEATURE_MAPS)}.")
+        raise ValueError(
+            f"qk_activation={activation!r} has no memlm feature map; supported: {', '.join(FLA_FEATURE_MAPS)}."
+        )
     if fla_config.get("hidden_act", "swish") not in ("swish", "silu"):
         raise ValueError(f"hidden_act={fla_config['hidden_act']!r}: FLA's gated MLP only supports 'swish'.")
     hidden_size = fla_config.get("hidden_size", 2048)
@@ -62,8 +66,9 @@ def convert_config(fla_config: dict) -> DeltaNetConfig:
     key_width = int(hidden_size * fla_config.get("expand_k", 1.0))
     value_width = int(hidden_size * fla_config.get("expand_v", 1.0))
     if key_width % num_heads or value_width % num_heads:
-        raise ValueError(f"key width {key_width} and value width {value_width} must be multiples of num_heads "
-                         f"{num_heads}.")
+        raise ValueError(
+            f"key width {key_width} and value width {value_width} must be multiples of num_heads {num_heads}."
+        )
     intermediate_size = fla_config.get("intermediate_size")
     if intermediate_size is None:
         # FLA's GatedMLP: int(hidden * hidden_ratio * 2/3) rounded up to a multiple of 256.
@@ -112,7 +117,7 @@ def convert_state_dict(fla_state: dict[str, torch.Tensor], config: DeltaNetConfi
         raise ValueError("The FLA checkpoint has no 'lm_head.weight' but its config does not tie the embeddings.")
     for index in range(config.num_hidden_layers):
         prefix, target = f"model.layers.{index}.", f"model.layers.{index}."
-        layer_keys = {key[len(prefix):] for key in remaining if key.startswith(prefix)}
+        layer_keys = {key[len(prefix) :] for key in remaining if key.startswith(prefix)}
         # Older FLA releases fused gate and up into one gate_proj of 2I rows (gate first).
         if "mlp.gate_proj.weight" in layer_keys and "mlp.up_proj.weight" not in layer_keys:
             gate, up = take(prefix + "mlp.gate_proj.weight").chunk(2, dim=0)
@@ -132,8 +137,11 @@ def convert_state_dict(fla_state: dict[str, torch.Tensor], config: DeltaNetConfi
         if config.short_convolution:
             state[target + "attention.convolution.weight"] = torch.cat([take(prefix + name) for name in CONVOLUTIONS])
     if remaining:
-        raise ValueError(f"The FLA checkpoint has weights memlm would not use: {sorted(remaining)[:10]}"
-                         + (f" and {len(remaining) - 10} more" if len(remaining) > 10 else "") + ".")
+        raise ValueError(
+            f"The FLA checkpoint has weights memlm would not use: {sorted(remaining)[:10]}"
+            + (f" and {len(remaining) - 10} more" if len(remaining) > 10 else "")
+            + "."
+        )
     return state
 
 
@@ -141,8 +149,9 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         found = ", ".join(sorted(path.name for path in directory.iterdir())) or "nothing"
-        raise ValueError(f"No *.safetensors weights in {directory} (found: {found}); memlm never loads pickled "
-                         "(.bin) checkpoints.")
+        raise ValueError(
+            f"No *.safetensors weights in {directory} (found: {found}); memlm never loads pickled (.bin) checkpoints."
+        )
     state: dict[str, torch.Tensor] = {}
     for path in files:
         state.update(load_file(path))
@@ -168,9 +177,12 @@ def load_fla_deltanet(directory: str | Path, dtype: torch.dtype | None = None) -
     unknown = sorted(set(state) - set(expected))
     missing = sorted(name for name in set(expected) - set(state) if not _is_tied(name, config))
     if problems or unknown or missing:
-        raise ValueError("The FLA checkpoint does not fit memlm's DeltaNet: "
-                         + "; ".join(problems + [f"unexpected {name}" for name in unknown]
-                                     + [f"missing {name}" for name in missing]))
+        raise ValueError(
+            "The FLA checkpoint does not fit memlm's DeltaNet: "
+            + "; ".join(
+                problems + [f"unexpected {name}" for name in unknown] + [f"missing {name}" for name in missing]
+            )
+        )
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()

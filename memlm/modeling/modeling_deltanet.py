@@ -351,9 +351,7 @@ class DeltaNetCache(Cache):
         return self.get_seq_length(layer_idx) + query_length, 0
 
     def update(self, *args, **kwargs):
-        raise TypeError(
-            "DeltaNetCache holds fast weights, not keys and values; DeltaNet layers write it themselves."
-        )
+        raise TypeError("DeltaNetCache holds fast weights, not keys and values; DeltaNet layers write it themselves.")
 
 
 class DeltaNetPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
@@ -600,9 +598,14 @@ def _current_mask(
     """The (B, T) part of a 2-D padding mask that covers the current tokens; None when nothing is masked."""
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
-        length,
-        past_length + length,
+    if (
+        attention_mask.dim() != 2
+        or attention_mask.shape[0] != batch_size
+        or attention_mask.shape[1]
+        not in (
+            length,
+            past_length + length,
+        )
     ):
         raise ValueError(
             f"attention_mask must be a 2-D padding mask of shape (batch={batch_size}, length={length}) or "

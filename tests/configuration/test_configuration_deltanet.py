@@ -8,7 +8,10 @@ from memlm.configuration.configuration_deltanet import PRESETS
 def test_defaults_are_the_paper_layout():
     config = DeltaNetConfig()
     assert (config.feature_map, config.dpfp_nu, config.query_key_normalization, config.update_rule) == (
-        "dpfp", 1, "sum", "delta"
+        "dpfp",
+        1,
+        "sum",
+        "delta",
     )
     assert config.key_head_dim == config.value_head_dim == config.hidden_size // config.num_attention_heads
     assert config.feature_dim == 2 * config.key_head_dim  # DPFP-1 doubles the width
@@ -73,8 +76,12 @@ def test_intermediate_size_rule():
         ({"feature_map": "identity"}, "needs a non-negative feature map"),
         ({"attention_normalizer": True}, "only applies to update_rule='sum'"),
         (
-            {"update_rule": "sum", "attention_normalizer": True, "feature_map": "silu",
-             "query_key_normalization": "l2"},
+            {
+                "update_rule": "sum",
+                "attention_normalizer": True,
+                "feature_map": "silu",
+                "query_key_normalization": "l2",
+            },
             "divides by z_tᵀq_t, which needs a non-negative feature map",
         ),
         ({"feture_map": "dpfp"}, "unknown option 'feture_map'; did you mean 'feature_map'"),

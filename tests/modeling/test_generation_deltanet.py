@@ -36,8 +36,9 @@ def test_generate_returns_the_cache_and_can_continue():
     assert isinstance(output.past_key_values, DeltaNetCache)
     # The cache holds every token but the last generated one (which has not been fed back yet).
     assert output.past_key_values.get_seq_length() == output.sequences.shape[1] - 1
-    continued = model.generate(output.sequences, past_key_values=output.past_key_values, max_new_tokens=3,
-                               do_sample=False, min_new_tokens=3)
+    continued = model.generate(
+        output.sequences, past_key_values=output.past_key_values, max_new_tokens=3, do_sample=False, min_new_tokens=3
+    )
     fresh = model.generate(output.sequences, max_new_tokens=3, do_sample=False, min_new_tokens=3)
     assert torch.equal(continued, fresh)
 
@@ -62,8 +63,15 @@ def test_seeded_sampling_is_reproducible_and_matches_recomputation():
 def test_beam_search_with_cache_equals_without(name):
     model = _model(name)
     prompt = torch.randint(0, 256, (2, 4))
-    options = {"num_beams": 4, "num_return_sequences": 3, "max_new_tokens": 8, "min_new_tokens": 8,
-               "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+    options = {
+        "num_beams": 4,
+        "num_return_sequences": 3,
+        "max_new_tokens": 8,
+        "min_new_tokens": 8,
+        "do_sample": False,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+    }
     cached = model.generate(prompt, **options)
     recomputed = model.generate(prompt, use_cache=False, **options)
     assert cached.sequences.shape == (6, 12)
@@ -89,8 +97,9 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(tokenizer)
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     generated = model.generate(**batch, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     for index, prompt in enumerate(prompts):
-        alone = model.generate(**tokenizer([prompt], return_tensors="pt"), max_new_tokens=8, min_new_tokens=8,
-                               do_sample=False)
+        alone = model.generate(
+            **tokenizer([prompt], return_tensors="pt"), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
         assert generated[index, -8:].tolist() == alone[0, -8:].tolist()
 
 

@@ -36,8 +36,10 @@ def reference_attention(attention, hidden_states):
         if config.feature_map == "dpfp":
             r = torch.cat([x.clamp_min(0), (-x).clamp_min(0)], -1)
             n = r.shape[-1]
-            parts = [torch.stack([r[..., i] * r[..., (i - j) % n] for i in range(n)], -1)
-                     for j in range(1, config.dpfp_nu + 1)]
+            parts = [
+                torch.stack([r[..., i] * r[..., (i - j) % n] for i in range(n)], -1)
+                for j in range(1, config.dpfp_nu + 1)
+            ]
             out = torch.cat(parts, -1)
         elif config.feature_map == "elu+1":
             out = torch.where(x > 0, x + 1, torch.exp(x))
@@ -182,7 +184,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(preset_config):
         return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
 
     plain = gradients()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = gradients()
     for name in plain:
@@ -196,7 +198,7 @@ def test_gradient_checkpointing_keeps_a_carried_memory():
     with torch.no_grad():
         cache = model(first, use_cache=True).past_key_values
     reference = model(second, past_key_values=copy.deepcopy(cache), use_cache=True).logits
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     checkpointed = model(second, past_key_values=copy.deepcopy(cache), use_cache=True).logits
     torch.testing.assert_close(checkpointed, reference)
     checkpointed.sum().backward()
@@ -325,8 +327,11 @@ def test_auto_classes_build_memlm_models():
 
 
 def test_initialisation_follows_initializer_range():
-    model = DeltaNetForCausalLM(DeltaNetConfig.from_preset("paper", hidden_size=256, num_attention_heads=4,
-                                                            vocab_size=512, initializer_range=0.05))
+    model = DeltaNetForCausalLM(
+        DeltaNetConfig.from_preset(
+            "paper", hidden_size=256, num_attention_heads=4, vocab_size=512, initializer_range=0.05
+        )
+    )
     std = model.model.layers[0].attention.q_proj.weight.std().item()
     assert abs(std - 0.05) < 0.005
     assert torch.equal(model.model.norm.weight, torch.ones(256))

@@ -15,8 +15,9 @@ Per head and step t, with the memory ``S ∈ R^{d_k×d_v}``:
 import torch
 
 from memlm.kernels import resolve_backend
-from memlm.kernels.delta_rule.chunk import delta_rule_chunk, delta_rule_step, sum_rule_chunk, sum_rule_step
-from memlm.kernels.delta_rule.reference import delta_rule_reference, sum_rule_reference
+
+from .chunk import delta_rule_chunk, delta_rule_step, sum_rule_chunk, sum_rule_step
+from .reference import delta_rule_reference, sum_rule_reference
 
 __all__ = ["delta_rule", "delta_rule_reference", "sum_rule", "sum_rule_reference"]
 

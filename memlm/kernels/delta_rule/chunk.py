@@ -13,11 +13,17 @@ Everything that does not depend on ``S₀`` is computed for all chunks at once, 
     Base_n = causal(Q_n K_nᵀ) U_n          Add_n   = K_nᵀ U_n
     O_n = Qeff_n S_n + Base_n              S_{n+1} = Decay_n S_n + Add_n
 
-and only the ``N``-step state recurrence (one small matmul per chunk) runs as a Python loop. The
-backward runs the state-gradient recurrence by hand in reverse,
-``dS_n = Qeff_nᵀ dO_n + Decay_nᵀ dS_{n+1}``, from the ``N`` chunk-entry states saved by the forward
-(never one state per token, never autograd through the loop), then differentiates the chunk-local
-quantities above in closed form, batched over all chunks.
+and only the ``N``-step state recurrence (one small matmul per chunk) runs as a Python loop.
+
+The backward (hand-written, :class:`DeltaRuleChunkFunction`) runs the state-gradient recurrence by hand
+in reverse, ``dS_n = Qeff_nᵀ dO_n + Decay_nᵀ dS_{n+1}``, from the ``N`` chunk-entry states saved by the
+forward (never one state per token, never autograd through the loop), then differentiates the
+chunk-local quantities in closed form, batched over all chunks. Measured on CPU (B=2, H=4, D=64),
+this is about 2x faster than recomputing the chunk-local part under autograd and calling
+``torch.autograd.grad`` on it.
+
+Without autograd (inference, prefill) the sequence is processed in segments of whole chunks with the
+state carried between them, which bounds the temporaries and keeps the time per token flat in T.
 
 The readable definition is ``reference.py``; the tests check this file against it.
 """
@@ -28,11 +34,31 @@ import torch.nn.functional as F
 __all__ = ["delta_rule_chunk", "delta_rule_step", "sum_rule_chunk", "sum_rule_step"]
 
 
+# Without autograd, sequences are processed in segments of about this many elements of B·H·T·(d_k + d_v):
+# 1024 tokens for B=2, H=4, d_k=d_v=64.
+_SEGMENT_ELEMENTS = 1 << 20
+
+
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """Internal math and state run in float32, or in float64 when any input is float64."""
     if any(tensor is not None and tensor.dtype == torch.float64 for tensor in tensors):
         return torch.float64
     return torch.float32
+
+
+def _initial_state(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+) -> torch.Tensor:
+    """The state entering the sequence as ``(B·H, d_k, d_v)`` in the compute dtype (zeros if ``None``)."""
+    batch_size, num_heads, _, key_dim = key.shape
+    dtype = _compute_dtype(query, key, value, beta, initial_state)
+    if initial_state is None:
+        return torch.zeros(batch_size * num_heads, key_dim, value.shape[-1], dtype=dtype, device=key.device)
+    return initial_state.to(dtype).reshape(batch_size * num_heads, key_dim, value.shape[-1])
 
 
 def _to_chunks(tensor: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,6 +82,67 @@ def _from_chunks(tensor: torch.Tensor, batch_size: int, length: int, dtype: torc
     return tensor[:, :, :length].to(dtype)
 
 
+def _delta_rule_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor | None,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Chunkwise delta rule on ``(B, H, T, ·)`` inputs from the float ``state`` ``(B·H, d_k, d_v)``.
+
+    Returns the output ``(B·H·N, C, d_v)``, the final state ``(B·H, d_k, d_v)``, and the chunk quantities
+    the backward needs, all in the state's dtype.
+    """
+    dtype = state.dtype
+    query_chunks = _to_chunks(query, chunk_size, dtype)
+    key_chunks = _to_chunks(key, chunk_size, dtype)
+    value_chunks = _to_chunks(value, chunk_size, dtype)
+    if beta is None:
+        beta_chunks = torch.ones(key_chunks.shape[:3], dtype=dtype, device=key.device)
+    else:
+        beta_chunks = _to_chunks(beta, chunk_size, dtype)
+    heads, num_chunks, _, key_dim = key_chunks.shape
+    value_dim = value_chunks.shape[-1]
+
+    # Chunk-local quantities for all chunks at once: (B·H, N) flattened into one batch dimension.
+    flat = (heads * num_chunks, chunk_size)
+    query_flat = query_chunks.reshape(*flat, key_dim)
+    key_flat = key_chunks.reshape(*flat, key_dim)
+    # R = [diag(β) K | diag(β) V].
+    weighted = torch.cat([key_chunks, value_chunks], dim=-1).mul_(beta_chunks[..., None]).reshape(*flat, -1)
+    # A = I + strictly_lower(diag(β) K Kᵀ). solve_triangular with unitriangular=True reads only the strictly
+    # lower triangle, so the full product stands in for A. Solving A A⁻¹ = I (batched over chunks) and then
+    # multiplying is faster on CPU than solving for the wide right-hand side R, and the backward reuses A⁻¹.
+    gram = torch.bmm(weighted[..., :key_dim], key_flat.mT)
+    identity = torch.eye(chunk_size, dtype=dtype, device=key.device).expand_as(gram)
+    inverse = torch.linalg.solve_triangular(gram, identity, upper=False, unitriangular=True)
+    solved = torch.bmm(inverse, weighted)  # X = [W | U] = A⁻¹ R
+    scores = torch.bmm(query_flat, key_flat.mT).tril_()  # P = causal(Q Kᵀ)
+    # P X = [P W | P U] → Qeff = Q − P W and Base = P U, both views of one buffer.
+    scores_solved = torch.bmm(scores, solved)
+    query_effective = scores_solved[..., :key_dim].neg_().add_(query_flat)
+    base = scores_solved[..., key_dim:]
+    # Kᵀ X = [Kᵀ W | Kᵀ U] → Decay = I − Kᵀ W and Add = Kᵀ U, both views of one buffer.
+    transition = torch.bmm(key_flat.mT, solved)
+    transition[..., :key_dim].neg_().diagonal(dim1=-2, dim2=-1).add_(1)
+    transition = transition.view(heads, num_chunks, key_dim, key_dim + value_dim)
+    decay, add = transition[..., :key_dim], transition[..., key_dim:]
+
+    # The only sequential part: S_{n+1} = Decay_n S_n + Add_n over the N chunks.
+    states = [state]
+    for index in range(num_chunks):
+        state = torch.baddbmm(add[:, index], decay[:, index], state)
+        states.append(state)
+    final_state = states.pop()
+    states = torch.stack(states, dim=1).view(heads * num_chunks, key_dim, value_dim)  # S_n entering chunk n
+
+    output = torch.baddbmm(base, query_effective, states)  # O_n = Qeff_n S_n + Base_n
+    saved = (query_flat, key_flat, value_chunks, beta_chunks, inverse, solved, scores, query_effective, decay, states)
+    return output, final_state, saved
+
+
 class DeltaRuleChunkFunction(torch.autograd.Function):
     """The chunkwise delta rule of SPEC §1 with a hand-written backward; see the module docstring."""
 
@@ -63,74 +150,23 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, beta, initial_state, chunk_size):
         batch_size, num_heads, length, key_dim = key.shape
         value_dim = value.shape[-1]
-        dtype = _compute_dtype(query, key, value, beta, initial_state)
-        query_chunks = _to_chunks(query, chunk_size, dtype)
-        key_chunks = _to_chunks(key, chunk_size, dtype)
-        value_chunks = _to_chunks(value, chunk_size, dtype)
-        if beta is None:
-            beta_chunks = torch.ones(key_chunks.shape[:3], dtype=dtype, device=key.device)
-        else:
-            beta_chunks = _to_chunks(beta, chunk_size, dtype)
-        heads, num_chunks = key_chunks.shape[:2]
-        if initial_state is None:
-            state = key_chunks.new_zeros(heads, key_dim, value_dim)
-        else:
-            state = initial_state.to(dtype).reshape(heads, key_dim, value_dim)
-
-        # Chunk-local quantities, batched over all chunks: flatten (B·H, N) into one batch dimension.
-        flat = (heads * num_chunks, chunk_size)
-        query_flat = query_chunks.reshape(*flat, key_dim)
-        key_flat = key_chunks.reshape(*flat, key_dim)
-        # [diag(β) K | diag(β) V]: right-hand side of the triangular solve.
-        weighted = torch.cat([key_chunks, value_chunks], dim=-1).mul_(beta_chunks[..., None]).reshape(*flat, -1)
-        # A = I + strictly_lower(diag(β) K Kᵀ). solve_triangular with unitriangular=True reads only the strictly
-        # lower triangle, so the full product stands in for A without masking. Solving A X = I once per chunk
-        # (batched, no loop) and multiplying is faster on CPU than solving for the wide [K | V] right-hand side,
-        # and the backward reuses A⁻¹ instead of solving again.
-        gram = torch.bmm(weighted[..., :key_dim], key_flat.mT)
-        identity = torch.eye(chunk_size, dtype=dtype, device=key.device).expand_as(gram)
-        inverse = torch.linalg.solve_triangular(gram, identity, upper=False, unitriangular=True)
-        # [W | U] = A⁻¹ [diag(β) K | diag(β) V].
-        solved = torch.bmm(inverse, weighted)
-        w, u = solved[..., :key_dim], solved[..., key_dim:]
-        scores = torch.bmm(query_flat, key_flat.mT).tril_()  # causal(Q Kᵀ)
-        query_effective = torch.baddbmm(query_flat, scores, w, alpha=-1)  # Q − causal(QKᵀ) W
-        identity = torch.eye(key_dim, dtype=dtype, device=key.device)
-        decay = torch.baddbmm(identity, key_flat.mT, w, alpha=-1)  # I − Kᵀ W
-        add = torch.bmm(key_flat.mT, u)  # Kᵀ U
-        base = torch.bmm(scores, u)  # causal(QKᵀ) U
-
-        # The only sequential part: S_{n+1} = Decay_n S_n + Add_n over the N chunks.
-        decay = decay.view(heads, num_chunks, key_dim, key_dim)
-        add = add.view(heads, num_chunks, key_dim, value_dim)
-        states = [state]
-        for index in range(num_chunks):
-            state = torch.baddbmm(add[:, index], decay[:, index], state)
-            states.append(state)
-        final_state = states.pop()
-        states = torch.stack(states, dim=1)  # S_n entering chunk n, (B·H, N, d_k, d_v)
-
-        # O_n = Qeff_n S_n + Base_n.
-        output = torch.baddbmm(base, query_effective, states.view(heads * num_chunks, key_dim, value_dim))
-        output = output.view(heads, num_chunks, chunk_size, value_dim)
-
-        ctx.save_for_backward(
-            query_chunks, key_chunks, value_chunks, beta_chunks, inverse, solved, scores, query_effective, decay, states
-        )
-        ctx.beta_is_none = beta is None
-        ctx.has_initial_state = initial_state is not None
+        state = _initial_state(query, key, value, beta, initial_state)
+        output, final_state, saved = _delta_rule_forward(query, key, value, beta, state, chunk_size)
+        ctx.save_for_backward(*saved)
+        ctx.set_materialize_grads(False)  # an unused output or final state arrives as None
         ctx.input_dtypes = (query.dtype, key.dtype, value.dtype, None if beta is None else beta.dtype)
         ctx.state_dtype = None if initial_state is None else initial_state.dtype
-        ctx.length = length
-        ctx.batch_size = batch_size
-        final_state = final_state.view(batch_size, num_heads, key_dim, value_dim)
-        return _from_chunks(output, batch_size, length, value.dtype), final_state
+        ctx.shape = (batch_size, num_heads, length, chunk_size)
+        output = _from_chunks(
+            output.view(batch_size * num_heads, -1, chunk_size, value_dim), batch_size, length, value.dtype
+        )
+        return output, final_state.view(batch_size, num_heads, key_dim, value_dim)
 
     @staticmethod
     def backward(ctx, grad_output, grad_final_state):
         (
-            query_chunks,
-            key_chunks,
+            query_flat,
+            key_flat,
             value_chunks,
             beta_chunks,
             inverse,
@@ -140,18 +176,18 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
             decay,
             states,
         ) = ctx.saved_tensors
-        heads, num_chunks, chunk_size, key_dim = key_chunks.shape
-        value_dim = value_chunks.shape[-1]
+        batch_size, num_heads, length, chunk_size = ctx.shape
+        heads, num_chunks, _, key_dim = decay.shape
+        value_dim = states.shape[-1]
         dtype = states.dtype
         flat = (heads * num_chunks, chunk_size)
 
         if grad_output is None:
-            grad_output_flat = value_chunks.new_zeros(*flat, value_dim)
+            grad_output_flat = states.new_zeros(*flat, value_dim)
         else:
             grad_output_flat = _to_chunks(grad_output, chunk_size, dtype).reshape(*flat, value_dim)
-        states_flat = states.view(heads * num_chunks, key_dim, value_dim)
 
-        # Reverse state recurrence: dS_n = Qeff_nᵀ dO_n + Decay_nᵀ dS_{n+1}, with dS_N = d(final state).
+        # Reverse state recurrence: dS_n = Qeff_nᵀ dO_n + Decay_nᵀ dS_{n+1}, from dS_N = d(final state).
         grad_state_from_output = torch.bmm(query_effective.mT, grad_output_flat).view(
             heads, num_chunks, key_dim, value_dim
         )
@@ -165,52 +201,47 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
             grad_state = torch.baddbmm(grad_state_from_output[:, index], decay[:, index].mT, grad_state)
         grad_next_states = torch.stack(grad_next_states, dim=1).view(heads * num_chunks, key_dim, value_dim)
 
-        # Gradients of the chunk-local quantities, all chunks at once:
-        # dQeff = dO Sᵀ, dDecay = dS_next Sᵀ, dAdd = dS_next, dBase = dO.
-        # With X = [W | U], Y = [−dQeff | dBase] and G = [−dDecay | dAdd] the four products
-        # Qeff = Q − P W, Decay = I − Kᵀ W, Add = Kᵀ U, Base = P U (P = causal(Q Kᵀ)) give
-        # dP = Y Xᵀ, dX = Pᵀ Y + K G, and dK ∋ X Gᵀ.
-        grad_query_effective = torch.bmm(grad_output_flat, states_flat.mT)
-        grad_decay = torch.bmm(grad_next_states, states_flat.mT)
-        grad_y = torch.cat([grad_query_effective.neg_(), grad_output_flat], dim=-1)
-        grad_g = torch.cat([grad_decay.neg_(), grad_next_states], dim=-1)
-        query_flat = query_chunks.reshape(*flat, key_dim)
-        key_flat = key_chunks.reshape(*flat, key_dim)
+        # Chunk-local gradients, all chunks at once. In the form O = Q S + P V', S_next = S + Kᵀ V' with the
+        # chunk's new values V' = U − W S (SPEC §1), everything below is a product of saved chunk quantities.
+        weights, updates = solved[..., :key_dim], solved[..., key_dim:]
+        new_values = torch.baddbmm(updates, weights, states, alpha=-1)  # V' = U − W S
+        # dV' = Pᵀ dO + K dS_next
+        grad_new_values = torch.bmm(scores.mT, grad_output_flat).baddbmm_(key_flat, grad_next_states)
+        grad_scores = torch.bmm(grad_output_flat, new_values.mT).tril_()  # dP = causal(dO V'ᵀ)
+        grad_query = torch.bmm(grad_output_flat, states.mT).baddbmm_(grad_scores, key_flat)  # dO Sᵀ + dP K
+        # dK (first part) = V' dS_nextᵀ + dPᵀ Q
+        grad_key = torch.bmm(new_values, grad_next_states.mT).baddbmm_(grad_scores.mT, query_flat)
 
-        grad_scores = torch.bmm(grad_y, solved.mT).tril_()  # causal mask of P = causal(Q Kᵀ)
-        grad_solved = torch.baddbmm(torch.bmm(scores.mT, grad_y), key_flat, grad_g)
-        grad_query = torch.baddbmm(-grad_query_effective, grad_scores, key_flat)  # dQeff + dP K (sign undone)
-        grad_key = torch.baddbmm(torch.bmm(solved, grad_g.mT), grad_scores.mT, query_flat)
-
-        # Through X = A⁻¹ R with R = [diag(β) K | diag(β) V]: dR = A⁻ᵀ dX, dA = −dR Xᵀ (strictly lower part).
-        grad_weighted = torch.bmm(inverse.mT, grad_solved)
-        grad_gram = torch.bmm(grad_weighted, solved.mT).tril_(-1).neg_()
-        # gram = diag(β) K Kᵀ: d(diag(β) K) += dgram K and dK += dgramᵀ diag(β) K.
-        key_beta = key_flat * beta_chunks.reshape(*flat, 1)
-        grad_key.baddbmm_(grad_gram.mT, key_beta)
-        grad_key_beta = torch.baddbmm(grad_weighted[..., :key_dim], grad_gram, key_flat)
-        grad_value_beta = grad_weighted[..., key_dim:]
-
+        # Through X = [W | U] = A⁻¹ R with dW = −dV' Sᵀ and dU = dV': dR = A⁻ᵀ dX = [−dR_V Sᵀ | dR_V] with
+        # dR_V = A⁻ᵀ dV', and dA = −dR Xᵀ = −dR_V V'ᵀ, of which the strictly lower part reaches diag(β) K Kᵀ.
+        grad_value_beta = torch.bmm(inverse.mT, grad_new_values)  # dR_V: gradient of diag(β) V
+        grad_gram = torch.bmm(grad_value_beta, new_values.mT).tril_(-1).neg_()
+        # gram = diag(β) K Kᵀ: d(diag(β) K) = dR_K + dgram K, dK += dgramᵀ diag(β) K.
+        grad_key_beta = torch.bmm(grad_gram, key_flat).baddbmm_(grad_value_beta, states.mT, alpha=-1)
         beta_flat = beta_chunks.reshape(*flat, 1)
+        grad_key.baddbmm_(grad_gram.mul_(beta_flat).mT, key_flat)
         grad_key.addcmul_(grad_key_beta, beta_flat)
-        grad_value = grad_value_beta * beta_flat
-        grad_beta = None
-        if ctx.needs_input_grad[3]:
-            value_flat = value_chunks.reshape(*flat, value_dim)
-            grad_beta = (grad_key_beta * key_flat).sum(-1) + (grad_value_beta * value_flat).sum(-1)
-            grad_beta = _from_chunks(grad_beta.view(heads, num_chunks, chunk_size), ctx.batch_size, ctx.length, ctx.input_dtypes[3])
+
+        query_dtype, key_dtype, value_dtype, beta_dtype = ctx.input_dtypes
 
         def unchunk(tensor, dtype):
-            return _from_chunks(tensor.view(heads, num_chunks, chunk_size, -1), ctx.batch_size, ctx.length, dtype)
+            return _from_chunks(tensor.view(heads, num_chunks, chunk_size, -1), batch_size, length, dtype)
 
-        query_dtype, key_dtype, value_dtype, _ = ctx.input_dtypes
+        grad_beta = None
+        if ctx.needs_input_grad[3]:
+            # dβ_t = d(β k_t)·k_t + d(β v_t)·v_t. The products go into buffers that are no longer needed
+            # (fresh large allocations are slow on CPU).
+            value_flat = value_chunks.reshape(*flat, value_dim)
+            grad_beta = grad_key_beta.mul_(key_flat).sum(-1)
+            grad_beta += torch.mul(grad_value_beta, value_flat, out=new_values).sum(-1)
+            grad_beta = unchunk(grad_beta, beta_dtype).squeeze(-1)
         grad_initial_state = None
         if ctx.needs_input_grad[4]:
-            grad_initial_state = grad_state.view(ctx.batch_size, -1, key_dim, value_dim).to(ctx.state_dtype)
+            grad_initial_state = grad_state.view(batch_size, num_heads, key_dim, value_dim).to(ctx.state_dtype)
         return (
             unchunk(grad_query, query_dtype) if ctx.needs_input_grad[0] else None,
             unchunk(grad_key, key_dtype) if ctx.needs_input_grad[1] else None,
-            unchunk(grad_value, value_dtype) if ctx.needs_input_grad[2] else None,
+            unchunk(grad_value_beta.mul_(beta_flat), value_dtype) if ctx.needs_input_grad[2] else None,
             grad_beta,
             grad_initial_state,
             None,
@@ -232,8 +263,34 @@ def delta_rule_chunk(
     (β = 1), initial_state ``(B, H, d_k, d_v)`` or ``None`` (zeros). Returns the output in the value's
     dtype and the final state in float32 (float64 for float64 inputs) if ``output_final_state``.
     """
-    output, final_state = DeltaRuleChunkFunction.apply(query, key, value, beta, initial_state, chunk_size)
-    return output, (final_state if output_final_state else None)
+    inputs = (query, key, value, beta, initial_state)
+    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in inputs):
+        output, final_state = DeltaRuleChunkFunction.apply(query, key, value, beta, initial_state, chunk_size)
+        return output, (final_state if output_final_state else None)
+
+    # Without autograd nothing has to be kept for a backward: run the sequence in segments of whole chunks,
+    # carrying the state, so the temporaries stay small and the time per token does not grow with T.
+    batch_size, num_heads, length, key_dim = key.shape
+    value_dim = value.shape[-1]
+    state = _initial_state(*inputs)
+    tokens_per_segment = chunk_size * max(
+        1, _SEGMENT_ELEMENTS // (batch_size * num_heads * chunk_size * (key_dim + value_dim))
+    )
+    output = value.new_empty(batch_size, num_heads, length, value_dim)
+    for start in range(0, length, tokens_per_segment):
+        end = min(start + tokens_per_segment, length)
+        segment_output, state, _ = _delta_rule_forward(
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            None if beta is None else beta[:, :, start:end],
+            state,
+            chunk_size,
+        )
+        segment_output = segment_output.view(batch_size, num_heads, -1, value_dim)
+        output[:, :, start:end] = segment_output[:, :, : end - start]
+    final_state = state.view(batch_size, num_heads, key_dim, value_dim) if output_final_state else None
+    return output, final_state
 
 
 def sum_rule_chunk(

@@ -54,7 +54,7 @@ def delta_rule_reference(
     outputs = []
     for t in range(length):
         k_t, v_t, q_t = key[:, :, t], value[:, :, t], query[:, :, t]
-        # v̄_t = S_{t-1}ᵀ k_t: the value k_t currently retrieves (Eq. 20/22).
+        # v̄_t = S_{t-1}ᵀ k_t: the value k_t currently retrieves (Eq. 20).
         retrieved = torch.einsum("bhkv,bhk->bhv", state, k_t)
         # S_t = S_{t-1} + β_t k_t (v_t − v̄_t)ᵀ (Eq. 24).
         state = state + beta[:, :, t, None, None] * k_t[..., :, None] * (v_t - retrieved)[..., None, :]

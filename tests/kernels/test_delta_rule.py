@@ -1,0 +1,354 @@
+"""The chunkwise delta and sum rules against their recurrent references (SPEC §1), and the dispatcher."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memlm.kernels import resolve_backend
+from memlm.kernels.delta_rule import chunk as chunk_module
+from memlm.kernels.delta_rule import delta_rule, delta_rule_reference, sum_rule, sum_rule_reference
+from memlm.kernels.delta_rule.chunk import delta_rule_chunk, delta_rule_step, sum_rule_chunk, sum_rule_step
+
+# (key width, value width, how keys and queries are made): L2-normalised as the fla preset; positive and
+# sum-normalised as the paper preset; DPFP-3 features of width 2·ν·d = 24 from d = 4, sum-normalised.
+FEATURES = [(8, 12, "l2"), (8, 12, "sum"), (24, 4, "dpfp")]
+
+
+def dpfp(features: torch.Tensor, nu: int) -> torch.Tensor:
+    """Paper Eq. 37: r = [relu(x), relu(−x)], φ(x) = concat_{j=1..ν} r ⊙ roll(r, j)."""
+    r = torch.cat([F.relu(features), F.relu(-features)], dim=-1)
+    return torch.cat([r * torch.roll(r, shifts=j, dims=-1) for j in range(1, nu + 1)], dim=-1)
+
+
+def feature_vectors(shape, kind: str, generator: torch.Generator) -> torch.Tensor:
+    if kind == "l2":
+        return F.normalize(torch.randn(shape, generator=generator), dim=-1)
+    if kind == "sum":
+        positive = torch.rand(shape, generator=generator) + 0.05
+        return positive / positive.sum(-1, keepdim=True)
+    widened = dpfp(torch.randn(*shape[:-1], shape[-1] // 6, generator=generator), nu=3)
+    return widened / (widened.sum(-1, keepdim=True) + 1e-6)
+
+
+def make_inputs(
+    *,
+    batch_size=2,
+    num_heads=2,
+    length=37,
+    key_dim=8,
+    value_dim=12,
+    kind="l2",
+    beta=True,
+    initial_state=True,
+    dtype=torch.float32,
+    seed=0,
+):
+    """query, key, value, beta, initial_state (requires_grad), and random output/state gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, num_heads, length)
+    tensors = {
+        "query": feature_vectors((*shape, key_dim), kind, generator),
+        "key": feature_vectors((*shape, key_dim), kind, generator),
+        "value": torch.randn(*shape, value_dim, generator=generator),
+        "beta": torch.rand(shape, generator=generator) if beta else None,
+    }
+    tensors = {name: None if t is None else t.to(dtype).requires_grad_() for name, t in tensors.items()}
+    state = torch.randn(batch_size, num_heads, key_dim, value_dim, generator=generator) if initial_state else None
+    tensors["initial_state"] = (
+        None
+        if state is None
+        else state.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+    )
+    grad_output = torch.randn(*shape, value_dim, generator=generator)
+    grad_state = torch.randn(batch_size, num_heads, key_dim, value_dim, generator=generator)
+    return tensors, grad_output, grad_state
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64, as flash-linear-attention's tests measure kernels against references."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def run(rule, tensors, grad_output, grad_state, **kwargs):
+    """Output, final state, and a dict of the gradients of the inputs that are not None."""
+    arguments = {name: t for name, t in tensors.items() if not (name == "beta" and rule is sum_rule)}
+    output, final_state = rule(**arguments, output_final_state=True, **kwargs)
+    loss = (output.float() * grad_output).sum() + (final_state * grad_state).sum()
+    differentiable = [t for t in arguments.values() if t is not None]
+    grads = dict(zip([n for n, t in arguments.items() if t is not None], torch.autograd.grad(loss, differentiable)))
+    return output, final_state, grads
+
+
+def assert_matches(rule, tensors, grad_output, grad_state, *, tolerance, state_tolerance=None, **kwargs):
+    output, final_state, grads = run(rule, tensors, grad_output, grad_state, backend="torch", **kwargs)
+    expected_output, expected_state, expected_grads = run(rule, tensors, grad_output, grad_state, backend="reference")
+    assert output.dtype == tensors["value"].dtype
+    assert final_state.dtype == (torch.float64 if tensors["value"].dtype == torch.float64 else torch.float32)
+    assert relative_error(output, expected_output) < tolerance
+    assert relative_error(final_state, expected_state) < (state_tolerance or tolerance)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == tensors[name].dtype, name
+        assert expected_grads[name].abs().max() > 0, name  # the comparison below is not 0 vs 0
+        assert relative_error(grad, expected_grads[name]) < tolerance, name
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16, 64])
+@pytest.mark.parametrize(("key_dim", "value_dim", "kind"), FEATURES)
+def test_delta_rule_chunk_matches_reference(chunk_size, key_dim, value_dim, kind):
+    tensors, grad_output, grad_state = make_inputs(key_dim=key_dim, value_dim=value_dim, kind=kind)
+    assert_matches(delta_rule, tensors, grad_output, grad_state, tolerance=1e-5, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16, 64])
+@pytest.mark.parametrize(("key_dim", "value_dim", "kind"), FEATURES)
+def test_sum_rule_chunk_matches_reference(chunk_size, key_dim, value_dim, kind):
+    tensors, grad_output, grad_state = make_inputs(key_dim=key_dim, value_dim=value_dim, kind=kind)
+    assert_matches(sum_rule, tensors, grad_output, grad_state, tolerance=1e-5, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize(("beta", "initial_state"), [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("length", [16, 37])
+def test_delta_rule_without_beta_or_initial_state(beta, initial_state, length):
+    tensors, grad_output, grad_state = make_inputs(length=length, beta=beta, initial_state=initial_state)
+    assert_matches(delta_rule, tensors, grad_output, grad_state, tolerance=1e-5, chunk_size=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rule", [delta_rule, sum_rule])
+def test_low_precision_inputs_keep_a_float32_state(rule, dtype):
+    # Both paths read the same low-precision inputs; the state is float32 in both, so it agrees far more
+    # tightly than the low-precision output and gradients, which are rounded once at the end.
+    tensors, grad_output, grad_state = make_inputs(length=50, kind="l2", dtype=dtype)
+    assert_matches(rule, tensors, grad_output, grad_state, tolerance=1e-2, state_tolerance=1e-5, chunk_size=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_output_is_close_to_float32(dtype):
+    tensors, _, _ = make_inputs(length=50)
+    low = {name: None if t is None else t.detach().to(dtype) for name, t in tensors.items()}
+    low["initial_state"] = tensors["initial_state"].detach()
+    with torch.no_grad():
+        output, state = delta_rule(**low, output_final_state=True)
+        expected_output, expected_state = delta_rule(**tensors, output_final_state=True, backend="reference")
+    assert output.dtype == dtype and state.dtype == torch.float32
+    assert relative_error(output, expected_output) < 1e-2
+    assert relative_error(state, expected_state) < 1e-2
+
+
+@pytest.mark.parametrize("rule", [delta_rule, sum_rule])
+def test_gradcheck_float64(rule):
+    tensors, _, _ = make_inputs(batch_size=1, num_heads=2, length=7, key_dim=3, value_dim=4, dtype=torch.float64)
+    names = (
+        ["query", "key", "value", "beta", "initial_state"]
+        if rule is delta_rule
+        else ["query", "key", "value", "initial_state"]
+    )
+
+    def function(*inputs):
+        arguments = dict(zip(names, inputs))
+        state = arguments.pop("initial_state")
+        return rule(**arguments, initial_state=state, output_final_state=True, chunk_size=3, backend="torch")
+
+    inputs = tuple(tensors[name] for name in names)
+    output, state = function(*inputs)
+    assert output.dtype == torch.float64 and state.dtype == torch.float64
+    assert torch.autograd.gradcheck(function, inputs)
+
+
+def test_gradcheck_float64_without_beta():
+    tensors, _, _ = make_inputs(batch_size=1, num_heads=1, length=5, key_dim=3, value_dim=2, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda query, key, value: delta_rule_chunk(query, key, value, chunk_size=2)[0],
+        (tensors["query"], tensors["key"], tensors["value"]),
+    )
+
+
+@pytest.mark.parametrize("used", ["output", "final_state"])
+def test_gradients_when_only_one_result_is_used(used):
+    # The unused result's gradient reaches the backward as None.
+    tensors, grad_output, grad_state = make_inputs()
+    names = ["key", "value", "beta", "initial_state"] + (["query"] if used == "output" else [])
+
+    def gradients(backend):
+        output, state = delta_rule(**tensors, output_final_state=True, backend=backend, chunk_size=16)
+        loss = (output * grad_output).sum() if used == "output" else (state * grad_state).sum()
+        return torch.autograd.grad(loss, [tensors[name] for name in names])
+
+    for name, grad, expected in zip(names, gradients("torch"), gradients("reference")):
+        assert relative_error(grad, expected) < 1e-5, name
+
+
+def time_slice(tensors, rule, start, end):
+    """The sequence inputs of ``rule`` (beta only for the delta rule) restricted to tokens [start, end)."""
+    names = ["query", "key", "value"] + (["beta"] if rule is delta_rule else [])
+    return {name: tensors[name][:, :, start:end] for name in names}
+
+
+@pytest.mark.parametrize("rule", [delta_rule, sum_rule])
+def test_chained_calls_equal_one_call(rule):
+    tensors, grad_output, grad_state = make_inputs(length=45)
+    full_output, full_state, full_grads = run(rule, tensors, grad_output, grad_state, chunk_size=8)
+
+    split = 19  # neither part is a whole number of chunks
+    head_output, middle_state = rule(
+        **time_slice(tensors, rule, 0, split),
+        initial_state=tensors["initial_state"],
+        output_final_state=True,
+        chunk_size=8,
+    )
+    tail_output, final_state = rule(
+        **time_slice(tensors, rule, split, None), initial_state=middle_state, output_final_state=True, chunk_size=8
+    )
+    output = torch.cat([head_output, tail_output], dim=2)
+    assert relative_error(output, full_output) < 1e-5
+    assert relative_error(final_state, full_state) < 1e-5
+    # Gradients flow back through the state handed from the first call to the second.
+    loss = (output * grad_output).sum() + (final_state * grad_state).sum()
+    grads = torch.autograd.grad(loss, [tensors[name] for name in full_grads])
+    for name, grad in zip(full_grads, grads):
+        assert relative_error(grad, full_grads[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize(
+    ("rule", "reference", "step"),
+    [(delta_rule, delta_rule_reference, delta_rule_step), (sum_rule, sum_rule_reference, sum_rule_step)],
+)
+def test_single_token_step(rule, reference, step):
+    tensors, grad_output, grad_state = make_inputs(length=1)
+    arguments = {n: t for n, t in tensors.items() if not (n == "beta" and rule is sum_rule)}
+    output, state = rule(**arguments, output_final_state=True)
+    # The dispatcher takes the O(1) step for T == 1, not the padded chunk path.
+    step_output, step_state = step(**arguments, output_final_state=True)
+    assert torch.equal(output, step_output) and torch.equal(state, step_state)
+    assert state.dtype == torch.float32
+    assert_matches(rule, tensors, grad_output, grad_state, tolerance=1e-6)  # outputs, state and gradients
+
+
+@pytest.mark.parametrize("rule", [delta_rule, sum_rule])
+def test_token_by_token_decoding_equals_reference(rule):
+    tensors, _, _ = make_inputs(length=12)
+    arguments = {n: t.detach() for n, t in tensors.items() if t is not None and not (n == "beta" and rule is sum_rule)}
+    state = arguments.pop("initial_state")
+    outputs = []
+    for t in range(12):
+        step = {n: x[:, :, t : t + 1] for n, x in arguments.items()}
+        output, state = rule(**step, initial_state=state, output_final_state=True)
+        outputs.append(output)
+    expected_output, expected_state = rule(
+        **arguments, initial_state=tensors["initial_state"].detach(), output_final_state=True, backend="reference"
+    )
+    assert relative_error(torch.cat(outputs, dim=2), expected_output) < 1e-5
+    assert relative_error(state, expected_state) < 1e-5
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16])
+def test_no_grad_path_in_segments_matches_reference(monkeypatch, chunk_size):
+    # Without autograd the chunk path runs the sequence in segments; make them small so T = 53 spans several.
+    monkeypatch.setattr(chunk_module, "_SEGMENT_ELEMENTS", 2 * 2 * chunk_size * (8 + 12) * 2)
+    tensors, _, _ = make_inputs(length=53)
+    with torch.no_grad():
+        output, state = delta_rule(**tensors, output_final_state=True, chunk_size=chunk_size)
+        expected_output, expected_state = delta_rule(**tensors, output_final_state=True, backend="reference")
+    assert output.shape == expected_output.shape
+    assert relative_error(output, expected_output) < 1e-5
+    assert relative_error(state, expected_state) < 1e-5
+
+
+def test_final_state_only_when_asked():
+    tensors, _, _ = make_inputs()
+    for backend in ("torch", "reference"):
+        output, state = delta_rule(**tensors, backend=backend)
+        assert state is None and output.shape == tensors["value"].shape
+        output, state = sum_rule(tensors["query"], tensors["key"], tensors["value"], backend=backend)
+        assert state is None and output.shape == tensors["value"].shape
+
+
+def test_backend_argument_and_environment_variable(monkeypatch):
+    tensors, _, _ = make_inputs()
+    with torch.no_grad():
+        reference_output, _ = delta_rule_reference(**tensors)
+        chunk_output, _ = delta_rule_chunk(**tensors)
+        assert not torch.equal(reference_output, chunk_output)  # the two paths are distinguishable
+
+        monkeypatch.delenv("MEMLM_KERNELS", raising=False)
+        assert torch.equal(delta_rule(**tensors)[0], chunk_output)
+        assert torch.equal(delta_rule(**tensors, backend="reference")[0], reference_output)
+
+        monkeypatch.setenv("MEMLM_KERNELS", "reference")
+        assert torch.equal(delta_rule(**tensors)[0], reference_output)
+        assert torch.equal(delta_rule(**tensors, backend="torch")[0], chunk_output)  # the argument wins
+
+        sum_reference, _ = sum_rule_reference(tensors["query"], tensors["key"], tensors["value"])
+        sum_chunk, _ = sum_rule_chunk(tensors["query"], tensors["key"], tensors["value"])
+        assert not torch.equal(sum_reference, sum_chunk)
+        assert torch.equal(sum_rule(tensors["query"], tensors["key"], tensors["value"])[0], sum_reference)
+        monkeypatch.setenv("MEMLM_KERNELS", "torch")
+        assert torch.equal(sum_rule(tensors["query"], tensors["key"], tensors["value"])[0], sum_chunk)
+
+
+def test_resolve_backend(monkeypatch):
+    monkeypatch.delenv("MEMLM_KERNELS", raising=False)
+    assert resolve_backend(None) == "torch"
+    monkeypatch.setenv("MEMLM_KERNELS", "")
+    assert resolve_backend(None) == "torch"
+    monkeypatch.setenv("MEMLM_KERNELS", "reference")
+    assert resolve_backend(None) == "reference"
+    assert resolve_backend("torch") == "torch"
+
+
+def test_bad_backend_values(monkeypatch):
+    tensors, _, _ = make_inputs()
+    with pytest.raises(ValueError, match=r"Triton kernels are not available yet.*'torch', 'reference'"):
+        delta_rule(**tensors, backend="triton")
+    with pytest.raises(ValueError, match=r"argument backend='cuda'.*'torch', 'reference'"):
+        delta_rule(**tensors, backend="cuda")
+    monkeypatch.setenv("MEMLM_KERNELS", "naive")
+    with pytest.raises(ValueError, match=r"MEMLM_KERNELS='naive'.*'torch', 'reference'"):
+        sum_rule(tensors["query"], tensors["key"], tensors["value"])
+    monkeypatch.setenv("MEMLM_KERNELS", "triton")
+    with pytest.raises(ValueError, match=r"MEMLM_KERNELS='triton'.*not available yet"):
+        delta_rule(**tensors)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"query": torch.zeros(2, 2, 37, 9)},
+            r"query and key must have the same shape.*\(2, 2, 37, 9\).*\(2, 2, 37, 8\)",
+        ),
+        ({"value": torch.zeros(2, 2, 36, 12)}, r"value must share.*\(2, 2, 36, 12\).*\(2, 2, 37, 8\)"),
+        (
+            {"key": torch.zeros(2, 37, 8), "query": torch.zeros(2, 37, 8)},
+            r"query must be a 4-dimensional tensor.*\(2, 37, 8\)",
+        ),
+        ({"beta": torch.zeros(2, 2, 36)}, r"beta must have shape .* = \(2, 2, 37\), got \(2, 2, 36\)"),
+        (
+            {"initial_state": torch.zeros(2, 2, 12, 8)},
+            r"initial_state must have shape .* = \(2, 2, 8, 12\), got \(2, 2, 12, 8\)",
+        ),
+        ({"chunk_size": 0}, r"chunk_size must be a positive integer, got 0"),
+        ({"chunk_size": 4.0}, r"chunk_size must be a positive integer, got 4.0"),
+        (
+            {
+                "query": torch.zeros(2, 2, 0, 8),
+                "key": torch.zeros(2, 2, 0, 8),
+                "value": torch.zeros(2, 2, 0, 12),
+                "beta": None,
+            },
+            r"at least one token",
+        ),
+        ({"value": torch.zeros(2, 2, 37, 12, dtype=torch.long)}, r"value must be a floating-point tensor"),
+    ],
+)
+def test_bad_inputs_raise_value_errors(change, message):
+    tensors, _, _ = make_inputs()
+    arguments = {**{n: None if t is None else t.detach() for n, t in tensors.items()}, **change}
+    with pytest.raises(ValueError, match=message):
+        delta_rule(**arguments)
+    if "beta" not in change or change.get("beta") is None:
+        arguments.pop("beta")
+        with pytest.raises(ValueError, match=message):
+            sum_rule(**arguments)
