@@ -52,6 +52,11 @@ def convert_config(fla_config: dict) -> DeltaNetConfig:
             "The checkpoint mixes softmax-attention layers into DeltaNet (config 'attn' = "
             f"{fla_config['attn']!r}); memlm's DeltaNet has fast-weight layers only."
         )
+    if fla_config.get("attnres_block_size") is not None:
+        raise ValueError(
+            f"attnres_block_size={fla_config['attnres_block_size']!r} (FLA's attention residuals) adds learned "
+            "residual mixing that memlm's DeltaNet does not have."
+        )
     if fla_config.get("allow_neg_eigval"):
         raise ValueError("allow_neg_eigval=True (β in (0, 2)) is not supported by memlm's DeltaNet.")
     activation = fla_config.get("qk_activation", "silu")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from memlm import DeltaNetForCausalLM
+from memlm import DeltaNetConfig, DeltaNetForCausalLM
 from memlm.conversion.flash_linear_attention import convert_config, load_fla_deltanet, main
 
 FLA_CONFIG = {
@@ -213,6 +213,7 @@ def _pickled_only(tmp_path):
         ({"attn": {"layers": [1], "num_heads": 2}}, "mixes softmax-attention layers"),
         ({"qk_activation": "relu"}, "qk_activation='relu' has no memlm feature map"),
         ({"allow_neg_eigval": True}, "allow_neg_eigval"),
+        ({"attnres_block_size": 4}, "attention residuals"),
         ({"hidden_act": "gelu"}, "only supports 'swish'"),
         ({"qk_norm": "sum"}, "needs a non-negative feature map"),
     ],
@@ -236,3 +237,21 @@ def test_command_line_writes_a_memlm_checkpoint(tmp_path, tokenizer):
         torch.testing.assert_close(
             model(input_ids).logits, fla_forward(state, config, input_ids), atol=1e-4, rtol=1e-4
         )
+
+
+def test_flash_linear_attention_and_memlm_coexist_in_one_process(tmp_path):
+    fla_models = pytest.importorskip("fla.models", reason="flash-linear-attention is an optional package")
+    from transformers import AutoConfig
+
+    assert type(AutoConfig.for_model("delta_net")).__module__.startswith("fla.")
+    assert type(AutoConfig.for_model("memlm_deltanet")) is DeltaNetConfig
+    # A real FLA checkpoint (FLA builds and saves it; its Triton kernels are not needed for that) loads strictly.
+    fla_config = fla_models.DeltaNetConfig(
+        hidden_size=64, num_heads=2, num_hidden_layers=2, vocab_size=100, use_gate=True
+    )
+    fla_model = fla_models.DeltaNetForCausalLM(fla_config)
+    fla_model.save_pretrained(tmp_path / "fla")
+    model = load_fla_deltanet(tmp_path / "fla")
+    torch.testing.assert_close(
+        model.model.layers[1].attention.g_proj.weight, fla_model.state_dict()["model.layers.1.attn.g_proj.weight"]
+    )
