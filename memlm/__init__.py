@@ -6,13 +6,23 @@ Importing memlm registers its configurations and models with AutoConfig, AutoMod
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration.configuration_deltanet import DeltaNetConfig
+from .configuration.configuration_expire_span import ExpireSpanConfig
 from .modeling.modeling_deltanet import DeltaNetCache, DeltaNetForCausalLM, DeltaNetModel, DeltaNetPreTrainedModel
+from .modeling.modeling_expire_span import (
+    ExpireSpanCache,
+    ExpireSpanForCausalLM,
+    ExpireSpanModel,
+    ExpireSpanPreTrainedModel,
+)
 
 __version__ = "0.1.0"
 
 AutoConfig.register(DeltaNetConfig.model_type, DeltaNetConfig, exist_ok=True)
 AutoModel.register(DeltaNetConfig, DeltaNetModel, exist_ok=True)
 AutoModelForCausalLM.register(DeltaNetConfig, DeltaNetForCausalLM, exist_ok=True)
+AutoConfig.register(ExpireSpanConfig.model_type, ExpireSpanConfig, exist_ok=True)
+AutoModel.register(ExpireSpanConfig, ExpireSpanModel, exist_ok=True)
+AutoModelForCausalLM.register(ExpireSpanConfig, ExpireSpanForCausalLM, exist_ok=True)
 
 __all__ = [
     "DeltaNetCache",
@@ -20,4 +30,9 @@ __all__ = [
     "DeltaNetForCausalLM",
     "DeltaNetModel",
     "DeltaNetPreTrainedModel",
+    "ExpireSpanCache",
+    "ExpireSpanConfig",
+    "ExpireSpanForCausalLM",
+    "ExpireSpanModel",
+    "ExpireSpanPreTrainedModel",
 ]

@@ -13,15 +13,28 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM
 
-from memlm import DeltaNetForCausalLM
+from memlm import DeltaNetForCausalLM, ExpireSpanConfig, ExpireSpanForCausalLM
 from memlm.export import GENERATED_CARD_MARK, bundle_sources, flat_module_name
 from tests.conftest import DELTANET_VARIANTS
 
 PROMPT = [[3, 14, 15, 92, 65, 35, 89, 79]]
 
 
+def _expire_span(**overrides):
+    config = ExpireSpanConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, max_span=6, ramp=2, block_size=4, **overrides)  # fmt: skip
+    return ExpireSpanForCausalLM(config)
+
+
+MODELS = {
+    **{name: lambda factory=factory: DeltaNetForCausalLM(factory()) for name, factory in DELTANET_VARIANTS.items()},
+    "expire_span": _expire_span,
+    "fixed_span": lambda: _expire_span(expire_memories=False),
+}
+
+
 def _saved(tmp_path, name="fla", tokenizer=None):
-    model = DeltaNetForCausalLM(DELTANET_VARIANTS[name]()).eval()
+    model = MODELS[name]().eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
@@ -32,14 +45,14 @@ def _saved(tmp_path, name="fla", tokenizer=None):
     return model, directory
 
 
-@pytest.mark.parametrize("name", ["paper", "fla", "favor_conv_gate"])
+@pytest.mark.parametrize("name", ["paper", "fla", "favor_conv_gate", "expire_span", "fixed_span"])
 def test_round_trip_is_exact_and_uses_safetensors(tmp_path, name):
     model, directory = _saved(tmp_path, name)
     files = sorted(path.name for path in directory.iterdir())
     assert "model.safetensors" in files
     assert not any(file.endswith((".bin", ".pt", ".pkl")) for file in files)
     loaded = AutoModelForCausalLM.from_pretrained(directory).eval()
-    assert type(loaded) is DeltaNetForCausalLM
+    assert type(loaded) is type(model)
     with torch.no_grad():
         assert torch.equal(loaded(torch.tensor(PROMPT)).logits, model(torch.tensor(PROMPT)).logits)
 
@@ -109,8 +122,9 @@ REMOTE_SCRIPT = textwrap.dedent(
 ).format(prompt=PROMPT)
 
 
-def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, tokenizer):
-    model, directory = _saved(tmp_path, "fla", tokenizer)
+@pytest.mark.parametrize("name", ["fla", "expire_span"])
+def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, tokenizer, name):
+    model, directory = _saved(tmp_path, name, tokenizer)
     environment = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -163,3 +177,13 @@ def test_a_readme_written_by_the_user_is_kept(tmp_path):
 def test_templates_ship_inside_the_package():
     setup = (Path(__file__).resolve().parents[1] / "setup.cfg").read_text()
     assert "memlm.hub_cards = hub_cards" in setup and "memlm.hub_cards = *.md" in setup
+
+
+def test_expire_span_card(tmp_path):
+    model, directory = _saved(tmp_path, "expire_span")
+    card = ModelCard.load(directory / "README.md")
+    assert {"memlm", "expire-span"} <= set(card.data.tags) and card.data.library_name == "transformers"
+    assert "ramp R = 2" in card.text and "@inproceedings{sukhbaatar2021expire" in card.text
+    assert json.loads((directory / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
+        "modeling_expire_span.ExpireSpanForCausalLM"
+    )

@@ -2,9 +2,18 @@
 Programmers"). The options follow SPEC §1: feature map φ, key/query normalisation, update rule, β, short
 convolution, output norm and gate. Every field is validated when the config is built."""
 
-import difflib
-
 from transformers import PreTrainedConfig
+
+from .validation import (
+    check_bools,
+    check_choice,
+    check_number,
+    check_positive_ints,
+    check_token_ids,
+    is_int,
+    is_positive_int,
+    reject_misspelled_options,
+)
 
 FEATURE_MAPS = ("dpfp", "elu+1", "favor+", "silu", "identity")
 # Feature maps whose every component is >= 0, so that dividing by the sum of components is meaningful.
@@ -133,10 +142,10 @@ class DeltaNetConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        _reject_misspelled_options(self, kwargs)
+        reject_misspelled_options(self, kwargs)
         heads = self.num_attention_heads
-        if (self.key_head_dim is None or self.value_head_dim is None) and _is_positive(self.hidden_size):
-            if not _is_positive(heads):
+        if (self.key_head_dim is None or self.value_head_dim is None) and is_positive_int(self.hidden_size):
+            if not is_positive_int(heads):
                 raise ValueError(f"DeltaNetConfig.num_attention_heads must be a positive integer, got {heads!r}.")
             if self.hidden_size % heads:
                 raise ValueError(
@@ -145,7 +154,7 @@ class DeltaNetConfig(PreTrainedConfig):
                 )
             self.key_head_dim = self.hidden_size // heads if self.key_head_dim is None else self.key_head_dim
             self.value_head_dim = self.hidden_size // heads if self.value_head_dim is None else self.value_head_dim
-        if self.intermediate_size is None and _is_positive(self.hidden_size):
+        if self.intermediate_size is None and is_positive_int(self.hidden_size):
             self.intermediate_size = 256 * ((int(self.hidden_size * 4 * 2 / 3) + 255) // 256)
         self._validate()
         super().__post_init__(**kwargs)
@@ -205,52 +214,28 @@ class DeltaNetConfig(PreTrainedConfig):
         return lines
 
     def _validate(self):
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "key_head_dim",
-            "value_head_dim",
-            "favor_features",
-            "chunk_size",
-        ):
-            value = getattr(self, name)
-            if not _is_positive(value):
-                raise ValueError(f"DeltaNetConfig.{name} must be a positive integer, got {value!r}.")
-        _check_choice("feature_map", self.feature_map, FEATURE_MAPS)
-        _check_choice("query_key_normalization", self.query_key_normalization, NORMALIZATIONS)
-        _check_choice("update_rule", self.update_rule, UPDATE_RULES)
-        _check_choice("value_activation", self.value_activation, VALUE_ACTIVATIONS)
-        _check_choice("hidden_act", self.hidden_act, HIDDEN_ACTIVATIONS)
+        check_positive_ints(
+            self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "key_head_dim", "value_head_dim", "favor_features", "chunk_size",
+        )  # fmt: skip
+        check_choice(self, "feature_map", FEATURE_MAPS)
+        check_choice(self, "query_key_normalization", NORMALIZATIONS)
+        check_choice(self, "update_rule", UPDATE_RULES)
+        check_choice(self, "value_activation", VALUE_ACTIVATIONS)
+        check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
         if self.dpfp_nu not in (1, 2, 3) or isinstance(self.dpfp_nu, bool):
             raise ValueError(f"DeltaNetConfig.dpfp_nu must be 1, 2 or 3 (paper Eq. 37), got {self.dpfp_nu!r}.")
-        for name in (
-            "attention_normalizer",
-            "use_beta",
-            "short_convolution",
-            "output_norm",
-            "output_gate",
-            "scale_queries",
-            "use_cache",
-            "tie_word_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"DeltaNetConfig.{name} must be True or False, got {value!r}.")
-        if not _is_int(self.convolution_size) or self.convolution_size < 2:
+        check_bools(
+            self, "attention_normalizer", "use_beta", "short_convolution", "output_norm", "output_gate",
+            "scale_queries", "use_cache", "tie_word_embeddings",
+        )  # fmt: skip
+        if not is_int(self.convolution_size) or self.convolution_size < 2:
             raise ValueError(
                 f"DeltaNetConfig.convolution_size must be an integer >= 2, got {self.convolution_size!r}."
             )
-        if not isinstance(self.hidden_dropout, (int, float)) or not 0.0 <= self.hidden_dropout < 1.0:
-            raise ValueError(f"DeltaNetConfig.hidden_dropout must be in [0, 1), got {self.hidden_dropout!r}.")
-        if not isinstance(self.rms_norm_eps, (int, float)) or self.rms_norm_eps <= 0:
-            raise ValueError(f"DeltaNetConfig.rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}.")
-        if not isinstance(self.initializer_range, (int, float)) or self.initializer_range < 0:
-            raise ValueError(
-                f"DeltaNetConfig.initializer_range must be a number >= 0, got {self.initializer_range!r}."
-            )
+        check_number(self, "hidden_dropout", minimum=0, maximum=1, strict_maximum=True)
+        check_number(self, "rms_norm_eps", minimum=0, strict_minimum=True)
+        check_number(self, "initializer_range", minimum=0)
         # Combinations that make no sense.
         if self.query_key_normalization == "sum" and self.feature_map not in NONNEGATIVE_FEATURE_MAPS:
             raise ValueError(
@@ -269,42 +254,7 @@ class DeltaNetConfig(PreTrainedConfig):
                 "DeltaNetConfig.attention_normalizer=True divides by z_tᵀq_t, which needs a non-negative feature map "
                 f"({', '.join(NONNEGATIVE_FEATURE_MAPS)}); got feature_map={self.feature_map!r}."
             )
-        for name in ("pad_token_id", "bos_token_id"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value < self.vocab_size):
-                raise ValueError(
-                    f"DeltaNetConfig.{name} must be None or an id in [0, vocab_size={self.vocab_size}), got {value!r}."
-                )
-        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        for value in eos:
-            if value is not None and (not _is_int(value) or not 0 <= value < self.vocab_size):
-                raise ValueError(
-                    f"DeltaNetConfig.eos_token_id must be None, an id or a list of ids in [0, vocab_size="
-                    f"{self.vocab_size}), got {self.eos_token_id!r}."
-                )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_positive(value) -> bool:
-    return _is_int(value) and value > 0
-
-
-def _check_choice(name: str, value, allowed: tuple[str, ...]):
-    if value not in allowed:
-        raise ValueError(f"DeltaNetConfig.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}.")
-
-
-def _reject_misspelled_options(config: PreTrainedConfig, extra_options: dict):
-    """Extra keyword arguments are kept (as 🤗 configs do, for forward compatibility), except ones that look like a
-    misspelled field: those would otherwise be silently ignored."""
-    fields = [name for name in type(config).__dataclass_fields__ if not name.startswith("_")]
-    for name in extra_options:
-        close = difflib.get_close_matches(name, fields, n=1, cutoff=0.85)
-        if close and close[0] != name:
-            raise ValueError(f"{type(config).__name__} got an unknown option {name!r}; did you mean {close[0]!r}?")
+        check_token_ids(self)
 
 
 __all__ = ["DeltaNetConfig"]

@@ -6,7 +6,7 @@ step t, with the fast-weight matrix S_t (d_k × d_v), SPEC §1 / paper Eqs. 23-2
     k_t = φ(W_k x_t),  q_t = φ(W_q x_t),  v_t = W_v x_t,  β_t = σ(w_β · x_t)
     S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ,       o_t = S_tᵀ q_t
 
-The file reads top to bottom: small blocks (norm, short convolution, feature map, MLP) → the fast-weight attention
+The file reads top to bottom: small blocks (short convolution, feature map; norm and MLP in layers.py) → the fast-weight attention
 → the decoder layer → the cache (`past_key_values`) → PreTrainedModel → DeltaNetModel → DeltaNetForCausalLM.
 """
 
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -27,6 +26,7 @@ from transformers.utils import logging
 from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
 from ..kernels.delta_rule import delta_rule, sum_rule
+from .layers import GatedMLP, RMSNorm
 
 logger = logging.get_logger(__name__)
 
@@ -37,22 +37,6 @@ SUM_NORM_EPS = 1e-6
 ATTENTION_NORMALIZER_EPS = 1e-6
 # Keyword arguments that 🤗 `generate`, `Trainer` and the loss accept; anything else is a mistake worth an error.
 ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "output_attentions")
-
-
-class DeltaNetRMSNorm(nn.Module):
-    """RMSNorm computed in float32: y = x / sqrt(mean(x²) + eps) · w."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.float()
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (hidden_states * self.weight.float()).to(input_dtype)
 
 
 class DeltaNetShortConvolution(nn.Module):
@@ -154,7 +138,7 @@ class DeltaNetAttention(nn.Module):
         )
         self.feature_map = DeltaNetFeatureMap(config)
         self.g_proj = nn.Linear(config.hidden_size, value_width, bias=False) if config.output_gate else None
-        self.output_norm = DeltaNetRMSNorm(self.value_head_dim, config.rms_norm_eps) if config.output_norm else None
+        self.output_norm = RMSNorm(self.value_head_dim, config.rms_norm_eps) if config.output_norm else None
         self.o_proj = nn.Linear(value_width, config.hidden_size, bias=False)
 
     def forward(
@@ -222,30 +206,16 @@ class DeltaNetAttention(nn.Module):
         return output, new_state, new_tail
 
 
-class DeltaNetMLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) · up(x))."""
-
-    def __init__(self, config: DeltaNetConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
-
-
 class DeltaNetDecoderLayer(GradientCheckpointingLayer):
     """x = x + attention(norm(x)); x = x + mlp(norm(x)). The memory enters and leaves as tensors (not through the
     cache object), so gradient checkpointing recomputes the layer from the same state."""
 
     def __init__(self, config: DeltaNetConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = DeltaNetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = DeltaNetAttention(config, layer_idx)
-        self.post_attention_layernorm = DeltaNetRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DeltaNetMLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -393,7 +363,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         self.layers = nn.ModuleList(
             [DeltaNetDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = DeltaNetRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
 

@@ -66,9 +66,9 @@ def test_intermediate_size_rule():
         ({"chunk_size": 0}, "chunk_size must be a positive integer"),
         ({"convolution_size": 1}, "convolution_size must be an integer >= 2"),
         ({"use_beta": "yes"}, "use_beta must be True or False"),
-        ({"hidden_dropout": 1.5}, r"hidden_dropout must be in \[0, 1\)"),
-        ({"rms_norm_eps": 0}, "rms_norm_eps must be a positive number"),
-        ({"initializer_range": -0.1}, "initializer_range must be a number >= 0"),
+        ({"hidden_dropout": 1.5}, r"hidden_dropout must be a number in \[0, 1\)"),
+        ({"rms_norm_eps": 0}, r"rms_norm_eps must be a number in \(0, inf\]"),
+        ({"initializer_range": -0.1}, r"initializer_range must be a number in \[0, inf\]"),
         ({"pad_token_id": 40000}, "pad_token_id must be None or an id"),
         ({"eos_token_id": [1, -2]}, "eos_token_id must be None"),
         # Combinations that make no sense.

@@ -1,19 +1,38 @@
-"""The 🤗 Trainer trains a DeltaNet from a real tokenizer and a `datasets` dataset, and saves a loadable model."""
+"""The 🤗 Trainer trains each memlm model from a real tokenizer and a `datasets` dataset, and saves it loadable."""
 
 import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-from memlm import DeltaNetForCausalLM
+from memlm import DeltaNetForCausalLM, ExpireSpanConfig, ExpireSpanForCausalLM
 from tests.conftest import DELTANET_VARIANTS
+
+MODELS = {
+    "deltanet_paper": lambda: DeltaNetForCausalLM(DELTANET_VARIANTS["paper"]()),
+    "deltanet_fla": lambda: DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()),
+    "expire_span": lambda: ExpireSpanForCausalLM(
+        ExpireSpanConfig(
+            vocab_size=258,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_span=32,
+            ramp=4,
+            block_size=16,
+            span_loss_coefficient=1e-4,
+            memory_shortening=True,
+        )
+    ),  # fmt: skip
+}
 
 TEXT = "the delta rule writes what the memory does not yet know. " * 60
 
 
-@pytest.mark.parametrize("name", ["paper", "fla"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_trainer_lowers_the_loss_and_saves(tmp_path, tokenizer, name):
-    model = DeltaNetForCausalLM(DELTANET_VARIANTS[name]())
+    model = MODELS[name]()
     ids = tokenizer(TEXT)["input_ids"]
     block = 48
     blocks = [ids[start : start + block] for start in range(0, len(ids) - block, block)]

@@ -1,0 +1,152 @@
+"""Expire-Span configuration (Sukhbaatar et al., 2021: "Not All Memories are Created Equal: Learning to Forget by
+Expiring"). Options follow SPEC §2; every field is validated when the config is built."""
+
+import math
+
+from transformers import PreTrainedConfig
+
+from .validation import (
+    check_bools,
+    check_choice,
+    check_number,
+    check_positive_ints,
+    check_token_ids,
+    is_positive_int,
+    reject_misspelled_options,
+)
+
+HIDDEN_ACTIVATIONS = ("silu", "gelu", "gelu_new", "relu")
+
+
+class ExpireSpanConfig(PreTrainedConfig):
+    r"""
+    Configuration of an Expire-Span language model: a softmax-attention Transformer whose every memory h_i carries a
+    learned lifetime (SPEC §2, paper Eqs. 4-6):
+
+        e_i  = L · σ(w · h_i / p + b)                  span predicted once per memory, shared by the heads
+        m_ti = clamp(1 + (e_i − (t − i)) / R, 0, 1)    soft mask with ramp R
+        a'_ti ∝ m_ti · softmax_i(s_ti)                  = softmax_i(s_ti + log m_ti)
+
+    Memories with m = 0 can never come back and are deleted, so the memory follows the learned spans rather than the
+    context length.
+
+    Args:
+        vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads: the Transformer's sizes
+            (`intermediate_size` is the width of the gated MLP; default the multiple of 256 above hidden_size·8/3).
+        max_span (`int`): L, the longest a memory can live (in tokens).
+        ramp (`int` or `float`): R > 0, the length of the soft mask's ramp; a memory is still read, with a weight
+            falling from 1 to 0, for R tokens after its span.
+        span_loss_coefficient (`float`): α of the auxiliary loss `α · Σ_i e_i / T` (computed on the ramp, paper
+            "Loss Computation"), added to the language-modelling loss in training.
+        span_pre_divisor (`float`): p > 0, divides the span predictor's input (the paper uses p = R for huge L).
+        initial_span_fraction (`float`): in (0, 1); the span predictor's bias starts at logit(fraction) and its weight
+            at 0, so every memory starts with span fraction · L (paper: "small initial spans"; official code: 0.1).
+        memory_shortening (`bool`): the paper's regulariser: in training, per forward, draw l ~ U(0, L) and hide
+            memories older than l. Never active in eval mode.
+        block_size (`int`): K; a long input is processed in blocks of K tokens, each attending causally to itself and
+            to the memories of earlier blocks, with expired memories deleted before each block. A block larger than
+            L + R is allowed: the tokens of one block then see each other only as far back as the spans allow, but the
+            block's attention is still computed over all K × K pairs, so it costs more than the memory needs.
+        expire_memories (`bool`): True for Expire-Span; False turns expiration off: every memory is kept exactly L
+            tokens (a fixed span, as in Transformer-XL) and the span predictor is unused.
+        rope_theta (`float`): base of the rotary position embedding on queries and keys (absolute positions).
+        hidden_dropout (`float`): dropout on each block's attention and MLP outputs before the residual sum.
+        attention_dropout (`float`): dropout on the attention weights.
+        hidden_act (`str`), rms_norm_eps (`float`), initializer_range (`float`), use_cache (`bool`),
+        tie_word_embeddings (`bool`): as in 🤗 Llama.
+    """
+
+    model_type = "memlm_expire_span"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 32000
+    hidden_size: int = 512
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 8
+    max_span: int = 8192
+    ramp: int | float = 128
+    span_loss_coefficient: float = 1e-6
+    span_pre_divisor: float = 1.0
+    initial_span_fraction: float = 0.1
+    memory_shortening: bool = False
+    block_size: int = 512
+    expire_memories: bool = True
+    rope_theta: float = 10000.0
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        reject_misspelled_options(self, kwargs)
+        if self.intermediate_size is None and is_positive_int(self.hidden_size):
+            self.intermediate_size = 256 * ((int(self.hidden_size * 4 * 2 / 3) + 255) // 256)
+        self._validate()
+        super().__post_init__(**kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def initial_span_bias(self) -> float:
+        """logit(initial_span_fraction): the span predictor's starting bias."""
+        return math.log(self.initial_span_fraction / (1 - self.initial_span_fraction))
+
+    def describe(self) -> list[str]:
+        """The configuration in words, one line per aspect (used by the model card)."""
+        lines = [
+            f"{self.num_hidden_layers} layers, hidden size {self.hidden_size}, {self.num_attention_heads} heads, "
+            f"gated MLP of width {self.intermediate_size} ({self.hidden_act}), vocabulary of {self.vocab_size} tokens"
+            + (", tied input/output embeddings" if self.tie_word_embeddings else ""),
+            f"Rotary positions (base {self.rope_theta:g}) on queries and keys",
+        ]
+        if self.expire_memories:
+            lines += [
+                f"Expire-Span memory: spans e_i = L·σ(w·h_i/{self.span_pre_divisor:g} + b) up to L = {self.max_span} "
+                f"tokens, soft mask with ramp R = {self.ramp:g}, initial span {self.initial_span_fraction:g}·L",
+                f"Span loss coefficient α = {self.span_loss_coefficient:g}"
+                + (", random memory shortening in training" if self.memory_shortening else ""),
+            ]
+        else:
+            lines.append(f"Expiration off: every memory kept for a fixed span of {self.max_span} tokens")
+        lines.append(f"Trained in blocks of {self.block_size} tokens attending to the memories of earlier blocks")
+        return lines
+
+    def _validate(self):
+        check_positive_ints(
+            self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "max_span", "block_size",
+        )  # fmt: skip
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"ExpireSpanConfig.hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})."
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"ExpireSpanConfig: the head width hidden_size / num_attention_heads = {self.head_dim} must be even "
+                "for rotary position embeddings."
+            )
+        check_number(self, "ramp", minimum=0, strict_minimum=True)
+        check_number(self, "span_loss_coefficient", minimum=0)
+        check_number(self, "span_pre_divisor", minimum=0, strict_minimum=True)
+        check_number(self, "initial_span_fraction", minimum=0, maximum=1, strict_minimum=True, strict_maximum=True)
+        check_number(self, "rope_theta", minimum=0, strict_minimum=True)
+        check_number(self, "hidden_dropout", minimum=0, maximum=1, strict_maximum=True)
+        check_number(self, "attention_dropout", minimum=0, maximum=1, strict_maximum=True)
+        check_number(self, "rms_norm_eps", minimum=0, strict_minimum=True)
+        check_number(self, "initializer_range", minimum=0)
+        check_bools(self, "memory_shortening", "expire_memories", "use_cache", "tie_word_embeddings")
+        check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
+        check_token_ids(self)
+
+
+__all__ = ["ExpireSpanConfig"]

@@ -1,0 +1,670 @@
+"""Expire-Span: a Transformer whose memories learn when to expire.
+
+Sukhbaatar, Ju, Poff, Roller, Szlam, Weston & Fan (ICML 2021), "Not All Memories are Created Equal: Learning to
+Forget by Expiring". Every memory h_i of a layer gets a span e_i = L·σ(w·h_i/p + b) (paper Eq. 5); query t reads it
+through the soft mask m_ti = clamp(1 + (e_i − (t − i))/R, 0, 1) (Eq. 6), renormalised over the memories (Eq. 4),
+which is attention with the additive bias log m_ti. A memory with m = 0 never comes back and is deleted.
+
+The file reads top to bottom: rotary embedding → attention (with the span predictor) → decoder layer → the memory of
+one layer and its pruning → the cache (`past_key_values`) → PreTrainedModel → ExpireSpanModel (block-parallel
+forward) → ExpireSpanForCausalLM.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils import ModelOutput, logging
+
+from ..configuration.configuration_expire_span import ExpireSpanConfig
+from ..export import RemoteCodeMixin
+from ..kernels.expire_attention import expire_span_attention, expire_span_mask
+from .layers import GatedMLP, RMSNorm
+
+logger = logging.get_logger(__name__)
+
+# Keyword arguments that 🤗 `generate`, `Trainer` and the loss accept; anything else is a mistake worth an error.
+ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "output_attentions")
+
+
+@dataclass
+class ExpireSpanModelOutput(ModelOutput):
+    """
+    last_hidden_state: (B, T, D) after the final norm.
+    past_key_values: the `ExpireSpanCache` with each layer's unexpired memories.
+    hidden_states: embeddings and each layer's output, when `output_hidden_states`.
+    spans: per layer, the span e_t (B, T) predicted for each input token, when `output_spans`.
+    span_loss: the auxiliary loss α·Σ e_i / T computed on the ramp (SPEC §2), summed over layers.
+    memory_size: mean number of memories each query attended to (m > 0), over queries and layers.
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    spans: tuple[torch.FloatTensor, ...] | None = None
+    span_loss: torch.FloatTensor | None = None
+    memory_size: torch.FloatTensor | None = None
+
+
+@dataclass
+class ExpireSpanCausalLMOutput(ModelOutput):
+    """
+    loss: in training mode `lm_loss + span_loss`; in eval mode `lm_loss`.
+    lm_loss: next-token cross-entropy.
+    Other fields as in `ExpireSpanModelOutput`, plus the logits.
+    """
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    spans: tuple[torch.FloatTensor, ...] | None = None
+    lm_loss: torch.FloatTensor | None = None
+    span_loss: torch.FloatTensor | None = None
+    memory_size: torch.FloatTensor | None = None
+
+
+class ExpireSpanRotaryEmbedding(nn.Module):
+    """Rotary position embedding by absolute position (SPEC §2 allows it as the default)."""
+
+    def __init__(self, config: ExpireSpanConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        self.register_buffer("inv_freq", self.compute_inverse_frequencies(), persistent=False)
+
+    def compute_inverse_frequencies(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        return 1.0 / (self.rope_theta**exponents)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) → cos, sin (B, 1, T, head_dim) in float32."""
+        angles = positions[..., None].float() * self.inv_freq.float()
+        angles = torch.cat([angles, angles], dim=-1)[:, None]
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = states.shape[-1] // 2
+    rotated = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
+    return (states.float() * cos + rotated.float() * sin).to(states.dtype)
+
+
+@dataclass
+class ExpireSpanMemory:
+    """The memories of one layer in a padded layout: row b holds valid[b].sum() live entries."""
+
+    keys: torch.Tensor  # (B, H, N, d), rotated by their positions
+    values: torch.Tensor  # (B, H, N, d)
+    positions: torch.Tensor  # (B, N) absolute position i of each memory
+    valid: torch.Tensor  # (B, N) False for empty slots
+    spans: torch.Tensor | None  # (B, N) float32 e_i (None when expiration is off)
+    span_inputs: torch.Tensor | None  # (B, N, D): h_i, kept in training so spans follow the current parameters
+
+    def select(self, keep: torch.Tensor) -> "ExpireSpanMemory":
+        """Compact: keep the entries where `keep` (B, N) is True, in order, padding rows to the longest."""
+        width = int(keep.sum(1).max()) if keep.numel() else 0
+        if width == keep.shape[1] and bool(keep.all()):
+            return self
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # live entries first
+
+        def take(tensor, dim):
+            if tensor is None:
+                return None
+            index = order.view(*order.shape[:1], *([1] * (dim - 1)), width, *([1] * (tensor.dim() - dim - 1)))
+            return tensor.gather(dim, index.expand(*tensor.shape[:dim], width, *tensor.shape[dim + 1 :]))
+
+        return ExpireSpanMemory(
+            keys=take(self.keys, 2), values=take(self.values, 2), positions=take(self.positions, 1),
+            valid=take(keep, 1), spans=take(self.spans, 1), span_inputs=take(self.span_inputs, 1),
+        )  # fmt: skip
+
+    def append(self, other: "ExpireSpanMemory") -> "ExpireSpanMemory":
+        def join(first, second, dim):
+            return None if first is None or second is None else torch.cat([first, second], dim=dim)
+
+        return ExpireSpanMemory(
+            keys=join(self.keys, other.keys, 2), values=join(self.values, other.values, 2),
+            positions=join(self.positions, other.positions, 1), valid=join(self.valid, other.valid, 1),
+            spans=join(self.spans, other.spans, 1), span_inputs=join(self.span_inputs, other.span_inputs, 1),
+        )  # fmt: skip
+
+    def map(self, function) -> "ExpireSpanMemory":
+        """Apply `function` to every tensor along the batch dimension (reorder, repeat, select rows)."""
+        return ExpireSpanMemory(
+            **{name: None if tensor is None else function(tensor) for name, tensor in vars(self).items()}
+        )
+
+
+class ExpireSpanPredictor(nn.Linear):
+    """The span predictor of one layer (paper Eq. 5): w·h + b, one output shared by the heads."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__(hidden_size, 1, bias=True)
+
+
+class ExpireSpanAttention(nn.Module):
+    """Multi-head attention over the layer's memories and the current block, masked by the learned spans."""
+
+    def __init__(self, config: ExpireSpanConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        # Paper Eq. 5: one span per memory, shared by the heads.
+        self.span_predictor = ExpireSpanPredictor(config.hidden_size) if config.expire_memories else None
+
+    def predict_spans(self, span_inputs: torch.Tensor) -> torch.Tensor:
+        """e_i = L · σ(w · h_i / p + b) (paper Eq. 5), in float32: (B, N, D) → (B, N)."""
+        logits = self.span_predictor(span_inputs / self.config.span_pre_divisor).squeeze(-1)
+        return self.config.max_span * torch.sigmoid(logits.float())
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        positions: torch.Tensor,
+        token_valid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        memory: ExpireSpanMemory | None,
+        max_distance: float | None,
+    ) -> tuple[torch.Tensor, ExpireSpanMemory, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """hidden_states (B, T, D) normed; positions (B, T); token_valid (B, T). Returns the output, the block's new
+        memories (not detached), the block's spans, the span-loss sum and the number of attended memories."""
+        batch_size, length, _ = hidden_states.shape
+        shape = (batch_size, length, self.num_heads, self.head_dim)
+        query = apply_rotary(self.q_proj(hidden_states).view(shape).transpose(1, 2), cos, sin)
+        key = apply_rotary(self.k_proj(hidden_states).view(shape).transpose(1, 2), cos, sin)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
+        block = ExpireSpanMemory(key, value, positions, token_valid, spans, hidden_states)
+
+        visible_memory = block if memory is None else memory.append(block)
+        memory_spans = visible_memory.spans
+        if self.span_predictor is not None and visible_memory.span_inputs is not None and memory is not None:
+            # Spans of earlier memories are recomputed from the current span parameters, so they keep learning.
+            memory_spans = torch.cat([self.predict_spans(memory.span_inputs), spans], dim=1)
+        output = expire_span_attention(
+            query, visible_memory.keys, visible_memory.values, memory_spans, positions, visible_memory.positions,
+            ramp=self.config.ramp, key_valid=visible_memory.valid, max_distance=max_distance,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+        )  # fmt: skip
+        output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
+
+        # Bookkeeping on the same mask the kernel uses: which (query, memory) pairs are read, and which are on the
+        # ramp (0 < m < 1), where the span loss is computed (paper, "Loss Computation").
+        distance = positions[:, :, None] - visible_memory.positions[:, None, :]
+        visible = (distance >= 0) & visible_memory.valid[:, None, :] & token_valid[:, :, None]
+        if max_distance is not None:
+            visible &= distance <= max_distance
+        if memory_spans is not None:
+            mask = expire_span_mask(memory_spans, positions, visible_memory.positions, self.config.ramp)
+            read = visible & (mask > 0)
+            on_ramp = read & (mask < 1)
+            span_loss_sum = (on_ramp * memory_spans[:, None, :]).sum() / self.config.ramp
+        else:
+            read = visible
+            span_loss_sum = output.new_zeros((), dtype=torch.float32)
+        return output, block, spans, span_loss_sum, read.sum()
+
+
+class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
+    """x = x + attention(norm(x), memories); x = x + mlp(norm(x)). Memories enter as tensors, never through the
+    cache object, so gradient checkpointing recomputes the layer from the same state."""
+
+    def __init__(self, config: ExpireSpanConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = ExpireSpanAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None):
+        mixed, block, spans, span_loss_sum, read = self.attention(
+            self.input_layernorm(hidden_states), positions, token_valid, cos, sin, memory, max_distance
+        )
+        hidden_states = hidden_states + self.dropout(mixed)
+        hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        return hidden_states, block, spans, span_loss_sum, read
+
+
+class ExpireSpanCacheLayer:
+    """The memories of one layer (an `ExpireSpanMemory`, or None before the first token) and the tokens seen."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self):
+        self.memory: ExpireSpanMemory | None = None
+        self.seen_tokens = 0
+
+    def __repr__(self):
+        return f"ExpireSpanCacheLayer(entries={self.num_entries()}, seen_tokens={self.seen_tokens})"
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.memory is not None
+
+    def num_entries(self) -> int:
+        """Width of the padded layout: the largest number of live memories in any row."""
+        return 0 if self.memory is None else self.memory.positions.shape[1]
+
+    def _map(self, function):
+        if self.memory is not None:
+            self.memory = self.memory.map(function)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._map(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._map(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._map(lambda tensor: tensor[indices.to(tensor.device) if torch.is_tensor(indices) else indices])
+
+    def reset(self):
+        self.memory = None
+        self.seen_tokens = 0
+
+    def crop(self, tokens_to_remove: int):
+        if tokens_to_remove != 0:
+            raise ValueError("An Expire-Span memory cannot be rolled back: expired memories are deleted.")
+
+    def offload(self):
+        self._map(lambda tensor: tensor.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        return None
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+
+class ExpireSpanCache(Cache):
+    """`past_key_values` of Expire-Span: per layer the keys, values, spans and positions of the unexpired memories,
+    in a padded layout compacted as memories expire (rows of a batch expire at different rates), and per row the
+    position of the next real token. Supports beam search, `num_return_sequences` and batch selection."""
+
+    def __init__(self, config: ExpireSpanConfig):
+        super().__init__(layers=[ExpireSpanCacheLayer() for _ in range(config.num_hidden_layers)])
+        self.next_positions: torch.Tensor | None = None  # (B,) number of real (unpadded) tokens seen per row
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of tokens (padding included) the cache has consumed."""
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].seen_tokens
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.next_positions is None else self.next_positions.shape[0]
+
+    def memory_entries(self) -> list[int]:
+        """Per layer, the largest number of memories any row keeps (the width of the padded layout)."""
+        return [layer.num_entries() for layer in self.layers]
+
+    def update(self, *args, **kwargs):
+        raise TypeError("ExpireSpanCache is written by the Expire-Span layers themselves, not through update().")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions[indices]
+
+    def reset(self):
+        super().reset()
+        self.next_positions = None
+
+
+class ExpireSpanPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
+    config: ExpireSpanConfig
+    config_class = ExpireSpanConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ExpireSpanDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _can_compile_fullgraph = False
+    _supports_sdpa = True
+    # Expired memories are deleted and cannot be brought back, so assisted decoding (which rolls back) is refused.
+    _is_stateful = True
+    hub_card_template = "expire_span.md"
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # `generate` must not build a DynamicCache: the model creates its own ExpireSpanCache on the first forward.
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        if isinstance(module, ExpireSpanPredictor):
+            # Official code / paper "small initial spans": w = 0, b = logit(fraction), so e = fraction · L at first.
+            init.zeros_(module.weight)
+            init.constant_(module.bias, self.config.initial_span_bias)
+            return
+        super()._init_weights(module)
+        if isinstance(module, ExpireSpanRotaryEmbedding):
+            init.copy_(module.inv_freq, module.compute_inverse_frequencies())
+
+
+class ExpireSpanModel(ExpireSpanPreTrainedModel):
+    # Delete memories that can no longer be read (m = 0 for the next query). Turning it off keeps them (they are
+    # still masked out), which changes nothing but memory use; the tests compare both.
+    prune_expired_memories = True
+
+    def __init__(self, config: ExpireSpanConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [ExpireSpanDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = ExpireSpanRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def _prune(self, layer: ExpireSpanDecoderLayer, memory: ExpireSpanMemory, first_positions: torch.Tensor):
+        """Delete memories that are dead for each row's first query of the coming block (and empty slots)."""
+        keep = memory.valid
+        if self.prune_expired_memories:
+            if self.config.expire_memories:
+                spans = memory.spans
+                if memory.span_inputs is not None:
+                    with torch.no_grad():
+                        spans = layer.attention.predict_spans(memory.span_inputs)
+                # m_ti = 0 ⇔ e_i − (t − i) <= −R ⇔ i + e_i + R <= t (paper Eq. 6); m only falls as t grows.
+                dead = memory.positions + spans + self.config.ramp <= first_positions[:, None]
+            else:
+                dead = first_positions[:, None] - memory.positions > self.config.max_span
+            keep = keep & ~dead
+        return memory.select(keep)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: ExpireSpanCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_spans: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> ExpireSpanModelOutput | tuple:
+        r"""
+        attention_mask: (B, T) or (B, past + T) padding mask; padded tokens never become memories and do not advance
+            the positions.
+        position_ids: absolute positions of the tokens; by default counted from the first real token of each row.
+        past_key_values: an `ExpireSpanCache` with the memories of earlier tokens.
+        output_spans: also return, per layer, the span e_t predicted for each input token.
+        """
+        _check_extra_kwargs(kwargs, type(self).__name__)
+        if kwargs.get("output_attentions"):
+            raise ValueError("Expire-Span does not return attention weights (output_attentions=True).")
+        config = self.config
+        use_cache = use_cache if use_cache is not None else config.use_cache
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else config.return_dict
+
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if input_ids is not None:
+            _check_input_ids(input_ids, config.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must have shape (batch, length, hidden_size={config.hidden_size}), "
+                f"got {tuple(inputs_embeds.shape)}."
+            )
+        batch_size, length = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+
+        if past_key_values is not None and not isinstance(past_key_values, ExpireSpanCache):
+            raise TypeError(
+                "Expire-Span keeps its memories in an ExpireSpanCache; got past_key_values of type "
+                f"{type(past_key_values).__name__}. Pass None (a cache is created) or the ExpireSpanCache a previous "
+                "call returned."
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = ExpireSpanCache(config)
+        if past_key_values is not None and len(past_key_values.layers) != config.num_hidden_layers:
+            raise ValueError(
+                f"The ExpireSpanCache has {len(past_key_values.layers)} layers but the model has "
+                f"{config.num_hidden_layers}."
+            )
+        if past_key_values is not None and past_key_values.batch_size not in (-1, batch_size):
+            raise ValueError(
+                f"The ExpireSpanCache holds a batch of {past_key_values.batch_size} rows but the input has "
+                f"{batch_size}."
+            )
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        token_valid = _current_mask(attention_mask, batch_size, length, past_length, device)
+
+        start_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
+        if past_key_values is not None and past_key_values.next_positions is not None:
+            start_positions = past_key_values.next_positions.to(device)
+        if position_ids is None:
+            positions = start_positions[:, None] + token_valid.long().cumsum(1) - 1
+        else:
+            if position_ids.dim() != 2 or position_ids.shape[-1] != length:
+                raise ValueError(f"position_ids must have shape (batch, {length}), got {tuple(position_ids.shape)}.")
+            positions = position_ids.to(device).long().expand(batch_size, length)
+        positions = positions.masked_fill(~token_valid, -1)  # padding sees nothing and is seen by nothing
+
+        # Paper "Memory shortening": per forward draw l ~ U(0, L) and hide memories older than l (training only).
+        max_distance = None if config.expire_memories else config.max_span
+        if self.training and config.memory_shortening:
+            drawn = float(torch.rand(()) * config.max_span)
+            max_distance = drawn if max_distance is None else min(max_distance, drawn)
+
+        memories = [
+            past_key_values.layers[index].memory if past_key_values is not None else None
+            for index in range(config.num_hidden_layers)
+        ]
+        keep_span_inputs = self.training and torch.is_grad_enabled() and config.expire_memories
+        block_outputs, all_hidden_states, all_spans = [], [], [[] for _ in self.layers]
+        span_loss_sum = inputs_embeds.new_zeros((), dtype=torch.float32)
+        read_count = torch.zeros((), dtype=torch.long, device=device)
+        for start in range(0, length, config.block_size):
+            block = slice(start, start + config.block_size)
+            hidden_states = inputs_embeds[:, block]
+            block_positions, block_valid = positions[:, block], token_valid[:, block]
+            cos, sin = self.rotary_emb(block_positions)
+            # The first real query of each row in this block (rows without one delete nothing: -1).
+            first_positions = torch.where(block_valid, block_positions, torch.iinfo(torch.long).max).amin(1)
+            first_positions = first_positions.masked_fill(~block_valid.any(1), -1)
+            block_hidden_states = [hidden_states]
+            for index, decoder_layer in enumerate(self.layers):
+                memory = memories[index]
+                if memory is not None:
+                    memory = self._prune(decoder_layer, memory, first_positions)
+                hidden_states, new, spans, layer_span_loss, layer_read = decoder_layer(
+                    hidden_states, block_positions, block_valid, cos, sin, memory=memory, max_distance=max_distance
+                )
+                span_loss_sum = span_loss_sum + layer_span_loss
+                read_count = read_count + layer_read
+                # Memories of earlier blocks carry no gradient to the hidden states that made them.
+                new = ExpireSpanMemory(
+                    keys=new.keys.detach(), values=new.values.detach(), positions=new.positions, valid=new.valid,
+                    spans=None if new.spans is None else new.spans.detach(),
+                    span_inputs=new.span_inputs.detach() if keep_span_inputs else None,
+                )  # fmt: skip
+                # Appending drops span inputs unless both sides have them (a cache made in eval mode has none).
+                memories[index] = new if memory is None else memory.append(new)
+                block_hidden_states.append(hidden_states)
+                if output_spans and spans is not None:
+                    all_spans[index].append(spans)
+            block_outputs.append(hidden_states)
+            all_hidden_states.append(block_hidden_states)
+
+        hidden_states = self.norm(torch.cat(block_outputs, dim=1))
+        hidden_states_out = None
+        if output_hidden_states:
+            hidden_states_out = tuple(
+                torch.cat([block[index] for block in all_hidden_states], dim=1) for index in range(len(self.layers))
+            ) + (hidden_states,)
+        spans_out = tuple(torch.cat(spans, dim=1) for spans in all_spans if spans) if output_spans else None
+
+        queries = token_valid.sum().clamp_min(1)
+        span_loss = config.span_loss_coefficient * span_loss_sum / queries
+        memory_size = read_count.float() / (queries * config.num_hidden_layers)
+
+        if past_key_values is not None:
+            for index, layer in enumerate(past_key_values.layers):
+                layer.memory = memories[index]
+                layer.seen_tokens += length
+            past_key_values.next_positions = start_positions + token_valid.sum(1)
+        output = ExpireSpanModelOutput(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=hidden_states_out,
+            spans=spans_out,
+            span_loss=span_loss,
+            memory_size=memory_size,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: ExpireSpanConfig):
+        super().__init__(config)
+        self.model = ExpireSpanModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: ExpireSpanCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_spans: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> ExpireSpanCausalLMOutput | tuple:
+        r"""
+        labels: (B, T) token ids; next-token cross-entropy (shifted inside), -100 ignored. In training mode the span
+            loss is added to it (`loss = lm_loss + span_loss`); both are reported.
+        logits_to_keep: an int keeps the last that many positions (0 keeps all); a tensor selects positions.
+        """
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            output_hidden_states=output_hidden_states, output_spans=output_spans, return_dict=True, **kwargs,
+        )  # fmt: skip
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+
+        loss = lm_loss = None
+        if labels is not None:
+            loss_kwargs = {key: kwargs[key] for key in ("num_items_in_batch", "ignore_index") if key in kwargs}
+            lm_loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
+            )
+            loss = lm_loss + outputs.span_loss.to(lm_loss.dtype) if self.training else lm_loss
+        output = ExpireSpanCausalLMOutput(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+            spans=outputs.spans, lm_loss=lm_loss, span_loss=outputs.span_loss, memory_size=outputs.memory_size,
+        )  # fmt: skip
+        return output if return_dict else output.to_tuple()
+
+
+def _check_extra_kwargs(kwargs: dict, owner: str):
+    unexpected = sorted(set(kwargs) - set(ACCEPTED_EXTRA_KWARGS))
+    if unexpected:
+        raise TypeError(f"{owner}.forward() got unexpected keyword argument(s): {', '.join(unexpected)}.")
+
+
+def _check_input_ids(input_ids: torch.Tensor, vocab_size: int):
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {int(input_ids.min())} to "
+            f"{int(input_ids.max())}. Is the tokenizer the one this model was trained with?"
+        )
+
+
+def _current_mask(
+    attention_mask: torch.Tensor | None, batch_size: int, length: int, past_length: int, device: torch.device
+) -> torch.Tensor:
+    """The (B, T) boolean part of a 2-D padding mask covering the current tokens (all True without a mask)."""
+    if attention_mask is None:
+        return torch.ones(batch_size, length, dtype=torch.bool, device=device)
+    if (
+        attention_mask.dim() != 2
+        or attention_mask.shape[0] != batch_size
+        or attention_mask.shape[1]
+        not in (
+            length,
+            past_length + length,
+        )
+    ):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask of shape (batch={batch_size}, length={length}) or "
+            f"(batch={batch_size}, past + length={past_length + length}); got {tuple(attention_mask.shape)}."
+        )
+    return attention_mask[:, -length:].to(device).bool()
+
+
+__all__ = ["ExpireSpanCache", "ExpireSpanForCausalLM", "ExpireSpanModel", "ExpireSpanPreTrainedModel"]

@@ -1,0 +1,62 @@
+import math
+
+import pytest
+from transformers import AutoConfig
+
+from memlm import ExpireSpanConfig
+
+
+def test_defaults_and_derived_values():
+    config = ExpireSpanConfig()
+    assert config.head_dim == config.hidden_size // config.num_attention_heads
+    assert config.expire_memories and not config.memory_shortening
+    assert math.isclose(1 / (1 + math.exp(-config.initial_span_bias)), config.initial_span_fraction)
+    assert config.intermediate_size % 256 == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"ramp": 0}, r"ramp must be a number in \(0, inf\]"),
+        ({"ramp": -3}, r"ramp must be a number in \(0, inf\]"),
+        ({"max_span": 0}, "max_span must be a positive integer"),
+        ({"max_span": 2.5}, "max_span must be a positive integer"),
+        ({"block_size": 0}, "block_size must be a positive integer"),
+        ({"span_loss_coefficient": -1e-6}, r"span_loss_coefficient must be a number in \[0, inf\]"),
+        ({"span_pre_divisor": 0}, r"span_pre_divisor must be a number in \(0, inf\]"),
+        ({"initial_span_fraction": 1.0}, r"initial_span_fraction must be a number in \(0, 1\)"),
+        ({"initial_span_fraction": 0}, r"initial_span_fraction must be a number in \(0, 1\)"),
+        ({"rope_theta": 0}, "rope_theta must be a number"),
+        ({"hidden_dropout": 1}, r"hidden_dropout must be a number in \[0, 1\)"),
+        ({"attention_dropout": -0.1}, "attention_dropout must be a number"),
+        ({"memory_shortening": 1}, "memory_shortening must be True or False"),
+        ({"expire_memories": "no"}, "expire_memories must be True or False"),
+        ({"hidden_act": "tanh"}, "hidden_act must be one of"),
+        ({"hidden_size": 30, "num_attention_heads": 4}, "must be a multiple of num_attention_heads"),
+        ({"hidden_size": 36, "num_attention_heads": 4}, "must be even for rotary"),
+        ({"eos_token_id": 10**6}, "eos_token_id must be None"),
+        ({"max_spam": 10}, "did you mean 'max_span'"),
+    ],
+)
+def test_bad_values_raise_value_errors_naming_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        ExpireSpanConfig(**options)
+
+
+def test_a_block_larger_than_the_span_is_allowed():
+    config = ExpireSpanConfig(max_span=16, ramp=4, block_size=64)
+    assert config.block_size > config.max_span + config.ramp
+
+
+def test_round_trip(tmp_path):
+    config = ExpireSpanConfig(hidden_size=64, num_attention_heads=4, max_span=100, ramp=8, memory_shortening=True)
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is ExpireSpanConfig
+    assert (loaded.max_span, loaded.ramp, loaded.memory_shortening) == (100, 8, True)
+
+
+def test_describe():
+    text = "\n".join(ExpireSpanConfig(max_span=1000, ramp=16, memory_shortening=True).describe())
+    assert "L = 1000" in text and "R = 16" in text and "shortening" in text
+    assert "fixed span of 1000" in "\n".join(ExpireSpanConfig(max_span=1000, expire_memories=False).describe())

@@ -1,0 +1,358 @@
+"""Expire-Span: block-parallel forward == decoding, padding, the span mechanism, the pruned cache, generation."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+from memlm import ExpireSpanCache, ExpireSpanConfig, ExpireSpanForCausalLM
+
+TINY = {
+    "vocab_size": 258,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "max_span": 16,
+    "ramp": 4,
+    "block_size": 8,
+    "initial_span_fraction": 0.3,
+    "eos_token_id": 256,
+    "bos_token_id": 256,
+    "pad_token_id": 257,
+}
+
+
+def _model(span_weight=0.5, span_bias=None, **overrides) -> ExpireSpanForCausalLM:
+    """A tiny model whose spans differ from token to token (random span-predictor weights)."""
+    model = ExpireSpanForCausalLM(ExpireSpanConfig(**{**TINY, **overrides})).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+        for layer in model.model.layers:
+            predictor = layer.attention.span_predictor
+            if predictor is not None:
+                predictor.weight.normal_(0, span_weight)
+                if span_bias is not None:
+                    predictor.bias.fill_(span_bias)
+    return model
+
+
+def _decode(model, input_ids, prefill, **kwargs):
+    with torch.no_grad():
+        output = model(input_ids[:, :prefill], use_cache=True, **kwargs)
+        cache, pieces = output.past_key_values, [output.logits]
+        for t in range(prefill, input_ids.shape[1]):
+            output = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = output.past_key_values
+            pieces.append(output.logits)
+    return torch.cat(pieces, 1), cache
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"block_size": 3}, {"block_size": 64}, {"expire_memories": False}, {"ramp": 1.5, "max_span": 7}],
+)
+def test_full_forward_equals_prefill_then_token_by_token_decoding(overrides):
+    model = _model(**overrides)
+    input_ids = torch.randint(0, 256, (2, 45))
+    with torch.no_grad():
+        full = model(input_ids).logits
+    decoded, cache = _decode(model, input_ids, prefill=11)
+    torch.testing.assert_close(decoded, full, atol=1e-4, rtol=0)
+    assert cache.get_seq_length() == 45
+
+
+def test_block_size_does_not_change_the_result():
+    input_ids = torch.randint(0, 256, (2, 40))
+    torch.manual_seed(3)
+    reference = _model(block_size=1)
+    logits = []
+    for block_size in (1, 5, 8, 40):
+        model = copy.deepcopy(reference)
+        model.config.block_size = block_size
+        with torch.no_grad():
+            logits.append(model(input_ids).logits)
+    for other in logits[1:]:
+        torch.testing.assert_close(other, logits[0], atol=1e-5, rtol=0)
+
+
+def test_left_padding_equals_each_row_alone():
+    model = _model()
+    pad = model.config.pad_token_id
+    rows = [torch.randint(0, 256, (n,)) for n in (21, 9, 4)]
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, width - len(row) :] = row
+        attention_mask[index, width - len(row) :] = 1
+    following = torch.randint(0, 256, (len(rows), 6))
+    with torch.no_grad():
+        batch = model(input_ids, attention_mask=attention_mask, use_cache=True)
+        mask = torch.cat([attention_mask, torch.ones(len(rows), 6, dtype=torch.long)], 1)
+        continued = model(following, attention_mask=mask, past_key_values=batch.past_key_values, use_cache=True)
+        for index, row in enumerate(rows):
+            alone = model(row[None], use_cache=True)
+            torch.testing.assert_close(batch.logits[index, width - len(row) :], alone.logits[0], atol=1e-4, rtol=0)
+            alone_next = model(following[index : index + 1], past_key_values=alone.past_key_values, use_cache=True)
+            torch.testing.assert_close(continued.logits[index], alone_next.logits[0], atol=1e-4, rtol=0)
+
+
+def test_backends_agree_at_model_level(monkeypatch):
+    model = _model()
+    input_ids = torch.randint(0, 256, (2, 30))
+    with torch.no_grad():
+        fast = model(input_ids).logits
+        monkeypatch.setenv("MEMLM_KERNELS", "reference")
+        reference = model(input_ids).logits
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=0)
+
+
+def test_span_parameters_learn_from_the_language_modelling_loss_through_the_mask():
+    model = _model(span_loss_coefficient=0.0, span_bias=-1.0).train()
+    input_ids = torch.randint(0, 256, (2, 40))
+    output = model(input_ids, labels=input_ids)
+    assert output.span_loss == 0 and torch.equal(output.loss, output.lm_loss)
+    output.loss.backward()
+    for layer in model.model.layers:
+        predictor = layer.attention.span_predictor
+        assert predictor.weight.grad.abs().sum() > 0 and predictor.bias.grad.abs() > 0
+
+
+def test_span_loss_alone_drives_spans_down():
+    model = _model(span_loss_coefficient=1.0, span_bias=0.0).train()
+    input_ids = torch.randint(0, 256, (2, 40))
+    predictors = [layer.attention.span_predictor for layer in model.model.layers]
+    optimizer = torch.optim.SGD([p for predictor in predictors for p in predictor.parameters()], lr=0.5)
+
+    def mean_span():
+        with torch.no_grad():
+            return torch.cat(model.eval()(input_ids, output_spans=True).spans).mean().item()
+
+    before = mean_span()
+    for _ in range(20):
+        model.train()
+        optimizer.zero_grad()
+        output = model(input_ids)
+        assert output.span_loss > 0
+        output.span_loss.backward()
+        optimizer.step()
+    after = mean_span()
+    assert after < 0.5 * before, (before, after)
+
+
+def test_earlier_blocks_pass_no_gradient_to_their_hidden_states_but_spans_still_learn():
+    model = _model(block_size=10, span_bias=1.0, span_loss_coefficient=0.0).train()
+    embeds = model.get_input_embeddings()(torch.randint(0, 256, (1, 20))).detach().requires_grad_(True)
+    output = model(inputs_embeds=embeds)
+    output.logits[:, 10:].sum().backward()  # a loss on the second block only
+    assert embeds.grad[:, :10].abs().sum() == 0
+    assert embeds.grad[:, 10:].abs().sum() > 0
+    assert model.model.layers[0].attention.span_predictor.weight.grad.abs().sum() > 0
+
+
+def test_outputs_report_losses_spans_and_memory_size():
+    model = _model(span_loss_coefficient=1e-3)
+    input_ids = torch.randint(0, 256, (2, 20))
+    output = model(input_ids, labels=input_ids, output_spans=True, output_hidden_states=True)
+    assert torch.equal(output.loss, output.lm_loss)  # eval mode: the span loss is reported, not added
+    assert output.span_loss > 0
+    assert len(output.spans) == 2 and output.spans[0].shape == (2, 20)
+    assert ((output.spans[0] >= 0) & (output.spans[0] <= 16)).all()
+    assert 1 <= output.memory_size <= 20
+    assert len(output.hidden_states) == 3 and output.hidden_states[0].shape == (2, 20, 32)
+    model.train()
+    trained = model(input_ids, labels=input_ids)
+    torch.testing.assert_close(trained.loss, trained.lm_loss + trained.span_loss)
+    as_tuple = model.eval()(input_ids, return_dict=False)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], output.logits)
+
+
+def test_initial_spans_follow_the_configured_fraction():
+    model = ExpireSpanForCausalLM(ExpireSpanConfig(**{**TINY, "initial_span_fraction": 0.25}))
+    spans = model(torch.randint(0, 256, (1, 6)), output_spans=True).spans
+    for layer_spans in spans:
+        torch.testing.assert_close(layer_spans, torch.full_like(layer_spans, 0.25 * 16))
+
+
+def test_short_spans_keep_the_generation_cache_bounded():
+    model = _model(span_weight=0.0, span_bias=-30.0, ramp=6)  # e ≈ 0: a memory lives R tokens
+    token = torch.tensor([[5]])
+    largest = 0
+    with torch.no_grad():
+        output = model(token, use_cache=True)
+        cache = output.past_key_values
+        for _ in range(2000):
+            token = output.logits[:, -1:].argmax(-1)
+            output = model(token, past_key_values=cache, use_cache=True)
+            largest = max(largest, *cache.memory_entries())
+    assert cache.get_seq_length() == 2001
+    assert largest <= 6 + 1  # the span (≈ 0) plus the ramp R, plus the token itself
+
+
+def test_long_spans_make_the_cache_grow_with_the_context():
+    model = _model(span_weight=0.0, span_bias=30.0, max_span=10_000, ramp=6)
+    _, cache = _decode(model, torch.randint(0, 256, (1, 300)), prefill=50)
+    assert cache.memory_entries() == [300, 300]
+
+
+def test_pruning_changes_memory_use_but_not_the_logits():
+    model = _model(max_span=12, ramp=3)
+    input_ids = torch.randint(0, 256, (2, 80))
+    pruned_logits, pruned_cache = _decode(model, input_ids, prefill=30)
+    unpruned = copy.deepcopy(model)
+    unpruned.model.prune_expired_memories = False
+    unpruned_logits, unpruned_cache = _decode(unpruned, input_ids, prefill=30)
+    torch.testing.assert_close(pruned_logits, unpruned_logits, atol=1e-5, rtol=0)
+    assert max(pruned_cache.memory_entries()) <= 12 + 3 + 1
+    assert unpruned_cache.memory_entries() == [80, 80]
+
+
+def test_fixed_span_mode_keeps_exactly_the_last_max_span_memories():
+    model = _model(expire_memories=False, max_span=10)
+    assert all(layer.attention.span_predictor is None for layer in model.model.layers)
+    _, cache = _decode(model, torch.randint(0, 256, (1, 50)), prefill=20)
+    assert cache.memory_entries() == [11, 11]  # positions t-10 … t stay until the next token comes
+
+
+def test_memory_shortening_only_in_training():
+    torch.manual_seed(0)
+    model = _model(memory_shortening=True, max_span=32, block_size=8)
+    plain = copy.deepcopy(model)
+    plain.config.memory_shortening = False
+    input_ids = torch.randint(0, 256, (1, 40))
+    with torch.no_grad():
+        evaluated = [model(input_ids).logits for _ in range(3)]
+        assert all(torch.equal(logits, evaluated[0]) for logits in evaluated)
+        torch.testing.assert_close(evaluated[0], plain(input_ids).logits)
+        model.train()
+        plain.train()
+        trained = [model(input_ids).logits for _ in range(3)]
+        assert not all(torch.allclose(logits, trained[0]) for logits in trained[1:])
+        assert not torch.allclose(trained[0], plain(input_ids).logits)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _model(span_loss_coefficient=1e-2).train()
+    input_ids = torch.randint(0, 256, (2, 24))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+    plain = gradients()
+    model.activation_checkpointing_enable()
+    checkpointed = gradients()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_close_to_float32(dtype):
+    model = _model()
+    input_ids = torch.randint(0, 256, (2, 30))
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        half = copy.deepcopy(model).to(dtype)(input_ids).logits
+    assert half.dtype == dtype
+    assert (half.float() - reference).norm() / reference.norm() < 0.05
+
+
+def test_cache_reorder_repeat_and_select():
+    model = _model()
+    prompt = torch.randint(0, 256, (3, 20))
+    follow = torch.randint(0, 256, (3, 1))
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+        reordered = copy.deepcopy(cache)
+        reordered.reorder_cache(torch.tensor([2, 0, 0]))
+        expected = model(torch.cat([prompt[[2, 0, 0]], follow], 1)).logits[:, -1:]
+        torch.testing.assert_close(model(follow, past_key_values=reordered).logits, expected, atol=1e-4, rtol=0)
+        repeated = copy.deepcopy(cache)
+        repeated.batch_repeat_interleave(2)
+        follow6 = torch.randint(0, 256, (6, 1))
+        expected = model(torch.cat([prompt.repeat_interleave(2, 0), follow6], 1)).logits[:, -1:]
+        torch.testing.assert_close(model(follow6, past_key_values=repeated).logits, expected, atol=1e-4, rtol=0)
+        selected = copy.deepcopy(cache)
+        selected.batch_select_indices(torch.tensor([1]))
+        expected = model(torch.cat([prompt[1:2], follow[1:2]], 1)).logits[:, -1:]
+        torch.testing.assert_close(model(follow[1:2], past_key_values=selected).logits, expected, atol=1e-4, rtol=0)
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = _model()
+    input_ids = torch.randint(0, 256, (2, 5))
+    with pytest.raises(TypeError, match="ExpireSpanCache; got past_key_values of type DynamicCache"):
+        model(input_ids, past_key_values=DynamicCache())
+    with pytest.raises(ValueError, match=r"attention_mask must be a 2-D padding mask"):
+        model(input_ids, attention_mask=torch.ones(2, 9))
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=258\)"):
+        model(torch.tensor([[1, 300]]))
+    with pytest.raises(ValueError, match=r"position_ids must have shape \(batch, 5\)"):
+        model(input_ids, position_ids=torch.arange(4)[None])
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        model(input_ids, cache_position=torch.arange(5))
+    cache = model(input_ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="holds a batch of 2 rows but the input has 1"):
+        model(input_ids[:1, :1], past_key_values=cache)
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        cache.crop(1)
+
+
+# generate() and pipeline()
+
+
+def test_greedy_equals_a_loop_of_full_forwards():
+    model = _model()
+    prompt = torch.randint(0, 256, (2, 7))
+    generated = model.generate(prompt, max_new_tokens=25, min_new_tokens=25, do_sample=False)
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(25):
+            sequence = torch.cat([sequence, model(sequence).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(generated, sequence)
+
+
+def test_sampling_and_beam_search_match_recomputation():
+    model = _model()
+    prompt = torch.randint(0, 256, (2, 6))
+    options = {"do_sample": True, "max_new_tokens": 20, "min_new_tokens": 20, "top_k": 0}
+    torch.manual_seed(11)
+    cached = model.generate(prompt, **options)
+    torch.manual_seed(11)
+    recomputed = model.generate(prompt, use_cache=False, **options)
+    assert torch.equal(cached, recomputed)
+    beams = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 20, "min_new_tokens": 20,
+             "do_sample": False}  # fmt: skip
+    assert torch.equal(model.generate(prompt, **beams), model.generate(prompt, use_cache=False, **beams))
+
+
+def test_left_padded_generation_and_pipeline(tmp_path, tokenizer):
+    model = _model()
+    tokenizer.padding_side = "left"
+    prompts = ["Memories expire", "Hi"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    generated = model.generate(**batch, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    for index, prompt in enumerate(prompts):
+        alone = model.generate(**tokenizer([prompt], return_tensors="pt"), max_new_tokens=8, min_new_tokens=8,
+                               do_sample=False)  # fmt: skip
+        assert generated[index, -8:].tolist() == alone[0, -8:].tolist()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    generator = pipeline("text-generation", model=str(tmp_path), device="cpu")
+    text = generator("Memories expire", max_new_tokens=6, min_new_tokens=6, do_sample=False)[0]["generated_text"]
+    expected = model.generate(**tokenizer(["Memories expire"], return_tensors="pt"), max_new_tokens=6,
+                              min_new_tokens=6, do_sample=False)  # fmt: skip
+    assert text == tokenizer.decode(expected[0], skip_special_tokens=True)
+
+
+def test_generate_returns_an_expire_span_cache():
+    model = _model()
+    output = model.generate(torch.randint(0, 256, (1, 5)), max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                            return_dict_in_generate=True)  # fmt: skip
+    assert isinstance(output.past_key_values, ExpireSpanCache)
+    assert output.past_key_values.get_seq_length() == 34
