@@ -23,7 +23,7 @@ from transformers.utils import ModelOutput, logging
 
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
-from ..kernels.expire_attention import expire_span_attention, expire_span_mask
+from ..kernels.expire_attention import expire_span_attention, expire_span_mask, memory_statistics, visible_keys
 from .layers import GatedMLP, RMSNorm
 
 logger = logging.get_logger(__name__)
@@ -201,21 +201,15 @@ class ExpireSpanAttention(nn.Module):
         )  # fmt: skip
         output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
 
-        # Bookkeeping on the same mask the kernel uses: which (query, memory) pairs are read, and which are on the
-        # ramp (0 < m < 1), where the span loss is computed (paper, "Loss Computation").
-        distance = positions[:, :, None] - visible_memory.positions[:, None, :]
-        visible = (distance >= 0) & visible_memory.valid[:, None, :] & token_valid[:, :, None]
-        if max_distance is not None:
-            visible &= distance <= max_distance
-        if memory_spans is not None:
-            mask = expire_span_mask(memory_spans, positions, visible_memory.positions, self.config.ramp)
-            read = visible & (mask > 0)
-            on_ramp = read & (mask < 1)
-            span_loss_sum = (on_ramp * memory_spans[:, None, :]).sum() / self.config.ramp
-        else:
-            read = visible
+        # Bookkeeping: which (query, memory) pairs are read (m > 0), and which are on the ramp (0 < m < 1), where the
+        # span loss is computed (paper, "Loss Computation"): the loss is Σ_i e_i · (queries seeing i on the ramp) / R.
+        read_counts, ramp_counts = _memory_counts(
+            memory_spans, positions, token_valid, visible_memory, self.config.ramp, max_distance
+        )
+        span_loss_sum = (ramp_counts * memory_spans).sum() / self.config.ramp if memory_spans is not None else None
+        if span_loss_sum is None:
             span_loss_sum = output.new_zeros((), dtype=torch.float32)
-        return output, block, spans, span_loss_sum, read.sum()
+        return output, block, spans, span_loss_sum, read_counts.sum()
 
 
 class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
@@ -625,6 +619,27 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, GenerationMixin):
             spans=outputs.spans, lm_loss=lm_loss, span_loss=outputs.span_loss, memory_size=outputs.memory_size,
         )  # fmt: skip
         return output if return_dict else output.to_tuple()
+
+
+def _memory_counts(spans, positions, token_valid, memory, ramp, max_distance):
+    """Per memory (B, N): how many of the block's queries read it and how many see it on the ramp. The valid queries
+    of a row hold consecutive positions (they are counted from the padding mask), so the counts come from their
+    first and last position without building the (T, N) mask; other position_ids fall back to the mask."""
+    valid_positions = positions.masked_fill(~token_valid, torch.iinfo(torch.long).max)
+    first = valid_positions.amin(1)
+    last = positions.masked_fill(~token_valid, torch.iinfo(torch.long).min).amax(1)
+    count = token_valid.sum(1)
+    consecutive = torch.where(count > 0, last - first + 1 == count, True)
+    if bool(consecutive.all()):
+        first = torch.where(count > 0, first, 0)
+        last = torch.where(count > 0, last, -1)
+        return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance)
+    visible = visible_keys(positions, memory.positions, memory.valid, max_distance) & token_valid[:, :, None]
+    if spans is None:
+        return visible.sum(1).float(), torch.zeros_like(memory.positions, dtype=torch.float32)
+    with torch.no_grad():
+        mask = expire_span_mask(spans.detach(), positions, memory.positions, ramp)
+    return (visible & (mask > 0)).sum(1).float(), (visible & (mask > 0) & (mask < 1)).sum(1).float()
 
 
 def _check_extra_kwargs(kwargs: dict, owner: str):

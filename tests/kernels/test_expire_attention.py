@@ -8,6 +8,8 @@ from memlm.kernels.expire_attention import (
     expire_span_attention_reference,
     expire_span_attention_sdpa,
     expire_span_mask,
+    memory_statistics,
+    visible_keys,
 )
 
 BACKENDS = ["torch", "reference"]
@@ -411,3 +413,26 @@ def test_bad_inputs_raise_value_errors(change, message):
     for backend in BACKENDS:
         with pytest.raises(ValueError, match=message):
             expire_span_attention(**arguments, backend=backend)
+
+
+@pytest.mark.parametrize("max_distance", [None, 9, 4.5])
+def test_memory_statistics_count_what_the_dense_mask_shows(max_distance):
+    generator = torch.Generator().manual_seed(7)
+    batch, keys, ramp = 3, 40, 3.0
+    key_positions = torch.randint(0, 30, (batch, keys), generator=generator)
+    spans = torch.rand(batch, keys, generator=generator) * 12
+    spans[0, :5] = torch.tensor([0.0, 1.0, 2.5, 3.0, 7.0])  # integer and half-integer spans hit the ramp's ends
+    key_valid = torch.rand(batch, keys, generator=generator) > 0.2
+    first = torch.tensor([20, 25, 31])
+    last = torch.tensor([35, 27, 30])  # the last row has no queries
+    read, on_ramp = memory_statistics(spans, key_positions, key_valid, first, last, ramp, max_distance)
+    for row in range(batch):
+        queries = torch.arange(int(first[row]), int(last[row]) + 1)[None]
+        if queries.numel() == 0:
+            assert read[row].sum() == 0 and on_ramp[row].sum() == 0
+            continue
+        visible = visible_keys(queries, key_positions[row : row + 1], key_valid[row : row + 1], max_distance)
+        mask = expire_span_mask(spans[row : row + 1], queries, key_positions[row : row + 1], ramp)
+        torch.testing.assert_close(read[row], (visible & (mask > 0)).sum(1)[0].float())
+        torch.testing.assert_close(on_ramp[row], (visible & (mask > 0) & (mask < 1)).sum(1)[0].float())
+    assert read.sum() > 0 and on_ramp.sum() > 0

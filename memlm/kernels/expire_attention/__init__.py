@@ -17,7 +17,7 @@ import torch
 
 from memlm.kernels import resolve_backend
 
-from .reference import expire_span_attention_reference, expire_span_mask, visible_keys
+from .reference import expire_span_attention_reference, expire_span_mask, memory_statistics, visible_keys
 from .sdpa import expire_span_attention_sdpa
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "expire_span_attention_reference",
     "expire_span_attention_sdpa",
     "expire_span_mask",
+    "memory_statistics",
     "visible_keys",
 ]
 

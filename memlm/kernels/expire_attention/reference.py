@@ -20,6 +20,8 @@ Shapes: query ``(B, H, T, d)``, key ``(B, H, N, d)``, value ``(B, H, N, d_v)``, 
 ``memlm.kernels.expire_attention.expire_span_attention``.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -76,6 +78,39 @@ def visible_keys(
     if max_distance is not None:
         visible = visible & (distance <= max_distance)
     return visible
+
+
+def memory_statistics(
+    spans: torch.Tensor | None,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor,
+    first_query: torch.Tensor,
+    last_query: torch.Tensor,
+    ramp: float,
+    max_distance: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key, how many queries read it (m > 0 and visible) and how many see it on the ramp (0 < m < 1), for
+    queries at every integer position of [first_query, last_query] (per row, (B,)); (B, N) float each.
+
+    Counting instead of building the (T, N) mask: with integer positions, key i is visible to t in
+    [max(first, i), min(last, i + ⌊D⌋)], has m > 0 for t < i + e_i + R and is on the ramp for t > i + e_i (Eq. 5).
+    An empty range (first > last) counts nothing. The counts carry no gradient; multiply them by the spans."""
+    first = first_query[:, None]
+    last = last_query[:, None]
+    if max_distance is not None:
+        last = torch.minimum(last, key_positions + int(math.floor(max_distance)))
+    start = torch.maximum(first, key_positions)
+    if spans is not None:
+        with torch.no_grad():
+            reach = key_positions + spans.detach().double() + ramp  # m > 0 ⇔ t < reach
+            last = torch.minimum(last, torch.ceil(reach).long() - 1)
+            ramp_start = torch.maximum(start, torch.floor(key_positions + spans.detach().double()).long() + 1)
+            on_ramp = (last - ramp_start + 1).clamp_min(0)
+    else:
+        on_ramp = torch.zeros_like(key_positions)
+    read = (last - start + 1).clamp_min(0)
+    valid = key_valid.to(torch.float32)
+    return read.to(torch.float32) * valid, on_ramp.to(torch.float32) * valid
 
 
 def expire_span_attention_reference(

@@ -6,7 +6,8 @@ The masked, renormalised weights of paper Eq. 4 are a softmax with an additive b
 
 so the bias ``log m_ti`` (−inf where m = 0 or the key is not visible) goes to SDPA as a float ``attn_mask``.
 The bias is differentiable with respect to the spans: ``∂ log m / ∂e = 1 / (R m)`` on the ramp, 0 elsewhere,
-and never NaN (``log`` only sees ``m ≥ tiny``; the −inf entries come from ``torch.where``).
+and never NaN (``_LogRamp`` writes that gradient itself). It is built in few passes over the (query, key) pairs,
+which dominate the cost of this path on CPU.
 
 SDPA and a mask that requires grad, measured on CPU with torch 2.13: the CPU flash kernel refuses such a mask
 (and a value width different from the key width), and SDPA's dispatcher then runs its math backend, whose
@@ -23,9 +24,43 @@ The readable definition is ``reference.py``; the tests check this file against i
 import torch
 import torch.nn.functional as F
 
-from .reference import expire_span_mask, visible_keys
+from .reference import visible_keys
 
 __all__ = ["expire_span_attention_sdpa"]
+
+
+class _LogRamp(torch.autograd.Function):
+    """log(clamp(x, 0, 1)) with the gradient 1/x strictly inside (0, 1) and 0 elsewhere (never NaN at x <= 0).
+
+    One fused step instead of clamp → where → log: the bias is built over all (query, key) pairs, so every pass
+    over that tensor counts."""
+
+    @staticmethod
+    def forward(ctx, ramp_position):
+        ctx.save_for_backward(ramp_position)
+        return ramp_position.clamp(0, 1).log()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ramp_position,) = ctx.saved_tensors
+        inside = (ramp_position > 0) & (ramp_position < 1)
+        return torch.where(inside, grad_output / ramp_position, 0.0)
+
+
+def expire_span_bias(spans, query_positions, key_positions, ramp, key_valid=None, max_distance=None):
+    """The additive bias log m_ti (−inf where m = 0 or the key is not visible), float32, (B, T, N).
+
+    1 + (e_i − (t − i)) / R is formed as c_i − t/R with c_i = 1 + (e_i + i)/R: one pass over the (T, N) pairs.
+    Positions are taken relative to each row's first query so the float32 terms stay small."""
+    dtype = torch.float64 if spans is not None and spans.dtype == torch.float64 else torch.float32
+    origin = query_positions.amin(dim=1, keepdim=True)
+    visible = visible_keys(query_positions, key_positions, key_valid, max_distance)
+    if spans is None:
+        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    key_term = 1 + (spans.to(dtype) + (key_positions - origin).to(dtype)) / ramp  # c_i
+    query_term = (query_positions - origin).to(dtype) / ramp  # t / R
+    log_mask = _LogRamp.apply(key_term[:, None, :] - query_term[:, :, None])  # log m_ti, Eq. 5
+    return log_mask.masked_fill(~visible, float("-inf"))
 
 
 def expire_span_attention_sdpa(
@@ -47,21 +82,13 @@ def expire_span_attention_sdpa(
     Same arguments and output as :func:`memlm.kernels.expire_attention.reference.expire_span_attention_reference`:
     ``(B, H, T, d_v)`` in the query's dtype, zeros for a query that sees no key.
     """
-    allowed = visible_keys(query_positions, key_positions, key_valid, max_distance)  # (B, T, N)
-    if spans is None:
-        bias = None
-    else:
-        mask = expire_span_mask(spans, query_positions, key_positions, ramp)  # m_ti, Eq. 5
-        allowed = allowed & (mask > 0)
-        tiny = torch.finfo(mask.dtype).tiny
-        bias = torch.where(allowed, mask.clamp_min(tiny).log(), float("-inf"))  # log m_ti
-    has_key = allowed.any(dim=-1, keepdim=True)  # (B, T, 1)
-    # Open a query that sees no key to every key so the kernel stays finite; its output is zeroed below.
-    if bias is None:
-        attention_mask = allowed | ~has_key
-    else:
-        attention_mask = torch.where(has_key, bias, 0.0).to(query.dtype)
+    bias = expire_span_bias(spans, query_positions, key_positions, ramp, key_valid, max_distance)
+    has_key = bias.amax(dim=-1, keepdim=True) > float("-inf")  # (B, T, 1)
+    everyone_sees_a_key = bool(has_key.all())
+    if not everyone_sees_a_key:
+        # Open a query that sees no key to every key so the kernel stays finite; its output is zeroed below.
+        bias = torch.where(has_key, bias, 0.0)
     output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask[:, None], dropout_p=dropout, scale=scale
+        query, key, value, attn_mask=bias.to(query.dtype)[:, None], dropout_p=dropout, scale=scale
     )
-    return output.masked_fill(~has_key[:, None], 0.0)
+    return output if everyone_sees_a_key else output.masked_fill(~has_key[:, None], 0.0)
