@@ -5,9 +5,11 @@ Prints two side-by-side tables, measured on this machine in one run:
 1. Training step (forward + backward of one segment of `--segment` tokens, blocks of `--block-size`, carrying the
    memory of earlier segments as in truncated-BPTT training) at maximum span L ∈ {4096, 16384}: time and peak memory
    of an Expire-Span model whose spans are L/8 against the same model with `expire_memories=False`, which keeps every
-   memory for the full L (Transformer-XL style). Before timing, enough segments are run to fill the memory to its
-   steady state. Each configuration runs in its own subprocess so that its peak memory is its own: peak = the rise of
-   the resident set size (VmHWM after resetting it through /proc/self/clear_refs) during the timed steps.
+   memory for the full L (Transformer-XL style). Before measuring, enough segments are run to fill the memory to its
+   steady state. Every measurement runs in its own subprocess: times with the default allocator; peak memory in a
+   separate run where large buffers are returned to the system when freed (MALLOC_MMAP_THRESHOLD_), so that the
+   resident set size tracks live tensors: peak = the rise of VmHWM (reset through /proc/self/clear_refs) during a
+   step over the resident size before it.
 2. Generation: decode time per token and the number of cache entries per layer after a prefill of 1K, 8K and 32K
    tokens, for the same two models at L = 16384.
 
@@ -54,7 +56,7 @@ def _resident_kib(field: str) -> int:
 
 
 def training_measurement(max_span: int, expire: bool, args) -> dict:
-    """Runs in a subprocess: steady-state training step time and peak memory rise."""
+    """Runs in a subprocess: steady-state training step time, or (with --memory) peak memory rise."""
     model = build_model(max_span, expire, args.block_size).train()
     generator = torch.Generator().manual_seed(0)
     cache = None
@@ -65,7 +67,7 @@ def training_measurement(max_span: int, expire: bool, args) -> dict:
     entries = cache.memory_entries()
     timings = []
     rise = 0
-    for _ in range(args.repeats):
+    for _ in range(2 if args.memory else args.repeats):
         tokens = torch.randint(0, 258, (1, args.segment), generator=generator)
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # reset the peak resident set size (VmHWM)
@@ -78,7 +80,9 @@ def training_measurement(max_span: int, expire: bool, args) -> dict:
         cache = output.past_key_values
         model.zero_grad(set_to_none=True)
         del output
-    return {"step_seconds": statistics.median(timings), "peak_rise_mib": rise / 1024, "memory_entries": max(entries)}
+    if args.memory:
+        return {"peak_rise_mib": rise / 1024, "memory_entries": max(entries)}
+    return {"step_seconds": statistics.median(timings), "memory_entries": max(entries)}
 
 
 def decode_measurement(expire: bool, args) -> list[dict]:
@@ -100,13 +104,16 @@ def decode_measurement(expire: bool, args) -> list[dict]:
     return rows
 
 
-def run_isolated(kind: str, args, **values) -> dict | list:
+def run_isolated(kind: str, args, memory: bool = False, **values) -> dict | list:
     """Run one measurement in a fresh interpreter and return its JSON result."""
     command = [sys.executable, __file__, "--measure", json.dumps({"kind": kind, **values})]
     command += ["--segment", str(args.segment), "--block-size", str(args.block_size), "--repeats", str(args.repeats),
                 "--decode-steps", str(args.decode_steps)]  # fmt: skip
-    # Large buffers are mmap-ed and returned to the system when freed, so the resident size tracks live tensors.
-    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    environment = dict(os.environ)
+    if memory:
+        # Large buffers are mmap-ed and returned to the system when freed, so the resident size tracks live tensors.
+        command.append("--memory")
+        environment.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     result = subprocess.run(command, capture_output=True, text=True, env=environment, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -122,10 +129,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--segment", type=int, default=2048, help="tokens per training segment")
     parser.add_argument("--block-size", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.measure is not None:
@@ -142,7 +150,9 @@ def main(argv=None):
     rows = []
     for max_span in MAX_SPANS:
         fixed = run_isolated("training", args, max_span=max_span, expire=False)
+        fixed |= run_isolated("training", args, memory=True, max_span=max_span, expire=False)
         expiring = run_isolated("training", args, max_span=max_span, expire=True)
+        expiring |= run_isolated("training", args, memory=True, max_span=max_span, expire=True)
         results["training"].append({"max_span": max_span, "fixed": fixed, "expire_span": expiring})
         rows.append([
             str(max_span), str(expiring["memory_entries"]), str(fixed["memory_entries"]),

@@ -23,6 +23,7 @@ The readable definition is ``reference.py``; the tests check this file against i
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .reference import visible_keys
 
@@ -82,6 +83,49 @@ def expire_span_attention_sdpa(
     Same arguments and output as :func:`memlm.kernels.expire_attention.reference.expire_span_attention_reference`:
     ``(B, H, T, d_v)`` in the query's dtype, zeros for a query that sees no key.
     """
+    arguments = (query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale)
+    if spans is not None and spans.requires_grad and torch.is_grad_enabled():
+        # A bias that requires grad sends SDPA to its math backend, which keeps the (B, H, T, N) weights for the
+        # backward. Instead: a forward without grad (the fused kernel), and the weights recomputed in the backward,
+        # so one layer's weights are alive at a time, not all of them.
+        if dropout == 0:
+            return _RecomputedAttention.apply(*arguments)
+        return checkpoint(_attention, *arguments, dropout, use_reentrant=False)  # same dropout mask when replayed
+    return _attention(*arguments, dropout)
+
+
+class _RecomputedAttention(torch.autograd.Function):
+    """Expire-Span attention whose forward keeps only its inputs; the backward recomputes the weights."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale):
+        with torch.no_grad():
+            output = _attention(
+                query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, 0.0
+            )
+        ctx.save_for_backward(query, key, value, spans, query_positions, key_positions, key_valid)
+        ctx.options = (ramp, max_distance, scale)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, spans, query_positions, key_positions, key_valid = ctx.saved_tensors
+        ramp, max_distance, scale = ctx.options
+        with torch.enable_grad():
+            inputs = [
+                tensor.detach().requires_grad_(needed)
+                for tensor, needed in zip((query, key, value, spans), ctx.needs_input_grad[:4])
+            ]
+            output = _attention(*inputs, query_positions, key_positions, ramp, key_valid, max_distance, scale, 0.0)
+            wanted = [tensor for tensor in inputs if tensor.requires_grad]
+            computed = iter(torch.autograd.grad(output, wanted, grad_output))
+        gradients = [next(computed) if tensor.requires_grad else None for tensor in inputs]
+        return (*gradients, None, None, None, None, None, None)
+
+
+def _attention(
+    query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
+):
     bias = expire_span_bias(spans, query_positions, key_positions, ramp, key_valid, max_distance)
     has_key = bias.amax(dim=-1, keepdim=True) > float("-inf")  # (B, T, 1)
     everyone_sees_a_key = bool(has_key.all())
