@@ -361,10 +361,10 @@ def test_generate_returns_an_expire_span_cache():
 def test_rows_expire_at_their_own_rate_in_a_compacted_layout():
     model = _model(span_weight=2.0, max_span=24, ramp=2)
     _, cache = _decode(model, torch.randint(0, 256, (3, 60)), prefill=20)
-    for layer in cache.layers:
-        live = layer.memory.valid.sum(1)
-        assert layer.memory.positions.shape[1] == int(live.max())  # compacted to the fullest row
-        assert len(set(live.tolist())) > 1  # rows keep different numbers of memories
+    live_counts = [layer.memory.valid.sum(1).tolist() for layer in cache.layers]
+    assert any(len(set(counts)) > 1 for counts in live_counts)  # rows keep different numbers of memories
+    for layer, counts in zip(cache.layers, live_counts):
+        assert layer.memory.positions.shape[1] == max(counts)  # compacted to the fullest row
         positions = layer.memory.positions.masked_fill(~layer.memory.valid, -1)
         spans = layer.memory.spans
         # Pruned before the last token (position 59) read them: every live memory still had m > 0 there.
