@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
@@ -27,6 +26,14 @@ from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
 from ..kernels.delta_rule import delta_rule, sum_rule
 from .layers import GatedMLP, RMSNorm
+from .memory import (
+    LOSS_KWARGS,
+    MemoryCache,
+    MemoryCacheLayer,
+    check_extra_kwargs,
+    current_padding_mask,
+    embed_inputs,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -35,8 +42,6 @@ L2_NORM_EPS = 1e-6
 SUM_NORM_EPS = 1e-6
 # Katharopoulos et al.: o_t = S_tᵀq_t / (z_tᵀq_t + eps).
 ATTENTION_NORMALIZER_EPS = 1e-6
-# Keyword arguments that 🤗 `generate`, `Trainer` and the loss accept; anything else is a mistake worth an error.
-ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "output_attentions")
 
 
 class DeltaNetShortConvolution(nn.Module):
@@ -234,27 +239,16 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, fast_weights, convolution_tail
 
 
-class DeltaNetCacheLayer:
+class DeltaNetCacheLayer(MemoryCacheLayer):
     """The memory of one layer: fast weights S (B, H, d_k, d_v) in float32, the short convolution's last inputs
     (B, kernel-1, C), and the number of tokens seen."""
 
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    supports_early_init = False
-
-    def __init__(self):
-        self.fast_weights: torch.Tensor | None = None
-        self.convolution_tail: torch.Tensor | None = None
-        self.seen_tokens = 0
+    tensor_names = ("fast_weights", "convolution_tail")
+    rollback_message = "A DeltaNet memory cannot be rolled back: its fast weights keep no per-token history."
 
     def __repr__(self):
         shape = None if self.fast_weights is None else tuple(self.fast_weights.shape)
         return f"DeltaNetCacheLayer(fast_weights={shape}, seen_tokens={self.seen_tokens})"
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.fast_weights is not None
 
     @property
     def batch_size(self) -> int:
@@ -266,62 +260,13 @@ class DeltaNetCacheLayer:
         self.convolution_tail = convolution_tail
         self.seen_tokens += num_tokens
 
-    def _apply(self, function):
-        if self.fast_weights is not None:
-            self.fast_weights = function(self.fast_weights)
-        if self.convolution_tail is not None:
-            self.convolution_tail = function(self.convolution_tail)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        self._apply(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
-
-    def batch_repeat_interleave(self, repeats: int):
-        self._apply(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor):
-        self._apply(lambda tensor: tensor[indices.to(tensor.device) if torch.is_tensor(indices) else indices])
-
-    def reset(self):
-        self.fast_weights = None
-        self.convolution_tail = None
-        self.seen_tokens = 0
-
-    def crop(self, tokens_to_remove: int):
-        if tokens_to_remove != 0:
-            raise ValueError("A DeltaNet memory cannot be rolled back: its fast weights keep no per-token history.")
-
-    def offload(self):
-        self._apply(lambda tensor: tensor.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        return None
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_seq_length(self) -> int:
-        return self.seen_tokens
-
-
-class DeltaNetCache(Cache):
+class DeltaNetCache(MemoryCache):
     """`past_key_values` of DeltaNet: per layer the fast weights, the short-convolution tail and the step count.
     Memory is O(1) in the context length. Supports beam search (`reorder_cache`), `num_return_sequences`
     (`batch_repeat_interleave`) and batch selection (`batch_select_indices`)."""
 
-    def __init__(self, config: DeltaNetConfig):
-        super().__init__(layers=[DeltaNetCacheLayer() for _ in range(config.num_hidden_layers)])
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Number of tokens (padding included) the memory has consumed."""
-        if layer_idx >= len(self.layers):
-            return 0
-        return self.layers[layer_idx].seen_tokens
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
-
-    def update(self, *args, **kwargs):
-        raise TypeError("DeltaNetCache holds fast weights, not keys and values; DeltaNet layers write it themselves.")
+    layer_class = DeltaNetCacheLayer
 
 
 class DeltaNetPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
@@ -367,12 +312,6 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -391,25 +330,13 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         past_key_values: a `DeltaNetCache` carrying each layer's fast weights from earlier tokens.
         attention_mask: (B, T) or (B, past + T); positions with 0 are padding and write nothing into the memory.
         """
-        _check_extra_kwargs(kwargs, type(self).__name__)
-        if kwargs.get("output_attentions"):
-            raise ValueError("DeltaNet has no attention weights to return (output_attentions=True).")
+        check_extra_kwargs(kwargs, type(self).__name__)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if input_ids is not None:
-            _check_input_ids(input_ids, self.config.vocab_size)
-            inputs_embeds = self.embed_tokens(input_ids)
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must have shape (batch, length, hidden_size={self.config.hidden_size}), "
-                f"got {tuple(inputs_embeds.shape)}."
-            )
+        inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
         batch_size, length = inputs_embeds.shape[:2]
 
         if past_key_values is not None and not isinstance(past_key_values, DeltaNetCache):
@@ -420,17 +347,13 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             )
         if use_cache and past_key_values is None:
             past_key_values = DeltaNetCache(self.config)
-        if past_key_values is not None and len(past_key_values.layers) != self.config.num_hidden_layers:
-            raise ValueError(
-                f"The DeltaNetCache has {len(past_key_values.layers)} layers but the model has "
-                f"{self.config.num_hidden_layers}."
-            )
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if past_key_values is not None and past_key_values.batch_size not in (-1, batch_size):
-            raise ValueError(
-                f"The DeltaNetCache holds a batch of {past_key_values.batch_size} rows but the input has {batch_size}."
-            )
-        attention_mask = _current_mask(attention_mask, batch_size, length, past_length)
+        past_length = 0
+        if past_key_values is not None:
+            past_key_values.check_against(self.config, batch_size)
+            past_length = past_key_values.get_seq_length()
+        attention_mask = current_padding_mask(attention_mask, batch_size, length, past_length)
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # nothing is padded
 
         if self.training:
             for layer in self.layers:
@@ -476,18 +399,6 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -532,7 +443,7 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            loss_kwargs = {key: kwargs[key] for key in ("num_items_in_batch", "ignore_index") if key in kwargs}
+            loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
 
         output = CausalLMOutputWithPast(
@@ -542,49 +453,6 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
         )
         return output if return_dict else output.to_tuple()
-
-
-def _check_extra_kwargs(kwargs: dict, owner: str):
-    unexpected = sorted(set(kwargs) - set(ACCEPTED_EXTRA_KWARGS))
-    if unexpected:
-        raise TypeError(f"{owner}.forward() got unexpected keyword argument(s): {', '.join(unexpected)}.")
-
-
-def _check_input_ids(input_ids: torch.Tensor, vocab_size: int):
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}.")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {int(input_ids.min())} to "
-            f"{int(input_ids.max())}. Is the tokenizer the one this model was trained with?"
-        )
-
-
-def _current_mask(
-    attention_mask: torch.Tensor | None, batch_size: int, length: int, past_length: int
-) -> torch.Tensor | None:
-    """The (B, T) part of a 2-D padding mask that covers the current tokens; None when nothing is masked."""
-    if attention_mask is None:
-        return None
-    if (
-        attention_mask.dim() != 2
-        or attention_mask.shape[0] != batch_size
-        or attention_mask.shape[1]
-        not in (
-            length,
-            past_length + length,
-        )
-    ):
-        raise ValueError(
-            f"attention_mask must be a 2-D padding mask of shape (batch={batch_size}, length={length}) or "
-            f"(batch={batch_size}, past + length={past_length + length}); got {tuple(attention_mask.shape)}."
-        )
-    current = attention_mask[:, -length:]
-    if bool(current.bool().all()):
-        return None
-    return current
 
 
 __all__ = ["DeltaNetCache", "DeltaNetForCausalLM", "DeltaNetModel", "DeltaNetPreTrainedModel"]

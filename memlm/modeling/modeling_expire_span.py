@@ -25,11 +25,16 @@ from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels.expire_attention import expire_span_attention, expire_span_mask, memory_statistics, visible_keys
 from .layers import GatedMLP, RMSNorm
+from .memory import (
+    LOSS_KWARGS,
+    MemoryCache,
+    MemoryCacheLayer,
+    check_extra_kwargs,
+    current_padding_mask,
+    embed_inputs,
+)
 
 logger = logging.get_logger(__name__)
-
-# Keyword arguments that 🤗 `generate`, `Trainer` and the loss accept; anything else is a mistake worth an error.
-ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "output_attentions")
 
 
 @dataclass
@@ -233,80 +238,34 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, block, spans, span_loss_sum, read
 
 
-class ExpireSpanCacheLayer:
+class ExpireSpanCacheLayer(MemoryCacheLayer):
     """The memories of one layer (an `ExpireSpanMemory`, or None before the first token) and the tokens seen."""
 
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    supports_early_init = False
-
-    def __init__(self):
-        self.memory: ExpireSpanMemory | None = None
-        self.seen_tokens = 0
+    tensor_names = ("memory",)
+    rollback_message = "An Expire-Span memory cannot be rolled back: expired memories are deleted."
 
     def __repr__(self):
         return f"ExpireSpanCacheLayer(entries={self.num_entries()}, seen_tokens={self.seen_tokens})"
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.memory is not None
 
     def num_entries(self) -> int:
         """Width of the padded layout: the largest number of live memories in any row."""
         return 0 if self.memory is None else self.memory.positions.shape[1]
 
-    def _map(self, function):
+    def map(self, function):
         if self.memory is not None:
             self.memory = self.memory.map(function)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        self._map(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
 
-    def batch_repeat_interleave(self, repeats: int):
-        self._map(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor):
-        self._map(lambda tensor: tensor[indices.to(tensor.device) if torch.is_tensor(indices) else indices])
-
-    def reset(self):
-        self.memory = None
-        self.seen_tokens = 0
-
-    def crop(self, tokens_to_remove: int):
-        if tokens_to_remove != 0:
-            raise ValueError("An Expire-Span memory cannot be rolled back: expired memories are deleted.")
-
-    def offload(self):
-        self._map(lambda tensor: tensor.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        return None
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_seq_length(self) -> int:
-        return self.seen_tokens
-
-
-class ExpireSpanCache(Cache):
+class ExpireSpanCache(MemoryCache):
     """`past_key_values` of Expire-Span: per layer the keys, values, spans and positions of the unexpired memories,
     in a padded layout compacted as memories expire (rows of a batch expire at different rates), and per row the
     position of the next real token. Supports beam search, `num_return_sequences` and batch selection."""
 
+    layer_class = ExpireSpanCacheLayer
+
     def __init__(self, config: ExpireSpanConfig):
-        super().__init__(layers=[ExpireSpanCacheLayer() for _ in range(config.num_hidden_layers)])
+        super().__init__(config)
         self.next_positions: torch.Tensor | None = None  # (B,) number of real (unpadded) tokens seen per row
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Number of tokens (padding included) the cache has consumed."""
-        if layer_idx >= len(self.layers):
-            return 0
-        return self.layers[layer_idx].seen_tokens
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
 
     @property
     def batch_size(self) -> int:
@@ -315,9 +274,6 @@ class ExpireSpanCache(Cache):
     def memory_entries(self) -> list[int]:
         """Per layer, the largest number of memories any row keeps (the width of the padded layout)."""
         return [layer.num_entries() for layer in self.layers]
-
-    def update(self, *args, **kwargs):
-        raise TypeError("ExpireSpanCache is written by the Expire-Span layers themselves, not through update().")
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
@@ -386,12 +342,6 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def _prune(self, layer: ExpireSpanDecoderLayer, memory: ExpireSpanMemory, first_positions: torch.Tensor):
         """Delete memories that are dead for each row's first query of the coming block (and empty slots)."""
         keep = memory.valid
@@ -428,26 +378,14 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         past_key_values: an `ExpireSpanCache` with the memories of earlier tokens.
         output_spans: also return, per layer, the span e_t predicted for each input token.
         """
-        _check_extra_kwargs(kwargs, type(self).__name__)
-        if kwargs.get("output_attentions"):
-            raise ValueError("Expire-Span does not return attention weights (output_attentions=True).")
+        check_extra_kwargs(kwargs, type(self).__name__)
         config = self.config
         use_cache = use_cache if use_cache is not None else config.use_cache
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else config.return_dict
-
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if input_ids is not None:
-            _check_input_ids(input_ids, config.vocab_size)
-            inputs_embeds = self.embed_tokens(input_ids)
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must have shape (batch, length, hidden_size={config.hidden_size}), "
-                f"got {tuple(inputs_embeds.shape)}."
-            )
+        inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
         batch_size, length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
@@ -459,18 +397,13 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             )
         if use_cache and past_key_values is None:
             past_key_values = ExpireSpanCache(config)
-        if past_key_values is not None and len(past_key_values.layers) != config.num_hidden_layers:
-            raise ValueError(
-                f"The ExpireSpanCache has {len(past_key_values.layers)} layers but the model has "
-                f"{config.num_hidden_layers}."
-            )
-        if past_key_values is not None and past_key_values.batch_size not in (-1, batch_size):
-            raise ValueError(
-                f"The ExpireSpanCache holds a batch of {past_key_values.batch_size} rows but the input has "
-                f"{batch_size}."
-            )
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        token_valid = _current_mask(attention_mask, batch_size, length, past_length, device)
+        past_length = 0
+        if past_key_values is not None:
+            past_key_values.check_against(config, batch_size)
+            past_length = past_key_values.get_seq_length()
+        token_valid = current_padding_mask(attention_mask, batch_size, length, past_length)
+        if token_valid is None:
+            token_valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
 
         start_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         if past_key_values is not None and past_key_values.next_positions is not None:
@@ -567,18 +500,6 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -609,7 +530,7 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, GenerationMixin):
 
         loss = lm_loss = None
         if labels is not None:
-            loss_kwargs = {key: kwargs[key] for key in ("num_items_in_batch", "ignore_index") if key in kwargs}
+            loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
             lm_loss = self.loss_function(
                 logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
             )
@@ -640,46 +561,6 @@ def _memory_counts(spans, positions, token_valid, memory, ramp, max_distance):
     with torch.no_grad():
         mask = expire_span_mask(spans.detach(), positions, memory.positions, ramp)
     return (visible & (mask > 0)).sum(1).float(), (visible & (mask > 0) & (mask < 1)).sum(1).float()
-
-
-def _check_extra_kwargs(kwargs: dict, owner: str):
-    unexpected = sorted(set(kwargs) - set(ACCEPTED_EXTRA_KWARGS))
-    if unexpected:
-        raise TypeError(f"{owner}.forward() got unexpected keyword argument(s): {', '.join(unexpected)}.")
-
-
-def _check_input_ids(input_ids: torch.Tensor, vocab_size: int):
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}.")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {int(input_ids.min())} to "
-            f"{int(input_ids.max())}. Is the tokenizer the one this model was trained with?"
-        )
-
-
-def _current_mask(
-    attention_mask: torch.Tensor | None, batch_size: int, length: int, past_length: int, device: torch.device
-) -> torch.Tensor:
-    """The (B, T) boolean part of a 2-D padding mask covering the current tokens (all True without a mask)."""
-    if attention_mask is None:
-        return torch.ones(batch_size, length, dtype=torch.bool, device=device)
-    if (
-        attention_mask.dim() != 2
-        or attention_mask.shape[0] != batch_size
-        or attention_mask.shape[1]
-        not in (
-            length,
-            past_length + length,
-        )
-    ):
-        raise ValueError(
-            f"attention_mask must be a 2-D padding mask of shape (batch={batch_size}, length={length}) or "
-            f"(batch={batch_size}, past + length={past_length + length}); got {tuple(attention_mask.shape)}."
-        )
-    return attention_mask[:, -length:].to(device).bool()
 
 
 __all__ = ["ExpireSpanCache", "ExpireSpanForCausalLM", "ExpireSpanModel", "ExpireSpanPreTrainedModel"]

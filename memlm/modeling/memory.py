@@ -1,0 +1,153 @@
+"""What memlm's models share around their memories: checking the inputs, the padding mask, and the base of the
+cache classes that carry each model's memory in `past_key_values` (SPEC §4)."""
+
+import torch
+from transformers.cache_utils import Cache
+
+# Keyword arguments that 🤗 `generate`, `Trainer` and the loss pass to `forward`; anything else is a mistake worth an
+# error rather than an option silently swallowed.
+ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "output_attentions")
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index")
+
+
+def check_extra_kwargs(kwargs: dict, owner: str):
+    unexpected = sorted(set(kwargs) - set(ACCEPTED_EXTRA_KWARGS))
+    if unexpected:
+        raise TypeError(f"{owner}.forward() got unexpected keyword argument(s): {', '.join(unexpected)}.")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{owner} does not return attention weights (output_attentions=True).")
+
+
+def embed_inputs(input_ids, inputs_embeds, embedding: torch.nn.Embedding) -> torch.Tensor:
+    """The (B, T, D) input embeddings, after checking that exactly one of ids and embeddings is given and is valid."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+    if inputs_embeds is not None:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != embedding.embedding_dim:
+            raise ValueError(
+                f"inputs_embeds must have shape (batch, length, hidden_size={embedding.embedding_dim}), "
+                f"got {tuple(inputs_embeds.shape)}."
+            )
+        return inputs_embeds
+    vocab_size = embedding.num_embeddings
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {int(input_ids.min())} to "
+            f"{int(input_ids.max())}. Is the tokenizer the one this model was trained with?"
+        )
+    return embedding(input_ids)
+
+
+def current_padding_mask(attention_mask, batch_size: int, length: int, past_length: int) -> torch.Tensor | None:
+    """The (B, T) boolean part of a 2-D padding mask that covers the current tokens (None without a mask)."""
+    if attention_mask is None:
+        return None
+    if (
+        attention_mask.dim() != 2
+        or attention_mask.shape[0] != batch_size
+        or attention_mask.shape[1]
+        not in (
+            length,
+            past_length + length,
+        )
+    ):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask of shape (batch={batch_size}, length={length}) or "
+            f"(batch={batch_size}, past + length={past_length + length}); got {tuple(attention_mask.shape)}."
+        )
+    return attention_mask[:, -length:].bool()
+
+
+class MemoryCacheLayer:
+    """Base of a layer's memory in a memlm cache: its tensors all have the batch as first dimension, and it counts
+    the tokens it consumed. Subclasses list their tensor attributes in `tensor_names`."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+    tensor_names: tuple[str, ...] = ()
+    rollback_message = "This memory cannot be rolled back."
+
+    def __init__(self):
+        for name in self.tensor_names:
+            setattr(self, name, None)
+        self.seen_tokens = 0
+
+    @property
+    def is_initialized(self) -> bool:
+        return getattr(self, self.tensor_names[0]) is not None
+
+    def map(self, function):
+        """Apply `function` to every tensor of the memory (reorder, repeat or select rows, move devices)."""
+        for name in self.tensor_names:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, function(tensor))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self.map(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        self.map(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self.map(lambda tensor: tensor[indices.to(tensor.device) if torch.is_tensor(indices) else indices])
+
+    def reset(self):
+        self.__init__()
+
+    def crop(self, tokens_to_remove: int):
+        if tokens_to_remove != 0:
+            raise ValueError(self.rollback_message)
+
+    def offload(self):
+        self.map(lambda tensor: tensor.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        return None
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+
+class MemoryCache(Cache):
+    """Base of memlm's `past_key_values`: one `MemoryCacheLayer` per model layer, written by the layers themselves
+    (not through `update`). `generate` counts tokens through `get_seq_length`, which a 🤗 cache made only of
+    linear-attention layers cannot answer, hence this base."""
+
+    layer_class: type[MemoryCacheLayer] = MemoryCacheLayer
+
+    def __init__(self, config):
+        super().__init__(layers=[self.layer_class() for _ in range(config.num_hidden_layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of tokens (padding included) the memory has consumed."""
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].seen_tokens
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def update(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is written by the model's layers themselves, not through update().")
+
+    def check_against(self, config, batch_size: int):
+        """Raise a ValueError when this cache cannot continue a forward of `batch_size` rows of the model `config`."""
+        if len(self.layers) != config.num_hidden_layers:
+            raise ValueError(
+                f"The {type(self).__name__} has {len(self.layers)} layers but the model has "
+                f"{config.num_hidden_layers}."
+            )
+        if self.batch_size not in (-1, batch_size):
+            raise ValueError(
+                f"The {type(self).__name__} holds a batch of {self.batch_size} rows but the input has {batch_size}."
+            )
