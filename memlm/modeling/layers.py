@@ -33,3 +33,29 @@ class GatedMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al., 2021) by absolute position."""
+
+    def __init__(self, head_dim: int, rope_theta: float):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope_theta = rope_theta
+        self.register_buffer("inv_freq", self.compute_inverse_frequencies(), persistent=False)
+
+    def compute_inverse_frequencies(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        return 1.0 / (self.rope_theta**exponents)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) → cos, sin (B, 1, T, head_dim) in float32, to rotate (B, H, T, head_dim) states."""
+        angles = positions[..., None].float() * self.inv_freq.float()
+        angles = torch.cat([angles, angles], dim=-1)[:, None]
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = states.shape[-1] // 2
+    rotated = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
+    return (states.float() * cos + rotated.float() * sin).to(states.dtype)

@@ -5,7 +5,7 @@ Forget by Expiring". Every memory h_i of a layer gets a span e_i = L·σ(w·h_i/
 through the soft mask m_ti = clamp(1 + (e_i − (t − i))/R, 0, 1) (Eq. 6), renormalised over the memories (Eq. 4),
 which is attention with the additive bias log m_ti. A memory with m = 0 never comes back and is deleted.
 
-The file reads top to bottom: rotary embedding → attention (with the span predictor) → decoder layer → the memory of
+The file reads top to bottom: the memory of one layer → attention (with the span predictor) → decoder layer → the memory of
 one layer and its pruning → the cache (`past_key_values`) → PreTrainedModel → ExpireSpanModel (block-parallel
 forward) → ExpireSpanForCausalLM.
 """
@@ -24,7 +24,7 @@ from transformers.utils import ModelOutput, logging
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels.expire_attention import expire_span_attention, expire_span_mask, memory_statistics, visible_keys
-from .layers import GatedMLP, RMSNorm
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
     LOSS_KWARGS,
     MemoryCache,
@@ -72,32 +72,6 @@ class ExpireSpanCausalLMOutput(ModelOutput):
     lm_loss: torch.FloatTensor | None = None
     span_loss: torch.FloatTensor | None = None
     memory_size: torch.FloatTensor | None = None
-
-
-class ExpireSpanRotaryEmbedding(nn.Module):
-    """Rotary position embedding by absolute position (SPEC §2 allows it as the default)."""
-
-    def __init__(self, config: ExpireSpanConfig):
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.rope_theta = config.rope_theta
-        self.register_buffer("inv_freq", self.compute_inverse_frequencies(), persistent=False)
-
-    def compute_inverse_frequencies(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
-        return 1.0 / (self.rope_theta**exponents)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) → cos, sin (B, 1, T, head_dim) in float32."""
-        angles = positions[..., None].float() * self.inv_freq.float()
-        angles = torch.cat([angles, angles], dim=-1)[:, None]
-        return angles.cos(), angles.sin()
-
-
-def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = states.shape[-1] // 2
-    rotated = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
-    return (states.float() * cos + rotated.float() * sin).to(states.dtype)
 
 
 @dataclass
@@ -321,7 +295,7 @@ class ExpireSpanPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
             init.constant_(module.bias, self.config.initial_span_bias)
             return
         super()._init_weights(module)
-        if isinstance(module, ExpireSpanRotaryEmbedding):
+        if isinstance(module, RotaryEmbedding):
             init.copy_(module.inv_freq, module.compute_inverse_frequencies())
 
 
@@ -338,7 +312,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             [ExpireSpanDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = ExpireSpanRotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.gradient_checkpointing = False
         self.post_init()
 
