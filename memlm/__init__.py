@@ -7,12 +7,19 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration.configuration_deltanet import DeltaNetConfig
 from .configuration.configuration_expire_span import ExpireSpanConfig
+from .configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from .modeling.modeling_deltanet import DeltaNetCache, DeltaNetForCausalLM, DeltaNetModel, DeltaNetPreTrainedModel
 from .modeling.modeling_expire_span import (
     ExpireSpanCache,
     ExpireSpanForCausalLM,
     ExpireSpanModel,
     ExpireSpanPreTrainedModel,
+)
+from .modeling.modeling_feedback_transformer import (
+    FeedbackCache,
+    FeedbackTransformerForCausalLM,
+    FeedbackTransformerModel,
+    FeedbackTransformerPreTrainedModel,
 )
 
 __version__ = "0.1.0"
@@ -23,6 +30,9 @@ AutoModelForCausalLM.register(DeltaNetConfig, DeltaNetForCausalLM, exist_ok=True
 AutoConfig.register(ExpireSpanConfig.model_type, ExpireSpanConfig, exist_ok=True)
 AutoModel.register(ExpireSpanConfig, ExpireSpanModel, exist_ok=True)
 AutoModelForCausalLM.register(ExpireSpanConfig, ExpireSpanForCausalLM, exist_ok=True)
+AutoConfig.register(FeedbackTransformerConfig.model_type, FeedbackTransformerConfig, exist_ok=True)
+AutoModel.register(FeedbackTransformerConfig, FeedbackTransformerModel, exist_ok=True)
+AutoModelForCausalLM.register(FeedbackTransformerConfig, FeedbackTransformerForCausalLM, exist_ok=True)
 
 __all__ = [
     "DeltaNetCache",
@@ -35,4 +45,9 @@ __all__ = [
     "ExpireSpanForCausalLM",
     "ExpireSpanModel",
     "ExpireSpanPreTrainedModel",
+    "FeedbackCache",
+    "FeedbackTransformerConfig",
+    "FeedbackTransformerForCausalLM",
+    "FeedbackTransformerModel",
+    "FeedbackTransformerPreTrainedModel",
 ]

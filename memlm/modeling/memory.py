@@ -126,7 +126,12 @@ class MemoryCache(Cache):
     layer_class: type[MemoryCacheLayer] = MemoryCacheLayer
 
     def __init__(self, config):
-        super().__init__(layers=[self.layer_class() for _ in range(config.num_hidden_layers)])
+        super().__init__(layers=[self.layer_class() for _ in range(self.layer_count(config))])
+
+    @staticmethod
+    def layer_count(config) -> int:
+        """How many memory layers the cache holds (one per model layer unless a model shares its memory)."""
+        return config.num_hidden_layers
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of tokens (padding included) the memory has consumed."""
@@ -142,10 +147,10 @@ class MemoryCache(Cache):
 
     def check_against(self, config, batch_size: int):
         """Raise a ValueError when this cache cannot continue a forward of `batch_size` rows of the model `config`."""
-        if len(self.layers) != config.num_hidden_layers:
+        if len(self.layers) != self.layer_count(config):
             raise ValueError(
-                f"The {type(self).__name__} has {len(self.layers)} layers but the model has "
-                f"{config.num_hidden_layers}."
+                f"The {type(self).__name__} has {len(self.layers)} memory layers but the model needs "
+                f"{self.layer_count(config)}."
             )
         if self.batch_size not in (-1, batch_size):
             raise ValueError(

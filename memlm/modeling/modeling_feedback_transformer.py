@@ -1,0 +1,530 @@
+"""Feedback Transformer: every layer attends to the past's highest representations.
+
+Fan, Lavril, Grave, Joulin & Sukhbaatar (ICLR 2021), "Addressing Some Limitations of Transformers with Feedback
+Memory". At step t the layers read one shared memory of earlier steps (SPEC §3, paper Eq. 1):
+
+    m_t   = Σ_{l=0..L} softmax(w)_l · x_t^l            x^0 = token embedding, x^l = output of layer l
+    z_t^l = Attn(query x_t^l, keys/values of m_{t−τ} … m_{t−1})
+
+m_t needs the top layer at t, so the computation is sequential in t, in training too. One step function
+(`FeedbackTransformerModel.step`) serves the full forward (a loop over the T positions) and decoding, so they cannot
+drift apart. Its memory lives in preallocated buffers: a ring of τ slots written in place when no gradient is needed
+(prefill, decoding), and, in training, a tape of all steps whose gradients are routed by hand (`_TapeWrite`,
+`_TapeRead`), because autograd forbids reading a buffer that later steps write into.
+
+The file reads top to bottom: attention over the memory → the two memory stores → decoder layer → cache →
+PreTrainedModel → FeedbackTransformerModel → FeedbackTransformerForCausalLM.
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+
+from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
+from ..export import RemoteCodeMixin
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from .memory import (
+    LOSS_KWARGS,
+    MemoryCache,
+    MemoryCacheLayer,
+    check_extra_kwargs,
+    current_padding_mask,
+    embed_inputs,
+)
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of one query per row and head over a window of memories.
+
+    query (B, H, d), keys/values (B, H, W, d), bias (B, H, W) additive (−inf: not visible) → (B, H, d). A row that
+    sees no memory gets 0 (the paper: no attention term before the first memory), without NaN in any gradient."""
+    scores = torch.matmul(keys, query.unsqueeze(-1)).squeeze(-1) / math.sqrt(query.shape[-1]) + bias
+    largest = scores.amax(-1, keepdim=True).detach()
+    weights = torch.exp(scores - torch.where(torch.isfinite(largest), largest, 0.0))
+    total = weights.sum(-1, keepdim=True)
+    output = torch.matmul(weights.unsqueeze(-2), values).squeeze(-2)
+    return output / total.clamp_min(torch.finfo(total.dtype).tiny)
+
+
+class FeedbackAttention(nn.Module):
+    """The query side of one layer's attention over the memory (keys/values come from the memory, once per step when
+    shared), and its output projection."""
+
+    def __init__(self, config: FeedbackTransformerConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        if not config.share_key_value:
+            self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+            self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        if config.position_encoding == "relative_bias":
+            # Learned score bias per head for distances 1..τ (index d − 1).
+            self.relative_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.memory_span))
+        self.dropout = nn.Dropout(config.attention_dropout)
+
+
+class _RingStore:
+    """The memory when no gradient is needed: τ slots per row, slot = position mod τ, written in place. The cache's
+    own buffers, so decoding a token costs O(τ) whatever the context length, with no copying."""
+
+    def __init__(self, cache_layers: list["FeedbackCacheLayer"]):
+        self.layers = cache_layers
+
+    def window(self, group: int, step: int):
+        layer = self.layers[group]
+        return layer.keys, layer.values, layer.positions, layer.valid
+
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[group]
+        return attend(query, layer.keys, layer.values, bias)
+
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+        """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing."""
+        rows = valid.nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            return
+        slots = positions[rows] % self.layers[0].keys.shape[2]
+        for group, layer in enumerate(self.layers):
+            layer.keys[rows, :, slots] = keys[group, rows].to(layer.keys.dtype)
+            layer.values[rows, :, slots] = values[group, rows].to(layer.values.dtype)
+            layer.positions[rows, slots] = positions[rows]
+            layer.valid[rows, slots] = True
+
+
+class _Tape:
+    """The memory in training: one slot per step (after a prefix carried from the cache), written once, never
+    overwritten, with gradient buffers that the reads fill and the writes hand back to autograd."""
+
+    def __init__(self, cache_layers, steps: int, memory_span: int, dtype: torch.dtype):
+        first = cache_layers[0]
+        groups = len(cache_layers)
+        batch_size, num_heads, prefix, head_dim = first.keys.shape
+        size = prefix + steps
+        device = first.keys.device
+        self.prefix = prefix
+        self.memory_span = memory_span
+        self.keys = torch.zeros(groups, batch_size, num_heads, size, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.keys[:, :, :, :prefix] = torch.stack([layer.keys for layer in cache_layers]).to(dtype)
+        self.values[:, :, :, :prefix] = torch.stack([layer.values for layer in cache_layers]).to(dtype)
+        self.positions = torch.cat([first.positions, first.positions.new_zeros(batch_size, steps)], dim=1)
+        self.valid = torch.cat([first.valid, first.valid.new_zeros(batch_size, steps)], dim=1)
+        self.grad_keys = torch.zeros_like(self.keys)
+        self.grad_values = torch.zeros_like(self.values)
+        # Every write takes the previous anchor and makes the next: reads of step t hang on the anchor of step t−1,
+        # so the backward of a write runs only after every read of the memory it wrote.
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+
+    def bounds(self, step: int) -> tuple[int, int]:
+        """The tape slice that step `step` may read: the prefix (in no particular order) while it is within τ, then
+        the last τ steps. Visibility is decided by positions, so a wider slice is harmless."""
+        end = self.prefix + step
+        return (0, end) if step < self.memory_span else (end - self.memory_span, end)
+
+    def window(self, group: int, step: int):
+        start, end = self.bounds(step)
+        return None, None, self.positions[:, start:end], self.valid[:, start:end]
+
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        start, end = self.bounds(step)
+        return _TapeRead.apply(query, bias, self.anchor, self, group, start, end)
+
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+        index = self.prefix + step
+        self.positions[:, index] = positions
+        self.valid[:, index] = valid
+        self.anchor = _TapeWrite.apply(keys, values, self.anchor, self, index)
+
+    def last_memories(self):
+        """keys, values (G, B, H, W, d), positions, valid (B, W) of the slice the next step would read."""
+        start, end = self.bounds(self.keys.shape[3] - self.prefix)
+        return (self.keys[:, :, :, start:end], self.values[:, :, :, start:end], self.positions[:, start:end],
+                self.valid[:, start:end])  # fmt: skip
+
+
+class _TapeWrite(torch.autograd.Function):
+    """Store a step's keys/values on the tape; in the backward, return the gradient the later reads accumulated."""
+
+    @staticmethod
+    def forward(ctx, keys, values, anchor, tape, index):
+        with torch.no_grad():
+            tape.keys[:, :, :, index] = keys
+            tape.values[:, :, :, index] = values
+        ctx.tape, ctx.index = tape, index
+        return anchor.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_anchor):
+        tape, index = ctx.tape, ctx.index
+        return (
+            tape.grad_keys[:, :, :, index].clone(),
+            tape.grad_values[:, :, :, index].clone(),
+            grad_anchor,
+            None,
+            None,
+        )
+
+
+class _TapeRead(torch.autograd.Function):
+    """Attention of one step over a slice of the tape; the backward recomputes it with autograd (the same `attend`
+    as inference) and adds the keys'/values' gradients into the tape's gradient buffers."""
+
+    @staticmethod
+    def forward(ctx, query, bias, anchor, tape, group, start, end):
+        with torch.no_grad():
+            output = attend(query, tape.keys[group, :, :, start:end], tape.values[group, :, :, start:end], bias)
+        ctx.save_for_backward(query, bias)
+        ctx.tape, ctx.window = tape, (group, start, end)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, bias = ctx.saved_tensors
+        tape, (group, start, end) = ctx.tape, ctx.window
+        with torch.enable_grad():
+            query = query.detach().requires_grad_()
+            bias = bias.detach().requires_grad_(ctx.needs_input_grad[1])
+            keys = tape.keys[group, :, :, start:end].detach().requires_grad_()
+            values = tape.values[group, :, :, start:end].detach().requires_grad_()
+            output = attend(query, keys, values, bias)
+            inputs = [query, keys, values] + ([bias] if bias.requires_grad else [])
+            gradients = torch.autograd.grad(output, inputs, grad_output)
+        tape.grad_keys[group, :, :, start:end] += gradients[1]
+        tape.grad_values[group, :, :, start:end] += gradients[2]
+        grad_bias = gradients[3] if bias.requires_grad else None
+        return gradients[0], grad_bias, torch.zeros((), device=query.device), None, None, None, None
+
+
+class FeedbackDecoderLayer(nn.Module):
+    """x = x + attention(norm(x), memory); x = x + mlp(norm(x)), for one step (run by `FeedbackTransformerModel.step`;
+    the layer has no forward of its own, because a step interleaves all layers with the memory)."""
+
+    def __init__(self, config: FeedbackTransformerConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = FeedbackAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+
+class FeedbackCacheLayer(MemoryCacheLayer):
+    """One key/value set of the feedback memory: τ slots per row (slot = position mod τ), with each slot's position and
+    whether it holds a memory."""
+
+    tensor_names = ("keys", "values", "positions", "valid")
+    rollback_message = "A Feedback memory cannot be rolled back: its ring buffer overwrites the oldest memories."
+
+    def __repr__(self):
+        shape = None if self.keys is None else tuple(self.keys.shape)
+        return f"FeedbackCacheLayer(keys={shape}, seen_tokens={self.seen_tokens})"
+
+    def allocate(self, batch_size: int, config: FeedbackTransformerConfig, dtype: torch.dtype, device: torch.device):
+        shape = (batch_size, config.num_attention_heads, config.memory_span, config.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.positions = torch.zeros(batch_size, config.memory_span, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch_size, config.memory_span, dtype=torch.bool, device=device)
+
+
+class FeedbackCache(MemoryCache):
+    """`past_key_values` of the Feedback Transformer: the keys and values of the last τ memories, one set for all
+    layers when the projections are shared (a standard Transformer caches L sets), plus per row the position of the
+    next real token. Supports beam search, `num_return_sequences` and batch selection."""
+
+    layer_class = FeedbackCacheLayer
+
+    def __init__(self, config: FeedbackTransformerConfig):
+        super().__init__(config)
+        self.next_positions: torch.Tensor | None = None
+
+    @staticmethod
+    def layer_count(config) -> int:
+        return config.memory_groups  # one key/value set for all layers when shared
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.next_positions is None else self.next_positions.shape[0]
+
+    def memory_bytes(self) -> int:
+        """Bytes of the cached keys and values."""
+        return sum(
+            layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.keys is not None
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions[indices]
+
+    def reset(self):
+        super().reset()
+        self.next_positions = None
+
+
+class FeedbackTransformerPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
+    config: FeedbackTransformerConfig
+    config_class = FeedbackTransformerConfig
+    base_model_prefix = "model"
+    # The layers run once per step inside the model's loop; checkpointing them would cost more than it saves.
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["FeedbackDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _can_compile_fullgraph = False
+    # The ring buffer overwrites its oldest memories, so assisted decoding (which rolls back) is refused.
+    _is_stateful = True
+    hub_card_template = "feedback_transformer.md"
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # `generate` must not build a DynamicCache: the model creates its own FeedbackCache on the first forward.
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        super()._init_weights(module)
+        if isinstance(module, FeedbackTransformerModel):
+            init.zeros_(module.layer_weights)  # softmax(0): every layer weighs the same at first
+        elif isinstance(module, FeedbackAttention) and hasattr(module, "relative_bias"):
+            init.zeros_(module.relative_bias)
+        elif isinstance(module, RotaryEmbedding):
+            init.copy_(module.inv_freq, module.compute_inverse_frequencies())
+
+
+class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
+    def __init__(self, config: FeedbackTransformerConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [FeedbackDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Paper Eq. 1: one learned scalar per representation (the embedding and each layer's output).
+        self.layer_weights = nn.Parameter(torch.zeros(config.num_hidden_layers + 1))
+        self.memory_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.share_key_value:
+            # Keys and values of a memory computed once per step for all layers (paper Sec. 3.2).
+            self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+            self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.rotary_emb = (
+            RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_encoding == "rotary" else None
+        )
+        self.post_init()
+
+    def _memory_bias(self, layer: FeedbackDecoderLayer, window, positions: torch.Tensor) -> torch.Tensor:
+        """(B, H, W) additive bias of one step: −inf for empty slots and memories outside [t − τ, t − 1], plus the
+        learned relative bias when configured."""
+        _, _, slot_positions, slot_valid = window
+        distance = positions[:, None] - slot_positions  # (B, W)
+        visible = slot_valid & (distance >= 1) & (distance <= self.config.memory_span)
+        attention = layer.attention
+        if hasattr(attention, "relative_bias"):
+            index = (distance - 1).clamp(0, self.config.memory_span - 1)
+            bias = attention.relative_bias[:, index].permute(1, 0, 2)  # (B, H, W)
+        else:
+            bias = torch.zeros(visible.shape[0], 1, visible.shape[1], device=visible.device)
+        return bias.float().masked_fill(~visible[:, None], float("-inf"))
+
+    def step(self, embeddings: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, store, step: int):
+        """One time step for a batch: embeddings (B, D) of the tokens at `positions` (B,); `valid` (B,) False for
+        padding, which writes nothing into the memory. Returns the top layer's output (B, D) and every layer's."""
+        config = self.config
+        batch_size = embeddings.shape[0]
+        cos = sin = None
+        if self.rotary_emb is not None:
+            cos, sin = self.rotary_emb(positions[:, None])  # (B, 1, 1, d)
+        states = [embeddings]
+        hidden_states = embeddings
+        for layer_idx, layer in enumerate(self.layers):
+            attention = layer.attention
+            query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, config.head_dim)
+            if cos is not None:
+                query = apply_rotary(query[:, :, None], cos, sin)[:, :, 0]
+            group = 0 if config.share_key_value else layer_idx
+            bias = self._memory_bias(layer, store.window(group, step), positions)
+            context = store.read(group, step, query, bias.to(query.dtype))
+            mixed = attention.o_proj(attention.dropout(context).reshape(batch_size, -1))
+            hidden_states = hidden_states + layer.dropout(mixed)
+            hidden_states = hidden_states + layer.dropout(layer.mlp(layer.post_attention_layernorm(hidden_states)))
+            states.append(hidden_states)
+        # Paper Eq. 1: the memory of this step mixes the embedding and every layer's output.
+        weights = torch.softmax(self.layer_weights.float(), dim=0).to(hidden_states.dtype)
+        memory = self.memory_norm(torch.einsum("l,lbd->bd", weights, torch.stack(states)))
+        if config.share_key_value:
+            keys, values = self.k_proj(memory)[None], self.v_proj(memory)[None]
+        else:
+            keys = torch.stack([layer.attention.k_proj(memory) for layer in self.layers])
+            values = torch.stack([layer.attention.v_proj(memory) for layer in self.layers])
+        keys = keys.view(keys.shape[0], batch_size, -1, config.head_dim)
+        values = values.view(values.shape[0], batch_size, -1, config.head_dim)
+        if cos is not None:
+            keys = apply_rotary(keys[:, :, :, None], cos, sin)[:, :, :, 0]
+        store.write(step, keys, values, positions, valid)
+        return hidden_states, states
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: FeedbackCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast | tuple:
+        r"""
+        attention_mask: (B, T) or (B, past + T) padding mask; padding may only come first in a row (left padding),
+            writes nothing into the memory and does not advance the positions.
+        position_ids: accepted for 🤗 `generate`; positions are counted from each row's first real token.
+        past_key_values: a `FeedbackCache` with the keys and values of the last τ memories.
+        """
+        check_extra_kwargs(kwargs, type(self).__name__)
+        config = self.config
+        use_cache = use_cache if use_cache is not None else config.use_cache
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else config.return_dict
+        inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
+        batch_size, length = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+
+        if past_key_values is not None and not isinstance(past_key_values, FeedbackCache):
+            raise TypeError(
+                "The Feedback Transformer keeps its memory in a FeedbackCache; got past_key_values of type "
+                f"{type(past_key_values).__name__}. Pass None (a cache is created) or the FeedbackCache a previous "
+                "call returned."
+            )
+        cache = past_key_values if past_key_values is not None else FeedbackCache(config)
+        cache.check_against(config, batch_size)
+        past_length = cache.get_seq_length()
+        valid = current_padding_mask(attention_mask, batch_size, length, past_length)
+        if valid is None:
+            valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
+        valid = valid.to(device)
+        if length > 1 and bool((valid[:, 1:].long() < valid[:, :-1].long()).any()):
+            raise ValueError(
+                "The Feedback Transformer supports left padding only: in each row of attention_mask the zeros must "
+                "come before the ones (a memory of padding would break its step-by-step recurrence)."
+            )
+        if cache.layers[0].keys is None:
+            for layer in cache.layers:
+                layer.allocate(batch_size, config, inputs_embeds.dtype, device)
+            cache.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
+        positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
+        positions = positions.masked_fill(~valid, -1)
+
+        training_graph = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in self.parameters())
+        store = (
+            _Tape(cache.layers, length, config.memory_span, inputs_embeds.dtype)
+            if training_graph
+            else _RingStore(cache.layers)
+        )
+        outputs, all_states = [], []
+        for step in range(length):
+            hidden_states, states = self.step(inputs_embeds[:, step], positions[:, step], valid[:, step], store, step)
+            outputs.append(hidden_states)
+            if output_hidden_states:
+                all_states.append(states)
+
+        if training_graph:
+            # Carry the last τ memories into the ring (detached: truncated back-propagation through time).
+            keys, values, slot_positions, slot_valid = store.last_memories()
+            for layer in cache.layers:
+                layer.allocate(batch_size, config, inputs_embeds.dtype, device)
+            ring = _RingStore(cache.layers)
+            following = cache.next_positions + valid.sum(1)
+            for index in range(keys.shape[3]):
+                keep = slot_valid[:, index] & (following - slot_positions[:, index] <= config.memory_span)
+                ring.write(index, keys[:, :, :, index].detach(), values[:, :, :, index].detach(),
+                           slot_positions[:, index], keep)  # fmt: skip
+        cache.next_positions = cache.next_positions + valid.sum(1)
+        for layer in cache.layers:
+            layer.seen_tokens += length
+
+        hidden_states = self.norm(torch.stack(outputs, dim=1))
+        hidden_states_out = None
+        if output_hidden_states:
+            hidden_states_out = tuple(
+                torch.stack([states[index] for states in all_states], dim=1) for index in range(len(self.layers))
+            ) + (hidden_states,)
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=cache if use_cache else None,
+            hidden_states=hidden_states_out,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: FeedbackTransformerConfig):
+        super().__init__(config)
+        self.model = FeedbackTransformerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: FeedbackCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        r"""
+        labels: (B, T) token ids; next-token cross-entropy (shifted inside), -100 ignored.
+        logits_to_keep: an int keeps the last that many positions (0 keeps all); a tensor selects positions.
+        """
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
+        )  # fmt: skip
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        output = CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = [
+    "FeedbackCache",
+    "FeedbackTransformerForCausalLM",
+    "FeedbackTransformerModel",
+    "FeedbackTransformerPreTrainedModel",
+]
