@@ -48,7 +48,8 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: 
     weights = torch.exp(scores - torch.where(torch.isfinite(largest), largest, 0.0))
     total = weights.sum(-1, keepdim=True)
     output = torch.matmul(weights.unsqueeze(-2), values).squeeze(-2)
-    return output / total.clamp_min(torch.finfo(total.dtype).tiny)
+    # The largest weight is exp(0) = 1, so total is 0 (nothing visible, output 0) or >= 1: clamping at 1 is exact.
+    return output / total.clamp_min(1.0)
 
 
 class FeedbackAttention(nn.Module):
