@@ -75,9 +75,11 @@ def naive_forward(model: FeedbackTransformerForCausalLM, input_ids: torch.Tensor
             states.append(x)
         memory = sum(w * state for w, state in zip(torch.softmax(body.layer_weights, 0), states))
         memory = body.memory_norm(memory)
-        projections = [(body.k_proj, body.v_proj)] if config.share_key_value else [
-            (layer.attention.k_proj, layer.attention.v_proj) for layer in body.layers
-        ]
+        projections = (
+            [(body.k_proj, body.v_proj)]
+            if config.share_key_value
+            else [(layer.attention.k_proj, layer.attention.v_proj) for layer in body.layers]
+        )
         step_keys = [k_proj(memory).view(batch, heads, width) for k_proj, _ in projections]
         if config.position_encoding == "rotary":
             step_keys = [rotate(k, t) for k in step_keys]

@@ -5,7 +5,13 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-from memlm import DeltaNetForCausalLM, ExpireSpanConfig, ExpireSpanForCausalLM
+from memlm import (
+    DeltaNetForCausalLM,
+    ExpireSpanConfig,
+    ExpireSpanForCausalLM,
+    FeedbackTransformerConfig,
+    FeedbackTransformerForCausalLM,
+)
 from tests.conftest import DELTANET_VARIANTS
 
 MODELS = {
@@ -23,6 +29,16 @@ MODELS = {
             block_size=16,
             span_loss_coefficient=1e-4,
             memory_shortening=True,
+        )
+    ),  # fmt: skip
+    "feedback": lambda: FeedbackTransformerForCausalLM(
+        FeedbackTransformerConfig(
+            vocab_size=258,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            memory_span=16,
         )
     ),  # fmt: skip
 }
