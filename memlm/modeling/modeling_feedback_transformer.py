@@ -38,18 +38,20 @@ from .memory import (
 )
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of one query per row and head over a window of memories.
-
-    query (B, H, d), keys/values (B, H, W, d), bias (B, H, W) additive (−inf: not visible) → (B, H, d). A row that
-    sees no memory gets 0 (the paper: no attention term before the first memory), without NaN in any gradient."""
-    scores = torch.matmul(keys, query.unsqueeze(-1)).squeeze(-1) / math.sqrt(query.shape[-1]) + bias
+def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Softmax weights of one query per (row, head) over a window of memories: query (N, d), keys (N, W, d), bias
+    (N, W) additive (−inf: not visible) → (N, W). A query that sees no memory gets all-zero weights: the paper's
+    "no attention term" before the first memory, with no NaN anywhere."""
+    scores = torch.bmm(keys, query.unsqueeze(-1)).squeeze(-1) / math.sqrt(query.shape[-1]) + bias
     largest = scores.amax(-1, keepdim=True).detach()
     weights = torch.exp(scores - torch.where(torch.isfinite(largest), largest, 0.0))
-    total = weights.sum(-1, keepdim=True)
-    output = torch.matmul(weights.unsqueeze(-2), values).squeeze(-2)
-    # The largest weight is exp(0) = 1, so total is 0 (nothing visible, output 0) or >= 1: clamping at 1 is exact.
-    return output / total.clamp_min(1.0)
+    # The largest weight is exp(0) = 1, so the total is 0 (nothing visible) or >= 1: clamping at 1 is exact.
+    return weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """query (N, d), keys/values (N, W, d), bias (N, W) → the attention output (N, d)."""
+    return torch.bmm(attention_weights(query, keys, bias).unsqueeze(1), values).squeeze(1)
 
 
 class FeedbackAttention(nn.Module):
@@ -76,23 +78,30 @@ class _RingStore:
     """The memory when no gradient is needed: τ slots per row, slot = position mod τ, written in place. The cache's
     own buffers, so decoding a token costs O(τ) whatever the context length, with no copying."""
 
-    def __init__(self, cache_layers: list["FeedbackCacheLayer"]):
+    def __init__(self, cache_layers: list["FeedbackCacheLayer"], next_positions: torch.Tensor):
         self.layers = cache_layers
+        # Slots at or beyond `filled` hold nothing yet (slot = position mod τ and positions start at 0): skip them.
+        self.filled = min(cache_layers[0].keys.shape[2], int(next_positions.max()) if next_positions.numel() else 0)
 
     def window(self, group: int, step: int):
         layer = self.layers[group]
-        return layer.keys, layer.values, layer.positions, layer.valid
+        return None, None, layer.positions[:, : self.filled], layer.valid[:, : self.filled]
 
     def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        if self.filled == 0:
+            return torch.zeros_like(query)  # no memory yet: the attention term is zero
         layer = self.layers[group]
-        return attend(query, layer.keys, layer.values, bias)
+        keys = layer.keys[:, :, : self.filled].flatten(0, 1)
+        return attend(query, keys, layer.values[:, :, : self.filled].flatten(0, 1), bias)
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing."""
         rows = valid.nonzero().squeeze(-1)
         if rows.numel() == 0:
             return
-        slots = positions[rows] % self.layers[0].keys.shape[2]
+        span = self.layers[0].keys.shape[2]
+        slots = positions[rows] % span
+        self.filled = max(self.filled, min(span, int(positions[rows].max()) + 1))
         for group, layer in enumerate(self.layers):
             layer.keys[rows, :, slots] = keys[group, rows].to(layer.keys.dtype)
             layer.values[rows, :, slots] = values[group, rows].to(layer.values.dtype)
@@ -107,17 +116,24 @@ class _Tape:
     def __init__(self, cache_layers, steps: int, memory_span: int, dtype: torch.dtype):
         first = cache_layers[0]
         groups = len(cache_layers)
-        batch_size, num_heads, prefix, head_dim = first.keys.shape
+        batch_size, num_heads, _, head_dim = first.keys.shape
+        # The prefix: the cache's live memories only, live slots first in each row (an empty cache adds nothing).
+        live = first.valid
+        prefix = int(live.sum(1).max()) if live.numel() else 0
+        order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :prefix]
         size = prefix + steps
         device = first.keys.device
         self.prefix = prefix
         self.memory_span = memory_span
         self.keys = torch.zeros(groups, batch_size, num_heads, size, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        self.keys[:, :, :, :prefix] = torch.stack([layer.keys for layer in cache_layers]).to(dtype)
-        self.values[:, :, :, :prefix] = torch.stack([layer.values for layer in cache_layers]).to(dtype)
-        self.positions = torch.cat([first.positions, first.positions.new_zeros(batch_size, steps)], dim=1)
-        self.valid = torch.cat([first.valid, first.valid.new_zeros(batch_size, steps)], dim=1)
+        gather = order[:, None, :, None].expand(batch_size, num_heads, prefix, head_dim)
+        self.keys[:, :, :, :prefix] = torch.stack([layer.keys.gather(2, gather) for layer in cache_layers]).to(dtype)
+        self.values[:, :, :, :prefix] = torch.stack([layer.values.gather(2, gather) for layer in cache_layers]).to(
+            dtype
+        )
+        self.positions = torch.cat([first.positions.gather(1, order), first.positions.new_zeros(batch_size, steps)], 1)
+        self.valid = torch.cat([live.gather(1, order), live.new_zeros(batch_size, steps)], dim=1)
         self.grad_keys = torch.zeros_like(self.keys)
         self.grad_values = torch.zeros_like(self.values)
         # Every write takes the previous anchor and makes the next: reads of step t hang on the anchor of step t−1,
@@ -136,6 +152,8 @@ class _Tape:
 
     def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         start, end = self.bounds(step)
+        if start == end:
+            return torch.zeros_like(query)  # no memory yet: the attention term is zero
         return _TapeRead.apply(query, bias, self.anchor, self, group, start, end)
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
@@ -175,33 +193,35 @@ class _TapeWrite(torch.autograd.Function):
 
 
 class _TapeRead(torch.autograd.Function):
-    """Attention of one step over a slice of the tape; the backward recomputes it with autograd (the same `attend`
-    as inference) and adds the keys'/values' gradients into the tape's gradient buffers."""
+    """Attention of one step over a slice of the tape. The backward is written out (softmax attention for a single
+    query), reads the keys and values once, and adds their gradients into the tape's gradient buffers in place."""
 
     @staticmethod
     def forward(ctx, query, bias, anchor, tape, group, start, end):
         with torch.no_grad():
-            output = attend(query, tape.keys[group, :, :, start:end], tape.values[group, :, :, start:end], bias)
-        ctx.save_for_backward(query, bias)
+            keys = tape.keys[group, :, :, start:end].flatten(0, 1)  # (B·H, W, d), a view
+            weights = attention_weights(query, keys, bias)
+            output = torch.bmm(weights.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
+        ctx.save_for_backward(query, weights)
         ctx.tape, ctx.window = tape, (group, start, end)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, bias = ctx.saved_tensors
+        query, weights = ctx.saved_tensors
         tape, (group, start, end) = ctx.tape, ctx.window
-        with torch.enable_grad():
-            query = query.detach().requires_grad_()
-            bias = bias.detach().requires_grad_(ctx.needs_input_grad[1])
-            keys = tape.keys[group, :, :, start:end].detach().requires_grad_()
-            values = tape.values[group, :, :, start:end].detach().requires_grad_()
-            output = attend(query, keys, values, bias)
-            inputs = [query, keys, values] + ([bias] if bias.requires_grad else [])
-            gradients = torch.autograd.grad(output, inputs, grad_output)
-        tape.grad_keys[group, :, :, start:end] += gradients[1]
-        tape.grad_values[group, :, :, start:end] += gradients[2]
-        grad_bias = gradients[3] if bias.requires_grad else None
-        return gradients[0], grad_bias, torch.zeros((), device=query.device), None, None, None, None
+        keys = tape.keys[group, :, :, start:end].flatten(0, 1)
+        values = tape.values[group, :, :, start:end].flatten(0, 1)
+        scale = query.shape[-1] ** -0.5
+        grad_weights = torch.bmm(values, grad_output.unsqueeze(-1)).squeeze(-1)  # (N, W)
+        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
+        grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
+        grad_keys = tape.grad_keys[group, :, :, start:end].flatten(0, 1)
+        grad_keys.baddbmm_(grad_scores.unsqueeze(-1), (query * scale).unsqueeze(1))  # += dS ⊗ q / sqrt(d)
+        grad_values = tape.grad_values[group, :, :, start:end].flatten(0, 1)
+        grad_values.baddbmm_(weights.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
+        grad_bias = grad_scores if ctx.needs_input_grad[1] else None
+        return grad_query, grad_bias, torch.zeros((), device=query.device), None, None, None, None
 
 
 class FeedbackDecoderLayer(nn.Module):
@@ -361,8 +381,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             if cos is not None:
                 query = apply_rotary(query[:, :, None], cos, sin)[:, :, 0]
             group = 0 if config.share_key_value else layer_idx
-            bias = self._memory_bias(layer, store.window(group, step), positions)
-            context = store.read(group, step, query, bias.to(query.dtype))
+            bias = self._memory_bias(layer, store.window(group, step), positions)  # (B, H or 1, W)
+            bias = bias.expand(batch_size, config.num_attention_heads, -1).flatten(0, 1)
+            context = store.read(group, step, query.reshape(-1, config.head_dim), bias.to(query.dtype))
             mixed = attention.o_proj(attention.dropout(context).reshape(batch_size, -1))
             hidden_states = hidden_states + layer.dropout(mixed)
             hidden_states = hidden_states + layer.dropout(layer.mlp(layer.post_attention_layernorm(hidden_states)))
@@ -440,11 +461,15 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         store = (
             _Tape(cache.layers, length, config.memory_span, inputs_embeds.dtype)
             if training_graph
-            else _RingStore(cache.layers)
+            else _RingStore(cache.layers, cache.next_positions)
         )
         outputs, all_states = [], []
+        # unbind once: indexing step by step would give each step's gradient the size of the whole input.
+        step_embeddings, step_positions, step_valid = inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1)
         for step in range(length):
-            hidden_states, states = self.step(inputs_embeds[:, step], positions[:, step], valid[:, step], store, step)
+            hidden_states, states = self.step(
+                step_embeddings[step], step_positions[step], step_valid[step], store, step
+            )
             outputs.append(hidden_states)
             if output_hidden_states:
                 all_states.append(states)
@@ -454,7 +479,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             keys, values, slot_positions, slot_valid = store.last_memories()
             for layer in cache.layers:
                 layer.allocate(batch_size, config, inputs_embeds.dtype, device)
-            ring = _RingStore(cache.layers)
+            ring = _RingStore(cache.layers, cache.next_positions)
             following = cache.next_positions + valid.sum(1)
             for index in range(keys.shape[3]):
                 keep = slot_valid[:, index] & (following - slot_positions[:, index] <= config.memory_span)
