@@ -19,6 +19,7 @@ PreTrainedModel → FeedbackTransformerModel → FeedbackTransformerForCausalLM.
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -92,7 +93,11 @@ class _RingStore:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
         layer = self.layers[group]
         keys = layer.keys[:, :, : self.filled].flatten(0, 1)
-        return attend(query, keys, layer.values[:, :, : self.filled].flatten(0, 1), bias)
+        values = layer.values[:, :, : self.filled].flatten(0, 1)
+        # Without gradients the fused kernel computes the same softmax attention in one pass; a query that sees
+        # no memory (a padding step) gets 0, as in `attend`.
+        output = F.scaled_dot_product_attention(query[:, None], keys, values, attn_mask=bias[:, None]).squeeze(1)
+        return output.masked_fill(~torch.isfinite(bias).any(-1, keepdim=True), 0.0)
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing."""
@@ -217,9 +222,9 @@ class _TapeRead(torch.autograd.Function):
         grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
         grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
         grad_keys = tape.grad_keys[group, :, :, start:end].flatten(0, 1)
-        grad_keys.baddbmm_(grad_scores.unsqueeze(-1), (query * scale).unsqueeze(1))  # += dS ⊗ q / sqrt(d)
+        grad_keys.addcmul_(grad_scores.unsqueeze(-1), (query * scale).unsqueeze(1))  # += dS ⊗ q / sqrt(d)
         grad_values = tape.grad_values[group, :, :, start:end].flatten(0, 1)
-        grad_values.baddbmm_(weights.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
+        grad_values.addcmul_(weights.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
         grad_bias = grad_scores if ctx.needs_input_grad[1] else None
         return grad_query, grad_bias, torch.zeros((), device=query.device), None, None, None, None
 
@@ -351,16 +356,15 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         )
         self.post_init()
 
-    def _memory_bias(self, layer: FeedbackDecoderLayer, window, positions: torch.Tensor) -> torch.Tensor:
-        """(B, H, W) additive bias of one step: −inf for empty slots and memories outside [t − τ, t − 1], plus the
-        learned relative bias when configured."""
+    def _memory_bias(self, layer: FeedbackDecoderLayer | None, window, positions: torch.Tensor) -> torch.Tensor:
+        """(B, H or 1, W) additive bias of one step: −inf for empty slots and memories outside [t − τ, t − 1], plus
+        `layer`'s learned relative bias when configured (`layer=None`: the visibility alone)."""
         _, _, slot_positions, slot_valid = window
         distance = positions[:, None] - slot_positions  # (B, W)
         visible = slot_valid & (distance >= 1) & (distance <= self.config.memory_span)
-        attention = layer.attention
-        if hasattr(attention, "relative_bias"):
+        if layer is not None and hasattr(layer.attention, "relative_bias"):
             index = (distance - 1).clamp(0, self.config.memory_span - 1)
-            bias = attention.relative_bias[:, index].permute(1, 0, 2)  # (B, H, W)
+            bias = layer.attention.relative_bias[:, index].permute(1, 0, 2)  # (B, H, W)
         else:
             bias = torch.zeros(visible.shape[0], 1, visible.shape[1], device=visible.device)
         return bias.float().masked_fill(~visible[:, None], float("-inf"))
@@ -375,14 +379,21 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             cos, sin = self.rotary_emb(positions[:, None])  # (B, 1, 1, d)
         states = [embeddings]
         hidden_states = embeddings
+        # Every group's slots hold the same positions, so without relative bias one bias serves all layers.
+        shared_bias = None
+        if config.position_encoding == "rotary":
+            shared_bias = self._memory_bias(None, store.window(0, step), positions)
+            shared_bias = shared_bias.expand(batch_size, config.num_attention_heads, -1).flatten(0, 1)
         for layer_idx, layer in enumerate(self.layers):
             attention = layer.attention
             query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, config.head_dim)
             if cos is not None:
                 query = apply_rotary(query[:, :, None], cos, sin)[:, :, 0]
             group = 0 if config.share_key_value else layer_idx
-            bias = self._memory_bias(layer, store.window(group, step), positions)  # (B, H or 1, W)
-            bias = bias.expand(batch_size, config.num_attention_heads, -1).flatten(0, 1)
+            bias = shared_bias
+            if bias is None:
+                bias = self._memory_bias(layer, store.window(group, step), positions)  # (B, H, W)
+                bias = bias.expand(batch_size, config.num_attention_heads, -1).flatten(0, 1)
             context = store.read(group, step, query.reshape(-1, config.head_dim), bias.to(query.dtype))
             mixed = attention.o_proj(attention.dropout(context).reshape(batch_size, -1))
             hidden_states = hidden_states + layer.dropout(mixed)
