@@ -28,6 +28,7 @@ test: $(STAMP)
 benchmark: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/delta_rule.py
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/expire_span.py
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/feedback.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
