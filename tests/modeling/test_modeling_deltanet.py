@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from memlm import DeltaNetCache, DeltaNetConfig, DeltaNetForCausalLM, DeltaNetModel
 from tests.conftest import DELTANET_VARIANTS
@@ -281,14 +281,6 @@ def test_tied_and_untied_embeddings(tmp_path):
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
 
 
-def test_resize_token_embeddings():
-    model = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]())
-    model.resize_token_embeddings(300)
-    assert model.config.vocab_size == 300 and model.lm_head.weight.shape[0] == 300
-    logits = model(torch.tensor([[299, 5, 7]])).logits
-    assert logits.shape == (1, 3, 300)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_is_close_to_float32(preset_config, dtype):
     model = _randomised(DeltaNetForCausalLM(preset_config).eval())
@@ -301,29 +293,6 @@ def test_half_precision_is_close_to_float32(preset_config, dtype):
     assert all(layer.fast_weights.dtype == torch.float32 for layer in output.past_key_values.layers)
     error = (output.logits.float() - reference).norm() / reference.norm()
     assert error < 0.05
-
-
-def test_dtype_argument_of_from_pretrained(tmp_path):
-    DeltaNetForCausalLM(DELTANET_VARIANTS["paper"]()).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    assert model.dtype == torch.bfloat16
-    assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
-
-
-def test_meta_device_initialisation():
-    config = DELTANET_VARIANTS["favor_conv_gate"]()
-    with torch.device("meta"):
-        model = DeltaNetForCausalLM(config)
-    assert all(parameter.is_meta for parameter in model.parameters())
-    model.to_empty(device="cpu")
-    model.init_weights()
-    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
-
-
-def test_auto_classes_build_memlm_models():
-    config = DELTANET_VARIANTS["paper"]()
-    assert type(AutoModel.from_config(config)) is DeltaNetModel
-    assert type(AutoModelForCausalLM.from_config(config)) is DeltaNetForCausalLM
 
 
 def test_initialisation_follows_initializer_range():
