@@ -231,10 +231,12 @@ class _TapeRead(torch.autograd.Function):
 
 class FeedbackDecoderLayer(nn.Module):
     """x = x + attention(norm(x), memory); x = x + mlp(norm(x)), for one step (run by `FeedbackTransformerModel.step`;
-    the layer has no forward of its own, because a step interleaves all layers with the memory)."""
+    the layer has no forward of its own, because a step interleaves all layers with the memory). With gradient
+    checkpointing on, the MLP block of every step is recomputed in the backward instead of kept."""
 
     def __init__(self, config: FeedbackTransformerConfig, layer_idx: int):
         super().__init__()
+        self.gradient_checkpointing = False
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = FeedbackAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -310,8 +312,8 @@ class FeedbackTransformerPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     config: FeedbackTransformerConfig
     config_class = FeedbackTransformerConfig
     base_model_prefix = "model"
-    # The layers run once per step inside the model's loop; checkpointing them would cost more than it saves.
-    supports_gradient_checkpointing = False
+    # Checkpointing recomputes each step's MLP block (its activations are the largest) in the backward.
+    supports_gradient_checkpointing = True
     _no_split_modules = ["FeedbackDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _can_compile_fullgraph = False
@@ -369,6 +371,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             bias = torch.zeros(visible.shape[0], 1, visible.shape[1], device=visible.device)
         return bias.float().masked_fill(~visible[:, None], float("-inf"))
 
+    @staticmethod
+    def _feed_forward(layer: FeedbackDecoderLayer, hidden_states: torch.Tensor) -> torch.Tensor:
+        return layer.dropout(layer.mlp(layer.post_attention_layernorm(hidden_states)))
+
     def step(self, embeddings: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, store, step: int):
         """One time step for a batch: embeddings (B, D) of the tokens at `positions` (B,); `valid` (B,) False for
         padding, which writes nothing into the memory. Returns the top layer's output (B, D) and every layer's."""
@@ -397,7 +403,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             context = store.read(group, step, query.reshape(-1, config.head_dim), bias.to(query.dtype))
             mixed = attention.o_proj(attention.dropout(context).reshape(batch_size, -1))
             hidden_states = hidden_states + layer.dropout(mixed)
-            hidden_states = hidden_states + layer.dropout(layer.mlp(layer.post_attention_layernorm(hidden_states)))
+            if layer.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                feed_forward = layer._gradient_checkpointing_func(self._feed_forward, layer, hidden_states)
+            else:
+                feed_forward = self._feed_forward(layer, hidden_states)
+            hidden_states = hidden_states + feed_forward
             states.append(hidden_states)
         # Paper Eq. 1: the memory of this step mixes the embedding and every layer's output.
         weights = torch.softmax(self.layer_weights.float(), dim=0).to(hidden_states.dtype)

@@ -341,3 +341,20 @@ def test_left_padded_generation_and_pipeline(tmp_path, tokenizer):
     expected = model.generate(**tokenizer(["Feedback memory"], return_tensors="pt"), max_new_tokens=5,
                               min_new_tokens=5, do_sample=False)  # fmt: skip
     assert text == tokenizer.decode(expected[0], skip_special_tokens=True)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _model("unshared_relative_bias").train()
+    input_ids = torch.randint(0, 256, (2, 10))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+    plain = gradients()
+    model.activation_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    checkpointed = gradients()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
