@@ -1,6 +1,7 @@
 """Blocks shared by memlm's models (SPEC: every model is a stack of pre-norm blocks with an MLP)."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -14,11 +15,9 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.float()
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (hidden_states * self.weight.float()).to(input_dtype)
+        # One fused op (the Feedback Transformer calls it twice per layer and step, so op count matters).
+        normed = F.rms_norm(hidden_states.float(), self.weight.shape, self.weight.float(), self.variance_epsilon)
+        return normed.to(hidden_states.dtype)
 
 
 class GatedMLP(nn.Module):

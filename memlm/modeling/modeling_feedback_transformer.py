@@ -79,10 +79,24 @@ class _RingStore:
     """The memory when no gradient is needed: τ slots per row, slot = position mod τ, written in place. The cache's
     own buffers, so decoding a token costs O(τ) whatever the context length, with no copying."""
 
-    def __init__(self, cache_layers: list["FeedbackCacheLayer"], next_positions: torch.Tensor):
+    def __init__(self, cache_layers: list["FeedbackCacheLayer"], next_positions: torch.Tensor, config, like):
         self.layers = cache_layers
+        window = None
+        if not cache_layers[0].ring:
+            # An empty cache, or the window a training forward left: lay it out as a ring of τ slots.
+            if cache_layers[0].keys is not None:
+                window = [(layer.keys, layer.values) for layer in cache_layers]
+                window_positions, window_valid = cache_layers[0].positions, cache_layers[0].valid
+            for layer in cache_layers:
+                layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device)
         # Slots at or beyond `filled` hold nothing yet (slot = position mod τ and positions start at 0): skip them.
-        self.filled = min(cache_layers[0].keys.shape[2], int(next_positions.max()) if next_positions.numel() else 0)
+        self.filled = min(config.memory_span, int(next_positions.max()) if next_positions.numel() else 0)
+        if window is not None:
+            keys = torch.stack([pair[0] for pair in window])
+            values = torch.stack([pair[1] for pair in window])
+            for index in range(keys.shape[3]):
+                self.write(index, keys[:, :, :, index], values[:, :, :, index], window_positions[:, index],
+                           window_valid[:, index])  # fmt: skip
 
     def window(self, group: int, step: int):
         layer = self.layers[group]
@@ -118,16 +132,27 @@ class _Tape:
     """The memory in training: one slot per step (after a prefix carried from the cache), written once, never
     overwritten, with gradient buffers that the reads fill and the writes hand back to autograd."""
 
-    def __init__(self, cache_layers, steps: int, memory_span: int, dtype: torch.dtype):
+    def __init__(self, cache_layers, steps: int, config, like: torch.Tensor):
         first = cache_layers[0]
         groups = len(cache_layers)
-        batch_size, num_heads, _, head_dim = first.keys.shape
+        batch_size, num_heads, head_dim = like.shape[0], config.num_attention_heads, config.head_dim
+        dtype, device, memory_span = like.dtype, like.device, config.memory_span
+        if first.keys is None:  # an empty cache: nothing carried
+            empty = torch.zeros(batch_size, num_heads, 0, head_dim, dtype=dtype, device=device)
+            cache_layers = [
+                FeedbackCacheLayer.window_of(
+                    empty,
+                    empty,
+                    empty.new_zeros(batch_size, 0, dtype=torch.long),
+                    empty.new_zeros(batch_size, 0, dtype=torch.bool),
+                )
+            ] * groups
+            first = cache_layers[0]
         # The prefix: the cache's live memories only, live slots first in each row (an empty cache adds nothing).
         live = first.valid
         prefix = int(live.sum(1).max()) if live.numel() else 0
         order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :prefix]
         size = prefix + steps
-        device = first.keys.device
         self.prefix = prefix
         self.memory_span = memory_span
         self.keys = torch.zeros(groups, batch_size, num_heads, size, head_dim, dtype=dtype, device=device)
@@ -255,7 +280,20 @@ class FeedbackCacheLayer(MemoryCacheLayer):
         shape = None if self.keys is None else tuple(self.keys.shape)
         return f"FeedbackCacheLayer(keys={shape}, seen_tokens={self.seen_tokens})"
 
-    def allocate(self, batch_size: int, config: FeedbackTransformerConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self):
+        super().__init__()
+        # True: τ slots with slot = position mod τ (written in place by inference). False: a window of memories in any
+        # order (what a training forward leaves), turned into a ring when inference needs one.
+        self.ring = False
+
+    @classmethod
+    def window_of(cls, keys, values, positions, valid) -> "FeedbackCacheLayer":
+        layer = cls()
+        layer.keys, layer.values, layer.positions, layer.valid = keys, values, positions, valid
+        return layer
+
+    def allocate_ring(self, batch_size: int, config: FeedbackTransformerConfig, dtype, device):
+        self.ring = True
         shape = (batch_size, config.num_attention_heads, config.memory_span, config.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -471,18 +509,16 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 "The Feedback Transformer supports left padding only: in each row of attention_mask the zeros must "
                 "come before the ones (a memory of padding would break its step-by-step recurrence)."
             )
-        if cache.layers[0].keys is None:
-            for layer in cache.layers:
-                layer.allocate(batch_size, config, inputs_embeds.dtype, device)
+        if cache.next_positions is None:
             cache.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
         positions = positions.masked_fill(~valid, -1)
 
         training_graph = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in self.parameters())
         store = (
-            _Tape(cache.layers, length, config.memory_span, inputs_embeds.dtype)
+            _Tape(cache.layers, length, config, inputs_embeds)
             if training_graph
-            else _RingStore(cache.layers, cache.next_positions)
+            else _RingStore(cache.layers, cache.next_positions, config, inputs_embeds)
         )
         outputs, all_states = [], []
         # unbind once: indexing step by step would give each step's gradient the size of the whole input.
@@ -496,16 +532,14 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 all_states.append(states)
 
         if training_graph:
-            # Carry the last τ memories into the ring (detached: truncated back-propagation through time).
+            # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
+            # training forward takes it as its prefix, inference lays it out as a ring.
             keys, values, slot_positions, slot_valid = store.last_memories()
-            for layer in cache.layers:
-                layer.allocate(batch_size, config, inputs_embeds.dtype, device)
-            ring = _RingStore(cache.layers, cache.next_positions)
             following = cache.next_positions + valid.sum(1)
-            for index in range(keys.shape[3]):
-                keep = slot_valid[:, index] & (following - slot_positions[:, index] <= config.memory_span)
-                ring.write(index, keys[:, :, :, index].detach(), values[:, :, :, index].detach(),
-                           slot_positions[:, index], keep)  # fmt: skip
+            slot_valid = slot_valid & (following[:, None] - slot_positions <= config.memory_span)
+            for group, layer in enumerate(cache.layers):
+                layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
+                layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
         cache.next_positions = cache.next_positions + valid.sum(1)
         for layer in cache.layers:
             layer.seen_tokens += length
