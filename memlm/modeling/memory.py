@@ -127,6 +127,8 @@ class MemoryCache(Cache):
 
     def __init__(self, config):
         super().__init__(layers=[self.layer_class() for _ in range(self.layer_count(config))])
+        # (B,) position of each row's next real token, for models that count positions past the padding.
+        self.next_positions: torch.Tensor | None = None
 
     @staticmethod
     def layer_count(config) -> int:
@@ -144,6 +146,31 @@ class MemoryCache(Cache):
 
     def update(self, *args, **kwargs):
         raise TypeError(f"{type(self).__name__} is written by the model's layers themselves, not through update().")
+
+    @property
+    def batch_size(self) -> int:
+        if self.next_positions is not None:
+            return self.next_positions.shape[0]
+        return super().batch_size
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions[indices]
+
+    def reset(self):
+        super().reset()
+        self.next_positions = None
 
     def check_against(self, config, batch_size: int):
         """Raise a ValueError when this cache cannot continue a forward of `batch_size` rows of the model `config`."""

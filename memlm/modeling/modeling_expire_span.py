@@ -237,36 +237,9 @@ class ExpireSpanCache(MemoryCache):
 
     layer_class = ExpireSpanCacheLayer
 
-    def __init__(self, config: ExpireSpanConfig):
-        super().__init__(config)
-        self.next_positions: torch.Tensor | None = None  # (B,) number of real (unpadded) tokens seen per row
-
-    @property
-    def batch_size(self) -> int:
-        return -1 if self.next_positions is None else self.next_positions.shape[0]
-
     def memory_entries(self) -> list[int]:
         """Per layer, the largest number of memories any row keeps (the width of the padded layout)."""
         return [layer.num_entries() for layer in self.layers]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        super().reorder_cache(beam_idx)
-        if self.next_positions is not None:
-            self.next_positions = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
-
-    def batch_repeat_interleave(self, repeats: int):
-        super().batch_repeat_interleave(repeats)
-        if self.next_positions is not None:
-            self.next_positions = self.next_positions.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor):
-        super().batch_select_indices(indices)
-        if self.next_positions is not None:
-            self.next_positions = self.next_positions[indices]
-
-    def reset(self):
-        super().reset()
-        self.next_positions = None
 
 
 class ExpireSpanPreTrainedModel(RemoteCodeMixin, PreTrainedModel):

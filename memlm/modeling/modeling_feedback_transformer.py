@@ -308,42 +308,15 @@ class FeedbackCache(MemoryCache):
 
     layer_class = FeedbackCacheLayer
 
-    def __init__(self, config: FeedbackTransformerConfig):
-        super().__init__(config)
-        self.next_positions: torch.Tensor | None = None
-
     @staticmethod
     def layer_count(config) -> int:
         return config.memory_groups  # one key/value set for all layers when shared
-
-    @property
-    def batch_size(self) -> int:
-        return -1 if self.next_positions is None else self.next_positions.shape[0]
 
     def memory_bytes(self) -> int:
         """Bytes of the cached keys and values."""
         return sum(
             layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.keys is not None
         )
-
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        super().reorder_cache(beam_idx)
-        if self.next_positions is not None:
-            self.next_positions = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
-
-    def batch_repeat_interleave(self, repeats: int):
-        super().batch_repeat_interleave(repeats)
-        if self.next_positions is not None:
-            self.next_positions = self.next_positions.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor):
-        super().batch_select_indices(indices)
-        if self.next_positions is not None:
-            self.next_positions = self.next_positions[indices]
-
-    def reset(self):
-        super().reset()
-        self.next_positions = None
 
 
 class FeedbackTransformerPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
