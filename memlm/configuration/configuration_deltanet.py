@@ -10,6 +10,7 @@ from .validation import (
     check_number,
     check_positive_ints,
     check_token_ids,
+    default_intermediate_size,
     is_int,
     is_positive_int,
     reject_misspelled_options,
@@ -155,7 +156,7 @@ class DeltaNetConfig(PreTrainedConfig):
             self.key_head_dim = self.hidden_size // heads if self.key_head_dim is None else self.key_head_dim
             self.value_head_dim = self.hidden_size // heads if self.value_head_dim is None else self.value_head_dim
         if self.intermediate_size is None and is_positive_int(self.hidden_size):
-            self.intermediate_size = 256 * ((int(self.hidden_size * 4 * 2 / 3) + 255) // 256)
+            self.intermediate_size = default_intermediate_size(self.hidden_size)
         self._validate()
         super().__post_init__(**kwargs)
 

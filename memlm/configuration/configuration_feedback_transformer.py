@@ -9,6 +9,7 @@ from .validation import (
     check_number,
     check_positive_ints,
     check_token_ids,
+    default_intermediate_size,
     is_positive_int,
     reject_misspelled_options,
 )
@@ -71,7 +72,7 @@ class FeedbackTransformerConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         reject_misspelled_options(self, kwargs)
         if self.intermediate_size is None and is_positive_int(self.hidden_size):
-            self.intermediate_size = 256 * ((int(self.hidden_size * 4 * 2 / 3) + 255) // 256)
+            self.intermediate_size = default_intermediate_size(self.hidden_size)
         self._validate()
         super().__post_init__(**kwargs)
 

@@ -11,6 +11,12 @@ def is_positive_int(value) -> bool:
     return is_int(value) and value > 0
 
 
+def default_intermediate_size(hidden_size: int) -> int:
+    """Width of the gated MLP when not given: hidden_size · 4 · 2/3 rounded up to a multiple of 256 (the SwiGLU rule
+    flash-linear-attention uses)."""
+    return 256 * ((int(hidden_size * 4 * 2 / 3) + 255) // 256)
+
+
 def _name(config, field: str) -> str:
     return f"{type(config).__name__}.{field}"
 

@@ -105,3 +105,58 @@ def test_dtype_argument_of_from_pretrained(tmp_path, name):
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16
     assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cache_reorder_repeat_and_select(name):
+    """Beam search (reorder), num_return_sequences (repeat) and batch selection continue each row as if it had been
+    run alone: compare the next token's logits with a full forward over the reordered prompts."""
+    model = _model(name)
+    prompt = torch.randint(0, 256, (3, 10))
+    follow = torch.randint(0, 256, (3, 1))
+    follow6 = torch.randint(0, 256, (6, 1))
+    cases = [
+        (lambda cache: cache.reorder_cache(torch.tensor([2, 0, 0])), prompt[[2, 0, 0]], follow),
+        (lambda cache: cache.batch_repeat_interleave(2), prompt.repeat_interleave(2, 0), follow6),
+        (lambda cache: cache.batch_select_indices(torch.tensor([1])), prompt[1:2], follow[1:2]),
+    ]
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+        for change, prompts, following in cases:
+            changed = copy.deepcopy(cache)
+            change(changed)
+            expected = model(torch.cat([prompts, following], 1)).logits[:, -1:]
+            torch.testing.assert_close(model(following, past_key_values=changed).logits, expected, atol=1e-4, rtol=0)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.next_positions is None
+
+
+@pytest.mark.parametrize(
+    ("name", "option", "value"),
+    [
+        ("expire_span", "span_pre_divisor", 4.0),
+        ("expire_span", "rope_theta", 100.0),
+        ("expire_span", "ramp", 5),
+        ("expire_span", "max_span", 5),
+        ("expire_span", "initial_span_fraction", 0.6),
+        ("feedback", "rope_theta", 100.0),
+        ("feedback", "memory_span", 2),
+        ("feedback", "rms_norm_eps", 0.5),
+        ("deltanet", "rms_norm_eps", 0.5),
+        ("deltanet", "convolution_size", 2),
+    ],
+)
+def test_every_option_changes_the_output(name, option, value):
+    """Same seed, same weights where shapes allow: changing one option must change the logits."""
+    input_ids = torch.randint(0, 256, (1, 24))
+    outputs = []
+    for extra in ({}, {option: value}):
+        torch.manual_seed(0)
+        model = _model(name, **extra)
+        if name == "expire_span":
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.attention.span_predictor.weight.normal_(0, 0.5)
+        with torch.no_grad():
+            outputs.append(model(input_ids).logits)
+    assert not torch.allclose(outputs[0], outputs[1], atol=1e-5)

@@ -339,36 +339,6 @@ def test_bad_inputs_raise_clear_errors():
         cache.update(torch.zeros(1), torch.zeros(1), 0)
 
 
-def test_cache_reorder_repeat_and_select():
-    config = DELTANET_VARIANTS["fla"]()
-    model = _randomised(DeltaNetForCausalLM(config).eval())
-    prompt = torch.randint(0, 256, (3, 6))
-    follow = torch.randint(0, 256, (3, 1))
-    with torch.no_grad():
-        cache = model(prompt, use_cache=True).past_key_values
-        reordered = copy.deepcopy(cache)
-        reordered.reorder_cache(torch.tensor([2, 0, 0]))
-        out = model(follow, past_key_values=reordered).logits
-        expected = model(torch.cat([prompt[[2, 0, 0]], follow], 1)).logits[:, -1:]
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
-
-        repeated = copy.deepcopy(cache)
-        repeated.batch_repeat_interleave(2)
-        follow6 = torch.randint(0, 256, (6, 1))
-        out = model(follow6, past_key_values=repeated).logits
-        expected = model(torch.cat([prompt.repeat_interleave(2, 0), follow6], 1)).logits[:, -1:]
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
-
-        selected = copy.deepcopy(cache)
-        selected.batch_select_indices(torch.tensor([1]))
-        out = model(follow[1:2], past_key_values=selected).logits
-        expected = model(torch.cat([prompt[1:2], follow[1:2]], 1)).logits[:, -1:]
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
-
-    cache.reset()
-    assert cache.get_seq_length() == 0 and cache.layers[0].fast_weights is None
-
-
 def test_cache_memory_does_not_grow_with_the_context():
     model = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()).eval()
     with torch.no_grad():

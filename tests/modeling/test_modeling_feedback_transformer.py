@@ -222,27 +222,6 @@ def test_cache_holds_one_set_for_all_layers_when_shared():
     assert unshared_cache.memory_bytes() == 3 * shared_cache.memory_bytes()
 
 
-def test_cache_reorder_repeat_and_select():
-    model = _model()
-    prompt = torch.randint(0, 256, (3, 8))
-    follow = torch.randint(0, 256, (3, 1))
-    with torch.no_grad():
-        cache = model(prompt, use_cache=True).past_key_values
-        reordered = copy.deepcopy(cache)
-        reordered.reorder_cache(torch.tensor([2, 0, 0]))
-        expected = model(torch.cat([prompt[[2, 0, 0]], follow], 1)).logits[:, -1:]
-        torch.testing.assert_close(model(follow, past_key_values=reordered).logits, expected, atol=1e-4, rtol=0)
-        repeated = copy.deepcopy(cache)
-        repeated.batch_repeat_interleave(2)
-        follow6 = torch.randint(0, 256, (6, 1))
-        expected = model(torch.cat([prompt.repeat_interleave(2, 0), follow6], 1)).logits[:, -1:]
-        torch.testing.assert_close(model(follow6, past_key_values=repeated).logits, expected, atol=1e-4, rtol=0)
-        selected = copy.deepcopy(cache)
-        selected.batch_select_indices(torch.tensor([1]))
-        expected = model(torch.cat([prompt[1:2], follow[1:2]], 1)).logits[:, -1:]
-        torch.testing.assert_close(model(follow[1:2], past_key_values=selected).logits, expected, atol=1e-4, rtol=0)
-
-
 def test_bad_inputs_and_configs():
     model = _model()
     input_ids = torch.randint(0, 256, (2, 4))
