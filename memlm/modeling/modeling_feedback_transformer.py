@@ -19,7 +19,6 @@ PreTrainedModel → FeedbackTransformerModel → FeedbackTransformerForCausalLM.
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -28,6 +27,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
+from ..kernels import resolve_backend
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
     LOSS_KWARGS,
@@ -43,7 +43,8 @@ def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tenso
     """Softmax weights of one query per (row, head) over a window of memories: query (N, d), keys (N, W, d), bias
     (N, W) additive (−inf: not visible) → (N, W). A query that sees no memory gets all-zero weights: the paper's
     "no attention term" before the first memory, with no NaN anywhere."""
-    scores = torch.bmm(keys, query.unsqueeze(-1)).squeeze(-1) / math.sqrt(query.shape[-1]) + bias
+    # (1, d) · (d, W) per row: MKL runs this orientation ~7× faster than (W, d) · (d, 1) on this CPU.
+    scores = torch.bmm(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1) / math.sqrt(query.shape[-1]) + bias
     largest = scores.amax(-1, keepdim=True).detach()
     weights = torch.exp(scores - torch.where(torch.isfinite(largest), largest, 0.0))
     # The largest weight is exp(0) = 1, so the total is 0 (nothing visible) or >= 1: clamping at 1 is exact.
@@ -108,10 +109,7 @@ class _RingStore:
         layer = self.layers[group]
         keys = layer.keys[:, :, : self.filled].flatten(0, 1)
         values = layer.values[:, :, : self.filled].flatten(0, 1)
-        # Without gradients the fused kernel computes the same softmax attention in one pass; a query that sees
-        # no memory (a padding step) gets 0, as in `attend`.
-        output = F.scaled_dot_product_attention(query[:, None], keys, values, attn_mask=bias[:, None]).squeeze(1)
-        return output.masked_fill(~torch.isfinite(bias).any(-1, keepdim=True), 0.0)
+        return attend(query, keys, values, bias)
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing."""
@@ -182,15 +180,24 @@ class _Tape:
 
     def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         start, end = self.bounds(step)
+        self.last_weights = None
         if start == end:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
-        return _TapeRead.apply(query, bias, self.anchor, self, group, start, end)
+        if torch.is_grad_enabled():
+            return _TapeRead.apply(query, bias, self.anchor, self, group, start, end)
+        # Recorded for the hand-written backward (`_ThroughTime`), which runs the forward without autograd.
+        self.last_weights = attention_weights(query, self.keys[group, :, :, start:end].flatten(0, 1), bias)
+        return torch.bmm(self.last_weights.unsqueeze(1), self.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         index = self.prefix + step
         self.positions[:, index] = positions
         self.valid[:, index] = valid
-        self.anchor = _TapeWrite.apply(keys, values, self.anchor, self, index)
+        if torch.is_grad_enabled():
+            self.anchor = _TapeWrite.apply(keys, values, self.anchor, self, index)
+        else:
+            self.keys[:, :, :, index] = keys
+            self.values[:, :, :, index] = values
 
     def last_memories(self):
         """keys, values (G, B, H, W, d), positions, valid (B, W) of the slice the next step would read."""
@@ -243,7 +250,7 @@ class _TapeRead(torch.autograd.Function):
         keys = tape.keys[group, :, :, start:end].flatten(0, 1)
         values = tape.values[group, :, :, start:end].flatten(0, 1)
         scale = query.shape[-1] ** -0.5
-        grad_weights = torch.bmm(values, grad_output.unsqueeze(-1)).squeeze(-1)  # (N, W)
+        grad_weights = torch.bmm(grad_output.unsqueeze(1), values.transpose(1, 2)).squeeze(1)  # (N, W)
         grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
         grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
         grad_keys = tape.grad_keys[group, :, :, start:end].flatten(0, 1)
@@ -252,6 +259,239 @@ class _TapeRead(torch.autograd.Function):
         grad_values.addcmul_(weights.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
         grad_bias = grad_scores if ctx.needs_input_grad[1] else None
         return grad_query, grad_bias, torch.zeros((), device=query.device), None, None, None, None
+
+
+class _Recording:
+    """What the hand-written backward needs from a training forward run without autograd, by (layer, step): the
+    layer's input, rotated query, attention weights, context, the residual after attention, the MLP's gate and up
+    projections (not kept under gradient checkpointing: recomputed), the dropout masks; by step: the layer mix,
+    the normalised memory and the rotation."""
+
+    def __init__(self):
+        self.inputs, self.queries, self.weights, self.contexts, self.residuals = {}, {}, {}, {}, {}
+        self.gates, self.ups, self.masks = {}, {}, {}
+        self.mixtures, self.stacks, self.memories, self.rotations = {}, {}, {}, {}
+
+
+def _rms_norm_backward(grad_output, inputs, norm: RMSNorm, weight_gradient):
+    """Gradient of RMSNorm y = x̂ · w, x̂ = x / sqrt(mean(x²) + eps) for its input; adds dy ⊙ x̂ to `weight_gradient`
+    (B, D) and also returns y (the input of the next product, for its weight gradient)."""
+    reciprocal = torch.rsqrt(inputs.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    normalized = inputs * reciprocal
+    weight_gradient.addcmul_(grad_output, normalized)
+    grad_normalized = grad_output * norm.weight
+    grad_inputs = reciprocal * (grad_normalized - normalized * (grad_normalized * normalized).mean(-1, keepdim=True))
+    return grad_inputs, normalized * norm.weight
+
+
+def _rotary_backward(grad, cos, sin):
+    """Gradient of apply_rotary: y = x·cos + rotate(x)·sin with rotate(x) = [−x₂, x₁], so dx = dy·cos + [dy₂, −dy₁]·sin."""
+    half = grad.shape[-1] // 2
+    scaled = grad * sin
+    return grad * cos + torch.cat([scaled[..., half:], -scaled[..., :half]], dim=-1)
+
+
+def _activation_backward(act_fn, name: str, gate: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    if name == "silu":  # silu'(g) = σ(g) · (1 + g · (1 − σ(g)))
+        sigmoid = torch.sigmoid(gate)
+        return grad * sigmoid * (1 + gate * (1 - sigmoid))
+    if name == "relu":
+        return grad * (gate > 0)
+    with torch.enable_grad():  # the GELUs: their own autograd formula on this small tensor
+        leaf = gate.detach().requires_grad_()
+        return torch.autograd.grad(act_fn(leaf), leaf, grad)[0]
+
+
+class _WeightGradients:
+    """Σ over steps of (gradient at a product's output)ᵀ · (its input), for every weight. A step's product has only B
+    rows, far below the CPU's GEMM speed, so the steps are gathered and multiplied `steps_per_product` at a time."""
+
+    def __init__(self, needed: set[str], steps_per_product: int):
+        self.needed, self.steps_per_product = needed, steps_per_product
+        self.pending, self.totals = {}, {}
+
+    def add(self, name: str, grad_output: torch.Tensor, inputs: torch.Tensor):
+        if name not in self.needed:
+            return
+        grads, all_inputs = self.pending.setdefault(name, ([], []))
+        grads.append(grad_output)
+        all_inputs.append(inputs)
+        if len(grads) == self.steps_per_product:
+            self.flush(name)
+
+    def flush(self, name: str):
+        grads, inputs = self.pending.pop(name)
+        grads, inputs = torch.cat(grads), torch.cat(inputs)
+        if name in self.totals:
+            self.totals[name].addmm_(grads.t(), inputs)
+        else:
+            self.totals[name] = grads.t() @ inputs
+
+    def results(self) -> dict[str, torch.Tensor]:
+        for name in list(self.pending):
+            self.flush(name)
+        return self.totals
+
+
+class _ThroughTime(torch.autograd.Function):
+    """The training forward as one autograd node: the step loop runs without autograd (no graph of ~160 small nodes
+    per step), recording its intermediates, and `_backward_through_time` walks the steps back by hand, leaving the
+    weight gradients to products of many steps at once."""
+
+    @staticmethod
+    def forward(ctx, model, store, record, inputs_embeds, positions, valid, *parameters):
+        outputs = [
+            model.step(embeddings, step_positions, step_valid, store, step, record)[0]
+            for step, (embeddings, step_positions, step_valid) in enumerate(
+                zip(inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1))
+            )
+        ]
+        ctx.model, ctx.store, ctx.record, ctx.positions = model, store, record, positions
+        return torch.stack(outputs, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        parameters = ctx.model._recurrent_parameters()
+        needed = {name for (name, _), needs in zip(parameters, ctx.needs_input_grad[6:]) if needs}
+        grad_embeddings, gradients = _backward_through_time(ctx.model, ctx.store, ctx.record, ctx.positions,
+                                                            grad_outputs, needed)  # fmt: skip
+        grad_embeddings = grad_embeddings if ctx.needs_input_grad[3] else None
+        return (None, None, None, grad_embeddings, None, None) + tuple(gradients.get(name) for name, _ in parameters)
+
+
+def _backward_through_time(model, store, record, positions, grad_outputs, needed):
+    """Back-propagation through the loop of `FeedbackTransformerModel.step`, from the last step to the first; each
+    block reverses a line of the step. Returns the gradient of the input embeddings (B, T, D) and {name: gradient}
+    of the parameters named in `needed`."""
+    config, layers = model.config, model.layers
+    batch_size, steps, hidden_size = grad_outputs.shape
+    num_heads, head_dim, num_layers = config.num_attention_heads, config.head_dim, len(layers)
+    scale = head_dim**-0.5
+    mix = torch.softmax(model.layer_weights.float(), dim=0).to(grad_outputs.dtype)
+    grad_keys, grad_values = torch.zeros_like(store.keys), torch.zeros_like(store.values)
+    # Each pair of products that share an input runs as one product with the two weights stacked (out, in).
+    if config.share_key_value:
+        key_value = [("", torch.cat([model.k_proj.weight, model.v_proj.weight]))]
+    else:
+        key_value = [
+            (f"layers.{index}.attention.", torch.cat([layer.attention.k_proj.weight, layer.attention.v_proj.weight]))
+            for index, layer in enumerate(layers)
+        ]
+    gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in layers]
+    products = _WeightGradients(
+        {name.replace("k_proj", "key_value").replace("v_proj", "key_value").replace("gate_proj", "gate_up")
+         .replace("up_proj", "gate_up") for name in needed},
+        steps_per_product=max(1, 1024 // batch_size),
+    )  # fmt: skip
+    norm_names = ["memory_norm.weight"] + [
+        f"layers.{index}.{kind}.weight" for index in range(num_layers)
+        for kind in ("input_layernorm", "post_attention_layernorm")
+    ]  # fmt: skip
+    norm_gradients = {name: grad_outputs.new_zeros(batch_size, hidden_size) for name in norm_names}
+    grad_mix = torch.zeros(num_layers + 1, dtype=grad_outputs.dtype, device=grad_outputs.device)
+    relative_gradients = [
+        torch.zeros_like(layer.attention.relative_bias) if hasattr(layer.attention, "relative_bias") else None
+        for layer in layers
+    ]
+    grad_embeddings = [None] * steps
+
+    for step in reversed(range(steps)):
+        slot = store.prefix + step
+        cos, sin = record.rotations[step]
+        # The memory m_t of this step: every read of it ran later in the loop, so its gradient is complete.
+        grad_key = grad_keys[:, :, :, slot]  # (G, B, H, d)
+        if cos is not None:
+            grad_key = _rotary_backward(grad_key, cos[:, 0], sin[:, 0])
+        grad_key_value = torch.cat([grad_key.flatten(2), grad_values[:, :, :, slot].flatten(2)], dim=-1)
+        grad_memory = 0
+        for group, (prefix, weight) in enumerate(key_value):
+            grad_memory = grad_memory + grad_key_value[group] @ weight
+            products.add(f"{prefix}key_value.weight", grad_key_value[group], record.memories[step])
+        # Eq. 1: m_t = norm(Σ_l softmax(w)_l x_t^l)
+        grad_mixture, _ = _rms_norm_backward(grad_memory, record.mixtures[step], model.memory_norm,
+                                             norm_gradients["memory_norm.weight"])  # fmt: skip
+        grad_mix += torch.einsum("bd,lbd->l", grad_mixture, record.stacks[step])
+        grad_hidden = grad_outputs[:, step] + mix[num_layers] * grad_mixture
+        for index in reversed(range(num_layers)):
+            layer, key, prefix = layers[index], (index, step), f"layers.{index}."
+            mlp, attention = layer.mlp, layer.attention
+            # hidden = residual + dropout(down(act(gate) · up)), [gate, up] = W · post_norm(residual)
+            mask = record.masks.get(("mlp",) + key)
+            grad_down = grad_hidden if mask is None else grad_hidden * mask
+            residual = record.residuals[key]
+            if key in record.gates:
+                gate, up = record.gates[key], record.ups[key]
+            else:  # gradient checkpointing: recompute the block's projections
+                normed = layer.post_attention_layernorm(residual)
+                gate, up = (normed @ gate_up[index].t()).split(config.intermediate_size, dim=-1)
+            activated = mlp.act_fn(gate)
+            products.add(prefix + "mlp.down_proj.weight", grad_down, activated * up)
+            grad_product = grad_down @ mlp.down_proj.weight
+            grad_gate = _activation_backward(mlp.act_fn, config.hidden_act, gate, grad_product * up)
+            grad_gate_up = torch.cat([grad_gate, grad_product * activated], dim=-1)
+            grad_residual_norm, normed = _rms_norm_backward(grad_gate_up @ gate_up[index], residual,
+                                                            layer.post_attention_layernorm,
+                                                            norm_gradients[prefix + "post_attention_layernorm.weight"])  # fmt: skip
+            products.add(prefix + "mlp.gate_up.weight", grad_gate_up, normed)
+            grad_residual = grad_hidden + grad_residual_norm
+            # residual = input + dropout(o_proj(dropout(context)))
+            mask = record.masks.get(("attention",) + key)
+            grad_mixed = grad_residual if mask is None else grad_residual * mask
+            products.add(prefix + "attention.o_proj.weight", grad_mixed, record.contexts[key].view(batch_size, -1))
+            grad_context = (grad_mixed @ attention.o_proj.weight).view(-1, head_dim)
+            mask = record.masks.get(("context",) + key)
+            grad_context = grad_context if mask is None else grad_context * mask
+            # context = softmax(q·Kᵀ/√d + bias) · V over the window (`attention_weights`)
+            weights, query = record.weights[key], record.queries[key]
+            if weights is None:  # no memory was visible: the attention term was zero
+                grad_query = torch.zeros_like(query)
+            else:
+                group = 0 if config.share_key_value else index
+                start, end = store.bounds(step)
+                keys = store.keys[group, :, :, start:end].flatten(0, 1)
+                values = store.values[group, :, :, start:end].flatten(0, 1)
+                grad_weights = torch.bmm(grad_context.unsqueeze(1), values.transpose(1, 2)).squeeze(1)
+                grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))
+                grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
+                grad_keys[group, :, :, start:end].flatten(0, 1).addcmul_(grad_scores.unsqueeze(-1),
+                                                                         (query * scale).unsqueeze(1))  # fmt: skip
+                grad_values[group, :, :, start:end].flatten(0, 1).addcmul_(weights.unsqueeze(-1),
+                                                                           grad_context.unsqueeze(1))  # fmt: skip
+                if relative_gradients[index] is not None:  # bias[h, distance − 1]; invisible slots have dS = 0
+                    distance = positions[:, step, None] - store.positions[:, start:end]
+                    slots = (distance - 1).clamp(0, config.memory_span - 1)
+                    per_head = grad_scores.view(batch_size, num_heads, -1).transpose(0, 1).reshape(num_heads, -1)
+                    relative_gradients[index].index_add_(1, slots.flatten(), per_head)
+            grad_query = grad_query.view(batch_size, num_heads, head_dim)
+            if cos is not None:
+                grad_query = _rotary_backward(grad_query, cos[:, 0], sin[:, 0])
+            grad_query = grad_query.reshape(batch_size, -1)
+            # query = q_proj(input_norm(input)); the input also feeds the residual and the memory mix
+            grad_input_norm, normed = _rms_norm_backward(grad_query @ attention.q_proj.weight, record.inputs[key],
+                                                         layer.input_layernorm,
+                                                         norm_gradients[prefix + "input_layernorm.weight"])  # fmt: skip
+            products.add(prefix + "attention.q_proj.weight", grad_query, normed)
+            grad_hidden = grad_residual + grad_input_norm + mix[index] * grad_mixture
+        grad_embeddings[step] = grad_hidden
+
+    gradients = {name: gradient.sum(0) for name, gradient in norm_gradients.items()}
+    softmax = mix.float()  # the softmax's backward for the layer weights
+    grad_mix = grad_mix.float()
+    gradients["layer_weights"] = (softmax * (grad_mix - (softmax * grad_mix).sum())).to(model.layer_weights.dtype)
+    for index, gradient in enumerate(relative_gradients):
+        gradients[f"layers.{index}.attention.relative_bias"] = gradient
+    for name, gradient in products.results().items():
+        if "key_value" in name:
+            gradients[name.replace("key_value", "k_proj")], gradients[name.replace("key_value", "v_proj")] = (
+                gradient.split(hidden_size)
+            )
+        elif "gate_up" in name:
+            gradients[name.replace("gate_up", "gate_proj")], gradients[name.replace("gate_up", "up_proj")] = (
+                gradient.split(config.intermediate_size)
+            )
+        else:
+            gradients[name] = gradient
+    return torch.stack(grad_embeddings, dim=1), gradients
 
 
 class FeedbackDecoderLayer(nn.Module):
@@ -369,6 +609,33 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         )
         self.post_init()
 
+    def _recurrent_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the step loop uses (all but the token embedding and the final norm)."""
+        return [(name, parameter) for name, parameter in self.named_parameters()
+                if not name.startswith(("embed_tokens.", "norm."))]  # fmt: skip
+
+    def _backward_by_hand(self, inputs_embeds: torch.Tensor, output_hidden_states: bool) -> bool:
+        """Whether a training forward runs as `_ThroughTime` (the step loop without autograd and a hand-written
+        backward) rather than with autograd through every step (the `"reference"` kernel backend, float16/bfloat16
+        or autocast, and outputs of every layer keep autograd)."""
+        plain = (FeedbackDecoderLayer, FeedbackAttention, GatedMLP, RMSNorm, RotaryEmbedding, nn.Linear, nn.Dropout,
+                 nn.ModuleList)  # fmt: skip
+        activations = [layer.mlp.act_fn for layer in self.layers]  # the config's `hidden_act`
+        modules = [
+            module for name, module in self.named_modules() if name and not name.startswith(("embed_tokens", "norm"))
+        ]
+        return (
+            resolve_backend() == "torch"
+            and inputs_embeds.dtype in (torch.float32, torch.float64)
+            and not torch.is_autocast_enabled(inputs_embeds.device.type)
+            and not output_hidden_states
+            # The backward knows the plain modules only: a hook, an adapter (e.g. LoRA) or a quantised linear layer
+            # changes what the forward computes, so those keep autograd.
+            and all(type(module) in plain or any(module is act for act in activations) for module in modules)
+            and not any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+            and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+        )
+
     def _memory_bias(self, layer: FeedbackDecoderLayer | None, window, positions: torch.Tensor) -> torch.Tensor:
         """(B, H or 1, W) additive bias of one step: −inf for empty slots and memories outside [t − τ, t − 1], plus
         `layer`'s learned relative bias when configured (`layer=None`: the visibility alone)."""
@@ -382,13 +649,34 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             bias = torch.zeros(visible.shape[0], 1, visible.shape[1], device=visible.device)
         return bias.float().masked_fill(~visible[:, None], float("-inf"))
 
-    @staticmethod
-    def _feed_forward(layer: FeedbackDecoderLayer, hidden_states: torch.Tensor) -> torch.Tensor:
-        return layer.dropout(layer.mlp(layer.post_attention_layernorm(hidden_states)))
+    def _dropout(self, states: torch.Tensor, probability: float, record: "_Recording | None", key) -> torch.Tensor:
+        """Dropout with an explicit mask, kept in `record` for the hand-written backward (both training paths draw
+        the same masks from the same seed)."""
+        if not self.training or probability == 0:
+            return states
+        mask = torch.empty_like(states).bernoulli_(1 - probability).div_(1 - probability)
+        if record is not None:
+            record.masks[key] = mask
+        return states * mask
 
-    def step(self, embeddings: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, store, step: int):
+    def _feed_forward(self, layer: FeedbackDecoderLayer, residual: torch.Tensor, record=None, key=()):
+        """The MLP block's output (before the residual sum); `record` keeps its gate and up projections."""
+        mlp = layer.mlp
+        normed = layer.post_attention_layernorm(residual)
+        if record is None:
+            output = mlp(normed)
+        else:  # the MLP's lines, to keep its projections (only for plain modules, see `_backward_by_hand`)
+            gate, up = mlp.gate_proj(normed), mlp.up_proj(normed)
+            if not layer.gradient_checkpointing:
+                record.gates[key], record.ups[key] = gate, up
+            output = mlp.down_proj(mlp.act_fn(gate) * up)
+        return self._dropout(output, layer.dropout.p, record, ("mlp",) + key)
+
+    def step(self, embeddings: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, store, step: int,
+             record: "_Recording | None" = None):  # fmt: skip
         """One time step for a batch: embeddings (B, D) of the tokens at `positions` (B,); `valid` (B,) False for
-        padding, which writes nothing into the memory. Returns the top layer's output (B, D) and every layer's."""
+        padding, which writes nothing into the memory. Returns the top layer's output (B, D) and every layer's.
+        `record` (training without autograd) keeps what the hand-written backward needs."""
         config = self.config
         batch_size = embeddings.shape[0]
         cos = sin = None
@@ -403,26 +691,35 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             shared_bias = shared_bias.expand(batch_size, config.num_attention_heads, -1).flatten(0, 1)
         for layer_idx, layer in enumerate(self.layers):
             attention = layer.attention
+            key = (layer_idx, step)
             query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, config.head_dim)
             if cos is not None:
                 query = apply_rotary(query[:, :, None], cos, sin)[:, :, 0]
+            query = query.reshape(-1, config.head_dim)
             group = 0 if config.share_key_value else layer_idx
             bias = shared_bias
             if bias is None:
                 bias = self._memory_bias(layer, store.window(group, step), positions)  # (B, H, W)
                 bias = bias.expand(batch_size, config.num_attention_heads, -1).flatten(0, 1)
-            context = store.read(group, step, query.reshape(-1, config.head_dim), bias.to(query.dtype))
-            mixed = attention.o_proj(attention.dropout(context).reshape(batch_size, -1))
-            hidden_states = hidden_states + layer.dropout(mixed)
+            context = store.read(group, step, query, bias.to(query.dtype))
+            context = self._dropout(context, attention.dropout.p, record, ("context",) + key)
+            mixed = self._dropout(attention.o_proj(context.reshape(batch_size, -1)), layer.dropout.p, record,
+                                  ("attention",) + key)  # fmt: skip
+            residual = hidden_states + mixed
             if layer.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                feed_forward = layer._gradient_checkpointing_func(self._feed_forward, layer, hidden_states)
+                feed_forward = layer._gradient_checkpointing_func(self._feed_forward, layer, residual)
             else:
-                feed_forward = self._feed_forward(layer, hidden_states)
-            hidden_states = hidden_states + feed_forward
+                feed_forward = self._feed_forward(layer, residual, record, key)
+            if record is not None:
+                record.inputs[key], record.queries[key], record.weights[key] = hidden_states, query, store.last_weights
+                record.contexts[key], record.residuals[key] = context, residual
+            hidden_states = residual + feed_forward
             states.append(hidden_states)
         # Paper Eq. 1: the memory of this step mixes the embedding and every layer's output.
         weights = torch.softmax(self.layer_weights.float(), dim=0).to(hidden_states.dtype)
-        memory = self.memory_norm(torch.einsum("l,lbd->bd", weights, torch.stack(states)))
+        stack = torch.stack(states)
+        mixture = torch.einsum("l,lbd->bd", weights, stack)
+        memory = self.memory_norm(mixture)
         if config.share_key_value:
             keys, values = self.k_proj(memory)[None], self.v_proj(memory)[None]
         else:
@@ -433,6 +730,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if cos is not None:
             keys = apply_rotary(keys[:, :, :, None], cos, sin)[:, :, :, 0]
         store.write(step, keys, values, positions, valid)
+        if record is not None:
+            record.mixtures[step], record.stacks[step] = mixture, stack
+            record.memories[step], record.rotations[step] = memory, (cos, sin)
         return hidden_states, states
 
     def forward(
@@ -487,22 +787,30 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
         positions = positions.masked_fill(~valid, -1)
 
-        training_graph = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in self.parameters())
+        training_graph = torch.is_grad_enabled() and (
+            inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in self.parameters())
+        )
         store = (
             _Tape(cache.layers, length, config, inputs_embeds)
             if training_graph
             else _RingStore(cache.layers, cache.next_positions, config, inputs_embeds)
         )
-        outputs, all_states = [], []
-        # unbind once: indexing step by step would give each step's gradient the size of the whole input.
-        step_embeddings, step_positions, step_valid = inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1)
-        for step in range(length):
-            hidden_states, states = self.step(
-                step_embeddings[step], step_positions[step], step_valid[step], store, step
-            )
-            outputs.append(hidden_states)
-            if output_hidden_states:
-                all_states.append(states)
+        all_states = []
+        if training_graph and self._backward_by_hand(inputs_embeds, output_hidden_states):
+            parameters = [parameter for _, parameter in self._recurrent_parameters()]
+            top = _ThroughTime.apply(self, store, _Recording(), inputs_embeds, positions, valid, *parameters)
+        else:
+            outputs = []
+            # unbind once: indexing step by step would give each step's gradient the size of the whole input.
+            step_embeddings, step_positions, step_valid = inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1)
+            for step in range(length):
+                hidden_states, states = self.step(
+                    step_embeddings[step], step_positions[step], step_valid[step], store, step
+                )
+                outputs.append(hidden_states)
+                if output_hidden_states:
+                    all_states.append(states)
+            top = torch.stack(outputs, dim=1)
 
         if training_graph:
             # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
@@ -517,7 +825,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         for layer in cache.layers:
             layer.seen_tokens += length
 
-        hidden_states = self.norm(torch.stack(outputs, dim=1))
+        hidden_states = self.norm(top)
         hidden_states_out = None
         if output_hidden_states:
             hidden_states_out = tuple(
