@@ -7,7 +7,7 @@ from transformers.activations import ACT2FN
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32: y = x / sqrt(mean(x²) + eps) · w."""
+    """RMSNorm computed in float32 or wider: y = x / sqrt(mean(x²) + eps) · w."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -16,7 +16,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # One fused op (the Feedback Transformer calls it twice per layer and step, so op count matters).
-        normed = F.rms_norm(hidden_states.float(), self.weight.shape, self.weight.float(), self.variance_epsilon)
+        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        normed = F.rms_norm(hidden_states.to(dtype), self.weight.shape, self.weight.to(dtype), self.variance_epsilon)
         return normed.to(hidden_states.dtype)
 
 
@@ -57,4 +58,5 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = states.shape[-1] // 2
     rotated = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
-    return (states.float() * cos + rotated.float() * sin).to(states.dtype)
+    dtype = torch.promote_types(states.dtype, torch.float32)
+    return (states.to(dtype) * cos + rotated.to(dtype) * sin).to(states.dtype)

@@ -16,9 +16,8 @@ The file reads top to bottom: attention over the memory → the two memory store
 PreTrainedModel → FeedbackTransformerModel → FeedbackTransformerForCausalLM.
 """
 
-import math
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -42,13 +41,11 @@ from .memory import (
 def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Softmax weights of one query per (row, head) over a window of memories: query (N, d), keys (N, W, d), bias
     (N, W) additive (−inf: not visible) → (N, W). A query that sees no memory gets all-zero weights: the paper's
-    "no attention term" before the first memory, with no NaN anywhere."""
+    "no attention term" before the first memory."""
     # (1, d) · (d, W) per row: MKL runs this orientation ~7× faster than (W, d) · (d, 1) on this CPU.
-    scores = torch.bmm(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1) / math.sqrt(query.shape[-1]) + bias
-    largest = scores.amax(-1, keepdim=True).detach()
-    weights = torch.exp(scores - torch.where(torch.isfinite(largest), largest, 0.0))
-    # The largest weight is exp(0) = 1, so the total is 0 (nothing visible) or >= 1: clamping at 1 is exact.
-    return weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
+    scores = torch.bmm(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1)
+    weights = torch.softmax(torch.add(bias, scores, alpha=query.shape[-1] ** -0.5), dim=-1)
+    return weights.masked_fill_(torch.isneginf(bias).all(-1, keepdim=True), 0.0)  # its softmax was 0/0
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -267,7 +264,16 @@ class _Recording:
     projections (not kept under gradient checkpointing: recomputed), the dropout masks; by step: the layer mix,
     the normalised memory and the rotation."""
 
-    def __init__(self):
+    def __init__(self, model):
+        # The products that share an input run as one, with their weights stacked (out, in).
+        config, layers = model.config, model.layers
+        if config.share_key_value:
+            self.key_value = [torch.cat([model.k_proj.weight, model.v_proj.weight])]
+        else:
+            self.key_value = [
+                torch.cat([layer.attention.k_proj.weight, layer.attention.v_proj.weight]) for layer in layers
+            ]
+        self.gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in layers]
         self.inputs, self.queries, self.weights, self.contexts, self.residuals = {}, {}, {}, {}, {}
         self.gates, self.ups, self.masks = {}, {}, {}
         self.mixtures, self.stacks, self.memories, self.rotations = {}, {}, {}, {}
@@ -339,7 +345,8 @@ class _ThroughTime(torch.autograd.Function):
     weight gradients to products of many steps at once."""
 
     @staticmethod
-    def forward(ctx, model, store, record, inputs_embeds, positions, valid, *parameters):
+    def forward(ctx, model, store, inputs_embeds, positions, valid, *parameters):
+        record = _Recording(model)
         outputs = [
             model.step(embeddings, step_positions, step_valid, store, step, record)[0]
             for step, (embeddings, step_positions, step_valid) in enumerate(
@@ -352,11 +359,11 @@ class _ThroughTime(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_outputs):
         parameters = ctx.model._recurrent_parameters()
-        needed = {name for (name, _), needs in zip(parameters, ctx.needs_input_grad[6:]) if needs}
+        needed = {name for (name, _), needs in zip(parameters, ctx.needs_input_grad[5:]) if needs}
         grad_embeddings, gradients = _backward_through_time(ctx.model, ctx.store, ctx.record, ctx.positions,
                                                             grad_outputs, needed)  # fmt: skip
-        grad_embeddings = grad_embeddings if ctx.needs_input_grad[3] else None
-        return (None, None, None, grad_embeddings, None, None) + tuple(gradients.get(name) for name, _ in parameters)
+        grad_embeddings = grad_embeddings if ctx.needs_input_grad[2] else None
+        return (None, None, grad_embeddings, None, None) + tuple(gradients.get(name) for name, _ in parameters)
 
 
 def _backward_through_time(model, store, record, positions, grad_outputs, needed):
@@ -367,17 +374,12 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
     batch_size, steps, hidden_size = grad_outputs.shape
     num_heads, head_dim, num_layers = config.num_attention_heads, config.head_dim, len(layers)
     scale = head_dim**-0.5
-    mix = torch.softmax(model.layer_weights.float(), dim=0).to(grad_outputs.dtype)
+    wide = torch.promote_types(model.layer_weights.dtype, torch.float32)
+    softmax = torch.softmax(model.layer_weights.to(wide), dim=0)
+    mix = softmax.to(grad_outputs.dtype)
     grad_keys, grad_values = torch.zeros_like(store.keys), torch.zeros_like(store.values)
-    # Each pair of products that share an input runs as one product with the two weights stacked (out, in).
-    if config.share_key_value:
-        key_value = [("", torch.cat([model.k_proj.weight, model.v_proj.weight]))]
-    else:
-        key_value = [
-            (f"layers.{index}.attention.", torch.cat([layer.attention.k_proj.weight, layer.attention.v_proj.weight]))
-            for index, layer in enumerate(layers)
-        ]
-    gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in layers]
+    prefixes = [""] if config.share_key_value else [f"layers.{index}.attention." for index in range(num_layers)]
+    key_value, gate_up = list(zip(prefixes, record.key_value)), record.gate_up
     products = _WeightGradients(
         {name.replace("k_proj", "key_value").replace("v_proj", "key_value").replace("gate_proj", "gate_up")
          .replace("up_proj", "gate_up") for name in needed},
@@ -475,8 +477,7 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
         grad_embeddings[step] = grad_hidden
 
     gradients = {name: gradient.sum(0) for name, gradient in norm_gradients.items()}
-    softmax = mix.float()  # the softmax's backward for the layer weights
-    grad_mix = grad_mix.float()
+    grad_mix = grad_mix.to(wide)  # the softmax's backward for the layer weights
     gradients["layer_weights"] = (softmax * (grad_mix - (softmax * grad_mix).sum())).to(model.layer_weights.dtype)
     for index, gradient in enumerate(relative_gradients):
         gradients[f"layers.{index}.attention.relative_bias"] = gradient
@@ -647,7 +648,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             bias = layer.attention.relative_bias[:, index].permute(1, 0, 2)  # (B, H, W)
         else:
             bias = torch.zeros(visible.shape[0], 1, visible.shape[1], device=visible.device)
-        return bias.float().masked_fill(~visible[:, None], float("-inf"))
+        return bias.to(torch.promote_types(bias.dtype, torch.float32)).masked_fill(~visible[:, None], float("-inf"))
 
     def _dropout(self, states: torch.Tensor, probability: float, record: "_Recording | None", key) -> torch.Tensor:
         """Dropout with an explicit mask, kept in `record` for the hand-written backward (both training paths draw
@@ -666,7 +667,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if record is None:
             output = mlp(normed)
         else:  # the MLP's lines, to keep its projections (only for plain modules, see `_backward_by_hand`)
-            gate, up = mlp.gate_proj(normed), mlp.up_proj(normed)
+            gate, up = F.linear(normed, record.gate_up[key[0]]).split(mlp.gate_proj.out_features, dim=-1)
             if not layer.gradient_checkpointing:
                 record.gates[key], record.ups[key] = gate, up
             output = mlp.down_proj(mlp.act_fn(gate) * up)
@@ -716,11 +717,14 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             hidden_states = residual + feed_forward
             states.append(hidden_states)
         # Paper Eq. 1: the memory of this step mixes the embedding and every layer's output.
-        weights = torch.softmax(self.layer_weights.float(), dim=0).to(hidden_states.dtype)
+        wide = torch.promote_types(self.layer_weights.dtype, torch.float32)
+        weights = torch.softmax(self.layer_weights.to(wide), dim=0).to(hidden_states.dtype)
         stack = torch.stack(states)
         mixture = torch.einsum("l,lbd->bd", weights, stack)
         memory = self.memory_norm(mixture)
-        if config.share_key_value:
+        if record is not None:
+            keys, values = torch.stack([F.linear(memory, weight) for weight in record.key_value]).chunk(2, dim=-1)
+        elif config.share_key_value:
             keys, values = self.k_proj(memory)[None], self.v_proj(memory)[None]
         else:
             keys = torch.stack([layer.attention.k_proj(memory) for layer in self.layers])
@@ -798,7 +802,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         all_states = []
         if training_graph and self._backward_by_hand(inputs_embeds, output_hidden_states):
             parameters = [parameter for _, parameter in self._recurrent_parameters()]
-            top = _ThroughTime.apply(self, store, _Recording(), inputs_embeds, positions, valid, *parameters)
+            top = _ThroughTime.apply(self, store, inputs_embeds, positions, valid, *parameters)
         else:
             outputs = []
             # unbind once: indexing step by step would give each step's gradient the size of the whole input.

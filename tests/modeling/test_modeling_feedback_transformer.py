@@ -378,17 +378,18 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_hand_written_backward_equals_autograd_through_the_steps(variant, setting, monkeypatch):
-    model = _model(variant, **SETTINGS[setting]).train()
+    # float64: the two differ only by the order of float operations, so any real difference would show far above it.
+    model = _model(variant, **SETTINGS[setting]).train().double()
     input_ids = torch.randint(0, 256, (3, 11))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :3] = 0  # left padding writes no memory
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids}
     loss, gradients = _loss_and_gradients(model, "torch", monkeypatch, **dict(inputs))
     expected_loss, expected = _loss_and_gradients(model, "reference", monkeypatch, **dict(inputs))
-    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-12, rtol=1e-12)
     assert gradients.keys() == expected.keys()
     for name, reference in expected.items():
-        assert (gradients[name] - reference).norm() <= 1e-5 * reference.norm(), name
+        assert (gradients[name] - reference).norm() <= 1e-10 * reference.norm(), name
         assert reference.abs().sum() > 0, name
 
 
