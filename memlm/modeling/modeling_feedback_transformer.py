@@ -159,11 +159,16 @@ class _Tape:
         )
         self.positions = torch.cat([first.positions.gather(1, order), first.positions.new_zeros(batch_size, steps)], 1)
         self.valid = torch.cat([live.gather(1, order), live.new_zeros(batch_size, steps)], dim=1)
-        self.grad_keys = torch.zeros_like(self.keys)
-        self.grad_values = torch.zeros_like(self.values)
+        self._gradients = None
         # Every write takes the previous anchor and makes the next: reads of step t hang on the anchor of step t−1,
         # so the backward of a write runs only after every read of the memory it wrote.
         self.anchor = torch.zeros((), device=device, requires_grad=True)
+
+    def gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient buffers of the keys and values, made at the first read's backward (autograd through the steps)."""
+        if self._gradients is None:
+            self._gradients = (torch.zeros_like(self.keys), torch.zeros_like(self.values))
+        return self._gradients
 
     def bounds(self, step: int) -> tuple[int, int]:
         """The tape slice that step `step` may read: the prefix (in no particular order) while it is within τ, then
@@ -217,9 +222,10 @@ class _TapeWrite(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_anchor):
         tape, index = ctx.tape, ctx.index
+        grad_keys, grad_values = tape.gradients()
         return (
-            tape.grad_keys[:, :, :, index].clone(),
-            tape.grad_values[:, :, :, index].clone(),
+            grad_keys[:, :, :, index].clone(),
+            grad_values[:, :, :, index].clone(),
             grad_anchor,
             None,
             None,
@@ -250,9 +256,10 @@ class _TapeRead(torch.autograd.Function):
         grad_weights = torch.bmm(grad_output.unsqueeze(1), values.transpose(1, 2)).squeeze(1)  # (N, W)
         grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
         grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
-        grad_keys = tape.grad_keys[group, :, :, start:end].flatten(0, 1)
+        grad_keys, grad_values = tape.gradients()
+        grad_keys = grad_keys[group, :, :, start:end].flatten(0, 1)
         grad_keys.addcmul_(grad_scores.unsqueeze(-1), (query * scale).unsqueeze(1))  # += dS ⊗ q / sqrt(d)
-        grad_values = tape.grad_values[group, :, :, start:end].flatten(0, 1)
+        grad_values = grad_values[group, :, :, start:end].flatten(0, 1)
         grad_values.addcmul_(weights.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
         grad_bias = grad_scores if ctx.needs_input_grad[1] else None
         return grad_query, grad_bias, torch.zeros((), device=query.device), None, None, None, None
@@ -339,6 +346,68 @@ class _WeightGradients:
         return self.totals
 
 
+class _TapeGradients:
+    """Gradients of the tape's keys and values in the hand-written backward. A read at step t adds dSᵀ·q/√d to the
+    keys and Pᵀ·dO to the values of its whole window; added read by read, each would rewrite the whole window. So the
+    backward walks the steps in blocks: what a read adds to slots before its block is kept, and added for all of the
+    block's reads by one batched product when the block ends (the slots it lands on belong to earlier steps, whose
+    backward comes later); only the few slots inside the block are added right away."""
+
+    most_block_steps = 16
+
+    def __init__(self, store, reads_per_step: int):
+        self.store = store
+        self.keys, self.values = torch.zeros_like(store.keys), torch.zeros_like(store.values)
+        groups, batch_size, num_heads, size, head_dim = store.keys.shape
+        self.reads_per_step = reads_per_step
+        # Kept rows: (G, B·H, steps · reads, slots); at most about 2²² numbers per buffer.
+        self.block_steps = max(
+            1, min(self.most_block_steps, 2**22 // (groups * batch_size * num_heads * reads_per_step * size))
+        )
+        rows = self.block_steps * reads_per_step
+        self.kept_scores = store.keys.new_zeros(groups, batch_size * num_heads, rows, size)
+        self.kept_weights = torch.zeros_like(self.kept_scores)
+        self.kept_queries = store.keys.new_zeros(groups, batch_size * num_heads, rows, head_dim)
+        self.kept_contexts = torch.zeros_like(self.kept_queries)
+
+    def begin_block(self, first: int):
+        """The backward is about to run the block of steps that starts at `first`, from its last step down."""
+        self.boundary = self.store.prefix + first
+        self.low = self.store.bounds(first)[0]  # windows only move forward: the block's lowest slot
+        self.kept_scores[..., self.low : self.boundary].zero_()
+        self.kept_weights[..., self.low : self.boundary].zero_()
+        self.rows = [0] * self.keys.shape[0]
+
+    def add(self, group, start, end, grad_scores, scaled_query, weights, grad_context):
+        """One read of slots [start, end): grad_scores, weights (B·H, end − start), scaled_query, grad_context
+        (B·H, d)."""
+        inner = max(start, self.boundary)
+        if inner < end:
+            self.keys[group, :, :, inner:end].flatten(0, 1).addcmul_(grad_scores[:, inner - start :, None],
+                                                                     scaled_query[:, None])  # fmt: skip
+            self.values[group, :, :, inner:end].flatten(0, 1).addcmul_(weights[:, inner - start :, None],
+                                                                       grad_context[:, None])  # fmt: skip
+        if start < self.boundary:
+            row = self.rows[group]
+            self.rows[group] += 1
+            self.kept_scores[group, :, row, start:inner] = grad_scores[:, : inner - start]
+            self.kept_weights[group, :, row, start:inner] = weights[:, : inner - start]
+            self.kept_queries[group, :, row] = scaled_query
+            self.kept_contexts[group, :, row] = grad_context
+
+    def end_block(self):
+        low, boundary = self.low, self.boundary
+        for group, rows in enumerate(self.rows):
+            if rows and low < boundary:
+                self.keys[group, :, :, low:boundary].flatten(0, 1).baddbmm_(
+                    self.kept_scores[group, :, :rows, low:boundary].transpose(1, 2), self.kept_queries[group, :, :rows]
+                )
+                self.values[group, :, :, low:boundary].flatten(0, 1).baddbmm_(
+                    self.kept_weights[group, :, :rows, low:boundary].transpose(1, 2),
+                    self.kept_contexts[group, :, :rows],
+                )
+
+
 class _ThroughTime(torch.autograd.Function):
     """The training forward as one autograd node: the step loop runs without autograd (no graph of ~160 small nodes
     per step), recording its intermediates, and `_backward_through_time` walks the steps back by hand, leaving the
@@ -377,7 +446,7 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
     wide = torch.promote_types(model.layer_weights.dtype, torch.float32)
     softmax = torch.softmax(model.layer_weights.to(wide), dim=0)
     mix = softmax.to(grad_outputs.dtype)
-    grad_keys, grad_values = torch.zeros_like(store.keys), torch.zeros_like(store.values)
+    tape = _TapeGradients(store, reads_per_step=num_layers if config.share_key_value else 1)
     prefixes = [""] if config.share_key_value else [f"layers.{index}.attention." for index in range(num_layers)]
     key_value, gate_up = list(zip(prefixes, record.key_value)), record.gate_up
     products = _WeightGradients(
@@ -398,13 +467,16 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
     grad_embeddings = [None] * steps
 
     for step in reversed(range(steps)):
+        block_first = step - step % tape.block_steps
+        if step == steps - 1 or step % tape.block_steps == tape.block_steps - 1:
+            tape.begin_block(block_first)
         slot = store.prefix + step
         cos, sin = record.rotations[step]
         # The memory m_t of this step: every read of it ran later in the loop, so its gradient is complete.
-        grad_key = grad_keys[:, :, :, slot]  # (G, B, H, d)
+        grad_key = tape.keys[:, :, :, slot]  # (G, B, H, d)
         if cos is not None:
             grad_key = _rotary_backward(grad_key, cos[:, 0], sin[:, 0])
-        grad_key_value = torch.cat([grad_key.flatten(2), grad_values[:, :, :, slot].flatten(2)], dim=-1)
+        grad_key_value = torch.cat([grad_key.flatten(2), tape.values[:, :, :, slot].flatten(2)], dim=-1)
         grad_memory = 0
         for group, (prefix, weight) in enumerate(key_value):
             grad_memory = grad_memory + grad_key_value[group] @ weight
@@ -455,10 +527,7 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                 grad_weights = torch.bmm(grad_context.unsqueeze(1), values.transpose(1, 2)).squeeze(1)
                 grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))
                 grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
-                grad_keys[group, :, :, start:end].flatten(0, 1).addcmul_(grad_scores.unsqueeze(-1),
-                                                                         (query * scale).unsqueeze(1))  # fmt: skip
-                grad_values[group, :, :, start:end].flatten(0, 1).addcmul_(weights.unsqueeze(-1),
-                                                                           grad_context.unsqueeze(1))  # fmt: skip
+                tape.add(group, start, end, grad_scores, query * scale, weights, grad_context)
                 if relative_gradients[index] is not None:  # bias[h, distance − 1]; invisible slots have dS = 0
                     distance = positions[:, step, None] - store.positions[:, start:end]
                     slots = (distance - 1).clamp(0, config.memory_span - 1)
@@ -475,6 +544,8 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
             products.add(prefix + "attention.q_proj.weight", grad_query, normed)
             grad_hidden = grad_residual + grad_input_norm + mix[index] * grad_mixture
         grad_embeddings[step] = grad_hidden
+        if step == block_first:
+            tape.end_block()
 
     gradients = {name: gradient.sum(0) for name, gradient in norm_gradients.items()}
     grad_mix = grad_mix.to(wide)  # the softmax's backward for the layer weights

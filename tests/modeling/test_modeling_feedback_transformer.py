@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, DynamicCache, pipeline
 
 from memlm import FeedbackCache, FeedbackTransformerConfig, FeedbackTransformerForCausalLM
+from memlm.modeling import modeling_feedback_transformer
 
 TINY = {
     "vocab_size": 258,
@@ -378,6 +379,8 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_hand_written_backward_equals_autograd_through_the_steps(variant, setting, monkeypatch):
+    # Blocks of 3 steps: reads add to slots inside their block at once and to earlier slots when the block ends.
+    monkeypatch.setattr(modeling_feedback_transformer._TapeGradients, "most_block_steps", 3)
     # float64: the two differ only by the order of float operations, so any real difference would show far above it.
     model = _model(variant, **SETTINGS[setting]).train().double()
     input_ids = torch.randint(0, 256, (3, 11))
@@ -395,6 +398,7 @@ def test_hand_written_backward_equals_autograd_through_the_steps(variant, settin
 
 @pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
 def test_hand_written_backward_with_checkpointing_a_carried_memory_and_frozen_weights(variant, monkeypatch):
+    monkeypatch.setattr(modeling_feedback_transformer._TapeGradients, "most_block_steps", 4)
     model = _model(variant).train()
     model.activation_checkpointing_enable()
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
