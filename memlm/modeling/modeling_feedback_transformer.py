@@ -287,13 +287,15 @@ class _Recording:
 
 
 def _rms_norm_backward(grad_output, inputs, norm: RMSNorm, weight_gradient):
-    """Gradient of RMSNorm y = x̂ · w, x̂ = x / sqrt(mean(x²) + eps) for its input; adds dy ⊙ x̂ to `weight_gradient`
-    (B, D) and also returns y (the input of the next product, for its weight gradient)."""
-    reciprocal = torch.rsqrt(inputs.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    """Gradient of RMSNorm y = x̂ · w, x̂ = x / sqrt(mean(x²) + eps) for its input: (dx̂ − x̂ · mean(dx̂ ⊙ x̂)) / rms with
+    dx̂ = dy ⊙ w. Adds dy ⊙ x̂ to `weight_gradient` (B, D) and also returns y (the input of the next product, for its
+    weight gradient)."""
+    reciprocal = inputs.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
     normalized = inputs * reciprocal
     weight_gradient.addcmul_(grad_output, normalized)
     grad_normalized = grad_output * norm.weight
-    grad_inputs = reciprocal * (grad_normalized - normalized * (grad_normalized * normalized).mean(-1, keepdim=True))
+    dot = torch.linalg.vecdot(grad_normalized, normalized).unsqueeze(-1)
+    grad_inputs = torch.addcmul(grad_normalized, normalized, dot, value=-1 / inputs.shape[-1]).mul_(reciprocal)
     return grad_inputs, normalized * norm.weight
 
 
@@ -305,44 +307,59 @@ def _rotary_backward(grad, cos, sin):
 
 
 def _activation_backward(act_fn, name: str, gate: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    if name == "silu":  # silu'(g) = σ(g) · (1 + g · (1 − σ(g)))
-        sigmoid = torch.sigmoid(gate)
-        return grad * sigmoid * (1 + gate * (1 - sigmoid))
+    """Gradient through the MLP's activation (the config's `hidden_act`) with the derivative autograd would use."""
+    if name == "silu":
+        return torch.ops.aten.silu_backward(grad, gate)
+    if name == "gelu":  # transformers' "gelu" is the exact (erf) GELU
+        return torch.ops.aten.gelu_backward(grad, gate, approximate="none")
     if name == "relu":
-        return grad * (gate > 0)
-    with torch.enable_grad():  # the GELUs: their own autograd formula on this small tensor
+        return torch.ops.aten.threshold_backward(grad, gate, 0)
+    with torch.enable_grad():  # other activations: their own autograd formula on this small tensor
         leaf = gate.detach().requires_grad_()
         return torch.autograd.grad(act_fn(leaf), leaf, grad)[0]
 
 
 class _WeightGradients:
     """Σ over steps of (gradient at a product's output)ᵀ · (its input), for every weight. A step's product has only B
-    rows, far below the CPU's GEMM speed, so the steps are gathered and multiplied `steps_per_product` at a time."""
+    rows, far below the CPU's GEMM speed, so the steps are gathered into buffers (allocated once, reused) and
+    multiplied `steps_per_product` at a time."""
 
     def __init__(self, needed: set[str], steps_per_product: int):
         self.needed, self.steps_per_product = needed, steps_per_product
-        self.pending, self.totals = {}, {}
+        self.buffers, self.filled, self.totals = {}, {}, {}
 
     def add(self, name: str, grad_output: torch.Tensor, inputs: torch.Tensor):
         if name not in self.needed:
             return
-        grads, all_inputs = self.pending.setdefault(name, ([], []))
-        grads.append(grad_output)
-        all_inputs.append(inputs)
-        if len(grads) == self.steps_per_product:
+        rows = grad_output.shape[0]
+        if name not in self.buffers:
+            size = rows * self.steps_per_product
+            self.buffers[name] = (
+                grad_output.new_empty(size, grad_output.shape[1]),
+                inputs.new_empty(size, inputs.shape[1]),
+            )
+            self.filled[name] = 0
+        grads, all_inputs = self.buffers[name]
+        start = self.filled[name]
+        grads[start : start + rows].copy_(grad_output)
+        all_inputs[start : start + rows].copy_(inputs)
+        self.filled[name] = start + rows
+        if start + rows == grads.shape[0]:
             self.flush(name)
 
     def flush(self, name: str):
-        grads, inputs = self.pending.pop(name)
-        grads, inputs = torch.cat(grads), torch.cat(inputs)
+        grads, inputs = self.buffers[name]
+        rows, self.filled[name] = self.filled[name], 0
+        grads, inputs = grads[:rows], inputs[:rows]
         if name in self.totals:
             self.totals[name].addmm_(grads.t(), inputs)
         else:
             self.totals[name] = grads.t() @ inputs
 
     def results(self) -> dict[str, torch.Tensor]:
-        for name in list(self.pending):
-            self.flush(name)
+        for name, filled in self.filled.items():
+            if filled:
+                self.flush(name)
         return self.totals
 
 
@@ -525,7 +542,7 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                 keys = store.keys[group, :, :, start:end].flatten(0, 1)
                 values = store.values[group, :, :, start:end].flatten(0, 1)
                 grad_weights = torch.bmm(grad_context.unsqueeze(1), values.transpose(1, 2)).squeeze(1)
-                grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))
+                grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
                 grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
                 tape.add(group, start, end, grad_scores, query * scale, weights, grad_context)
                 if relative_gradients[index] is not None:  # bias[h, distance − 1]; invisible slots have dS = 0
