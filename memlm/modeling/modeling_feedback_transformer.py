@@ -9,11 +9,19 @@ Memory". At step t the layers read one shared memory of earlier steps (SPEC §3,
 m_t needs the top layer at t, so the computation is sequential in t, in training too. One step function
 (`FeedbackTransformerModel.step`) serves the full forward (a loop over the T positions) and decoding, so they cannot
 drift apart. Its memory lives in preallocated buffers: a ring of τ slots written in place when no gradient is needed
-(prefill, decoding), and, in training, a tape of all steps whose gradients are routed by hand (`_TapeWrite`,
-`_TapeRead`), because autograd forbids reading a buffer that later steps write into.
+(prefill, decoding), and, in training, a tape of all steps, written once.
 
-The file reads top to bottom: attention over the memory → the two memory stores → decoder layer → cache →
-PreTrainedModel → FeedbackTransformerModel → FeedbackTransformerForCausalLM.
+Training runs the step loop in one of two ways, with the same step function:
+- `_ThroughTime` (the default): the loop runs without autograd, recording what the backward needs, and
+  `_backward_through_time` walks the steps back by hand. A graph of ~160 small autograd nodes per step costs more
+  than the step itself on a CPU, and the weight gradients become products of many steps at once.
+- autograd through every step (`MEMLM_KERNELS=reference`, float16/bfloat16, autocast, `output_hidden_states`, or
+  modules the hand-written backward does not know, e.g. adapters or hooks): the tape's gradients are routed by hand
+  (`_TapeWrite`, `_TapeRead`), because autograd forbids reading a buffer that later steps write into.
+The tests check that both give the same gradients in float64 to 1e-10.
+
+The file reads top to bottom: attention over the memory → the two memory stores → the hand-written backward →
+decoder layer → cache → PreTrainedModel → FeedbackTransformerModel → FeedbackTransformerForCausalLM.
 """
 
 import torch
@@ -45,7 +53,7 @@ def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tenso
     # (1, d) · (d, W) per row: MKL runs this orientation ~7× faster than (W, d) · (d, 1) on this CPU.
     scores = torch.bmm(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1)
     weights = torch.softmax(torch.add(bias, scores, alpha=query.shape[-1] ** -0.5), dim=-1)
-    return weights.masked_fill_(torch.isneginf(bias).all(-1, keepdim=True), 0.0)  # its softmax was 0/0
+    return weights.masked_fill_(bias.amax(-1, keepdim=True) == float("-inf"), 0.0)  # its softmax was 0/0
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
