@@ -9,6 +9,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels run in Triton's interpreter (read when a kernel is defined, so set before any
+# memlm Triton module is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from memlm import DeltaNetConfig  # noqa: E402
 from memlm.tokenization import byte_level_tokenizer  # noqa: E402
 
