@@ -1,0 +1,1 @@
+"""Training memlm models: data sources and batches (`data`), Accelerate pretraining (`pretrain`), presets."""

@@ -1,0 +1,167 @@
+"""training/train.py (memlm.training.pretrain): end-to-end runs for the three models, exact resume after SIGKILL,
+carried memory, batches, and bad inputs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from memlm.tokenization import byte_level_tokenizer
+from memlm.training import pretrain
+from memlm.training.data import TokenStream, load_texts, tokenize_documents
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = "".join(f"def function_{index}(value):\n    return value * {index} + {index % 7}\n\n" for index in range(400))
+MODELS = {
+    "deltanet": {"model_type": "memlm_deltanet", "preset": "paper", "chunk_size": 8},
+    "expire_span": {"model_type": "memlm_expire_span", "max_span": 64, "ramp": 8, "block_size": 16},
+    "feedback": {"model_type": "memlm_feedback_transformer", "memory_span": 16},
+}
+SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+TRAINING = {"steps": 6, "batch_size": 2, "length": 16, "learning_rate": 0.01, "warmup_steps": 1, "eval_every": 3,
+            "save_every": 3, "eval_tokens": 256}  # fmt: skip
+
+
+def _preset(tmp_path: Path, model: str, **training) -> Path:
+    path = tmp_path / f"{model}.json"
+    path.write_text(json.dumps({"model": {**MODELS[model], **SIZES}, "training": {**TRAINING, **training}}))
+    return path
+
+
+def _data(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_run_trains_evaluates_and_saves_a_loadable_model(tmp_path, model):
+    output = tmp_path / "run"
+    metrics = pretrain.main(["--preset", str(_preset(tmp_path, model)), "--output-dir", str(output),
+                             "--data", str(_data(tmp_path))])  # fmt: skip
+    assert metrics["eval_after"]["bits_per_byte"] < metrics["eval_before"]["bits_per_byte"]
+    assert [entry["step"] for entry in metrics["history"]["eval"]] == [0, 3, 6]
+    saved = json.loads((output / "metrics.json").read_text())
+    assert saved["eval_after"] == pytest.approx(metrics["eval_after"])
+    assert (output / "loss.png").stat().st_size > 1000
+    card = (output / "README.md").read_text()
+    assert "## Evaluation" in card and f"{metrics['eval_after']['bits_per_byte']:.3f}" in card
+    assert sorted(path.name for path in (output / "checkpoints").iterdir()) == ["step-0000003"]
+
+    loaded = AutoModelForCausalLM.from_pretrained(output)
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    assert loaded.config.model_type == MODELS[model]["model_type"]
+    inputs = tokenizer("def function_", return_tensors="pt")
+    generated = loaded.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 8
+
+
+def _command(preset: Path, output: Path, data: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "training" / "train.py"), "--preset", str(preset), "--output-dir", str(output),
+            "--data", str(data), "--steps", "14", "--save-every", "2", "--eval-every", "100"]  # fmt: skip
+
+
+def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path):
+    preset, data = _preset(tmp_path, "deltanet", batch_mode="segments"), _data(tmp_path)
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    uninterrupted = tmp_path / "uninterrupted"
+    subprocess.run(_command(preset, uninterrupted, data), check=True, env=environment, capture_output=True)
+
+    interrupted = tmp_path / "interrupted"
+    process = subprocess.Popen(_command(preset, interrupted, data), env=environment, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (interrupted / "checkpoints" / "step-0000004").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    assert not (interrupted / "model.safetensors").exists()  # killed mid-run
+
+    resumed = subprocess.run(_command(preset, interrupted, data), check=True, env=environment, capture_output=True,
+                             text=True)  # fmt: skip
+    assert "Resuming from" in resumed.stdout + resumed.stderr
+    expected, weights = load_file(uninterrupted / "model.safetensors"), load_file(interrupted / "model.safetensors")
+    assert expected.keys() == weights.keys()
+    for name in expected:
+        assert torch.equal(weights[name], expected[name]), name
+
+
+def test_carried_memory_is_detached_and_changes_training(tmp_path):
+    data = _data(tmp_path)
+    runs = {}
+    for carry in (True, False):
+        output = tmp_path / f"carry-{carry}"
+        flag = "--carry-memory" if carry else "--no-carry-memory"
+        runs[carry] = pretrain.main(["--preset", str(_preset(tmp_path, "deltanet")), "--output-dir", str(output),
+                                     "--data", str(data), flag, "--steps", "4"])  # fmt: skip
+    # The first batch starts every stream, so it is the same; later ones see the previous segment only when carried.
+    assert runs[True]["history"]["train"][0] == runs[False]["history"]["train"][0]
+    assert runs[True]["history"]["train"][2] != runs[False]["history"]["train"][2]
+
+    from memlm import DeltaNetConfig, DeltaNetForCausalLM
+
+    model = DeltaNetForCausalLM(DeltaNetConfig(vocab_size=258, **SIZES)).train()
+    output = model(torch.randint(0, 256, (2, 8)), use_cache=True)
+    assert output.past_key_values.layers[0].fast_weights.grad_fn is not None  # the graph reaches into the memory
+    memory = pretrain.detach_memory(output.past_key_values)
+    assert all(layer.fast_weights.grad_fn is None and not layer.fast_weights.requires_grad for layer in memory.layers)
+
+
+def test_segments_continue_the_same_streams_and_independent_windows_are_reproducible():
+    tokens = torch.arange(1000)
+    stream = TokenStream(tokens, rows=4, length=10, mode="segments")
+    first_inputs, first_labels = stream.batch(0)
+    second_inputs, _ = stream.batch(1)
+    assert torch.equal(first_labels[:, :-1], first_inputs[:, 1:])  # labels are the next tokens
+    assert torch.equal(second_inputs[:, 0], first_labels[:, -1])  # batch 1 continues batch 0, row by row
+    assert torch.equal(first_inputs[:, 0], torch.tensor([0, 250, 500, 750]))  # one contiguous stream per row
+    assert stream.starts_pass(0) and not stream.starts_pass(1) and stream.starts_pass(stream.segments_per_pass)
+    independent = TokenStream(tokens, rows=4, length=10, mode="independent", seed=3)
+    assert torch.equal(independent.batch(5)[0], independent.batch(5)[0])
+    assert not torch.equal(independent.batch(5)[0], independent.batch(6)[0])
+
+
+def test_the_embedded_corpus_is_python_source_read_at_run_time():
+    documents = load_texts(None, max_bytes=200_000)
+    assert sum(len(document.encode()) for document in documents) >= 200_000
+    assert any("def " in document for document in documents)
+    tokens = tokenize_documents(documents[:2], byte_level_tokenizer())
+    assert tokens[-1] == 256 and int((tokens == 256).sum()) == 2  # each document ends with <|endoftext|>
+
+
+def test_bad_inputs_give_clear_errors_and_keep_earlier_checkpoints(tmp_path):
+    preset, data = _preset(tmp_path, "deltanet"), _data(tmp_path)
+    with pytest.raises(ValueError, match="Unknown preset 'giant'.*tiny-deltanet"):
+        pretrain.main(["--preset", "giant", "--output-dir", str(tmp_path / "x")])
+    with pytest.raises(FileNotFoundError, match="missing.txt' does not exist"):
+        pretrain.main(
+            ["--preset", str(preset), "--output-dir", str(tmp_path / "x"), "--data", str(tmp_path / "missing.txt")]
+        )
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match="holds no text"):
+        pretrain.main(["--preset", str(preset), "--output-dir", str(tmp_path / "x"), "--data", str(empty)])
+    bad_preset = tmp_path / "bad.json"
+    bad_preset.write_text(json.dumps({"model": MODELS["deltanet"], "training": {"stepz": 3}}))
+    with pytest.raises(ValueError, match="unknown training options \\['stepz'\\]"):
+        pretrain.main(["--preset", str(bad_preset), "--output-dir", str(tmp_path / "x")])
+
+    output = tmp_path / "run"
+    pretrain.main(["--preset", str(preset), "--output-dir", str(output), "--data", str(data), "--steps", "4",
+                   "--save-every", "1", "--keep-checkpoints", "3"])  # fmt: skip
+    checkpoints = sorted(path.name for path in (output / "checkpoints").iterdir())
+    assert checkpoints == ["step-0000001", "step-0000002", "step-0000003"]
+    latest = output / "checkpoints" / "step-0000003"
+    (latest / "progress.json").write_text("{not json")
+    with pytest.raises(RuntimeError, match="step-0000003 cannot be read.*left as is"):
+        pretrain.main(["--preset", str(preset), "--output-dir", str(output), "--data", str(data), "--steps", "6"])
+    assert sorted(path.name for path in (output / "checkpoints").iterdir()) == checkpoints  # nothing deleted
