@@ -722,7 +722,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             module for name, module in self.named_modules() if name and not name.startswith(("embed_tokens", "norm"))
         ]
         return (
-            resolve_backend() == "torch"
+            resolve_backend() != "reference"
             and inputs_embeds.dtype in (torch.float32, torch.float64)
             and not torch.is_autocast_enabled(inputs_embeds.device.type)
             and not output_hidden_states

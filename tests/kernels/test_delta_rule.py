@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlm.kernels import resolve_backend
+from memlm.kernels import resolve_backend, triton_available
 from memlm.kernels.delta_rule import chunk as chunk_module
 from memlm.kernels.delta_rule import delta_rule, delta_rule_reference, sum_rule, sum_rule_reference
 from memlm.kernels.delta_rule.chunk import delta_rule_chunk, delta_rule_step, sum_rule_chunk, sum_rule_step
@@ -291,6 +291,8 @@ def test_backend_argument_and_environment_variable(monkeypatch):
 def test_resolve_backend(monkeypatch):
     monkeypatch.delenv("MEMLM_KERNELS", raising=False)
     assert resolve_backend(None) == "torch"
+    assert resolve_backend(None, torch.device("cpu")) == "torch"
+    assert resolve_backend(None, torch.device("cuda", 0)) == ("triton" if triton_available() else "torch")
     monkeypatch.setenv("MEMLM_KERNELS", "")
     assert resolve_backend(None) == "torch"
     monkeypatch.setenv("MEMLM_KERNELS", "reference")
@@ -300,16 +302,19 @@ def test_resolve_backend(monkeypatch):
 
 def test_bad_backend_values(monkeypatch):
     tensors, _, _ = make_inputs()
-    with pytest.raises(ValueError, match=r"Triton kernels are not available yet.*'torch', 'reference'"):
-        delta_rule(**tensors, backend="triton")
-    with pytest.raises(ValueError, match=r"argument backend='cuda'.*'torch', 'reference'"):
+    with pytest.raises(ValueError, match=r"argument backend='cuda'.*'torch', 'triton', 'reference'"):
         delta_rule(**tensors, backend="cuda")
     monkeypatch.setenv("MEMLM_KERNELS", "naive")
-    with pytest.raises(ValueError, match=r"MEMLM_KERNELS='naive'.*'torch', 'reference'"):
+    with pytest.raises(ValueError, match=r"MEMLM_KERNELS='naive'.*'torch', 'triton', 'reference'"):
         sum_rule(tensors["query"], tensors["key"], tensors["value"])
     monkeypatch.setenv("MEMLM_KERNELS", "triton")
-    with pytest.raises(ValueError, match=r"MEMLM_KERNELS='triton'.*not available yet"):
-        delta_rule(**tensors)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors outside the interpreter
+    if triton_available():
+        with pytest.raises(ValueError, match=r"'triton' kernel backend runs on CUDA tensors.*got tensors on cpu"):
+            delta_rule(**tensors)
+    else:
+        with pytest.raises(ValueError, match=r"MEMLM_KERNELS='triton' needs the triton package"):
+            delta_rule(**tensors)
 
 
 @pytest.mark.parametrize(

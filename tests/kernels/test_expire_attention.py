@@ -365,9 +365,9 @@ def test_backend_argument_and_environment_variable(monkeypatch):
         assert torch.equal(expire_span_attention(**tensors, **options), reference_output)
         assert torch.equal(expire_span_attention(**tensors, **options, backend="torch"), sdpa_output)
         monkeypatch.setenv("MEMLM_KERNELS", "naive")
-        with pytest.raises(ValueError, match=r"MEMLM_KERNELS='naive'.*'torch', 'reference'"):
+        with pytest.raises(ValueError, match=r"MEMLM_KERNELS='naive'.*'torch', 'triton', 'reference'"):
             expire_span_attention(**tensors, **options)
-    with pytest.raises(ValueError, match=r"argument backend='cuda'.*'torch', 'reference'"):
+    with pytest.raises(ValueError, match=r"argument backend='cuda'.*'torch', 'triton', 'reference'"):
         expire_span_attention(**tensors, **options, backend="cuda")
 
 

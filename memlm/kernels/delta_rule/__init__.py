@@ -8,13 +8,13 @@ Per head and step t, with the memory ``S ∈ R^{d_k×d_v}``:
 
 :func:`delta_rule` and :func:`sum_rule` validate their inputs and dispatch on the backend (see
 :func:`memlm.kernels.resolve_backend`): ``"torch"`` runs the chunkwise implementation of ``chunk.py``
-(or, for a single token, the O(1) decoding step), ``"reference"`` the recurrent loops of
-``reference.py``. Queries are used as given: scaling is the caller's job.
+(or, for a single token, the O(1) decoding step), ``"triton"`` the Triton kernels of ``triton_chunk.py`` and
+``triton_recurrent.py``, ``"reference"`` the recurrent loops of ``reference.py``. Queries are used as given: scaling is the caller's job.
 """
 
 import torch
 
-from memlm.kernels import resolve_backend
+from memlm.kernels import check_triton_device, resolve_backend
 
 from .chunk import delta_rule_chunk, delta_rule_step, sum_rule_chunk, sum_rule_step
 from .reference import delta_rule_reference, sum_rule_reference
@@ -64,6 +64,10 @@ def _check_inputs(
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}.")
 
 
+def _needs_gradient(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
 def delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -85,16 +89,28 @@ def delta_rule(
         initial_state: memory entering the sequence, ``(B, H, d_k, d_v)`` (float32); ``None`` means zeros.
         output_final_state: also return the memory after the last token.
         chunk_size: tokens per chunk of the chunkwise implementation (any T works; the last chunk is padded).
-        backend: ``"torch"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS`` (default ``"torch"``).
+        backend: ``"torch"``, ``"triton"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS``, else picks
+            ``"triton"`` for CUDA tensors (when installed) and ``"torch"`` otherwise. With ``"triton"`` a single
+            token without gradients runs the fused recurrent step, anything else the chunkwise kernel; float64
+            runs the torch implementation.
 
     Returns:
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
         float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``.
     """
     _check_inputs(query, key, value, beta, initial_state, chunk_size)
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, key.device)
     if backend == "reference":
         return delta_rule_reference(query, key, value, beta, initial_state, output_final_state)
+    if backend == "triton" and key.dtype != torch.float64:
+        check_triton_device(key.device)
+        if key.shape[2] == 1 and not _needs_gradient(query, key, value, beta, initial_state):
+            from .triton_recurrent import delta_rule_step_triton
+
+            return delta_rule_step_triton(query, key, value, beta, initial_state, output_final_state)
+        from .triton_chunk import delta_rule_chunk_triton
+
+        return delta_rule_chunk_triton(query, key, value, beta, initial_state, output_final_state, chunk_size)
     if key.shape[2] == 1:
         return delta_rule_step(query, key, value, beta, initial_state, output_final_state)
     return delta_rule_chunk(query, key, value, beta, initial_state, output_final_state, chunk_size)
@@ -112,12 +128,18 @@ def sum_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the sum rule (un-normalised causal linear attention) over a sequence (SPEC §1).
 
-    Same arguments and returns as :func:`delta_rule`, without ``beta``.
+    Same arguments and returns as :func:`delta_rule`, without ``beta``. The Triton backend covers the one-token
+    step without gradients (the fused recurrent kernel); longer inputs run the torch chunkwise implementation.
     """
     _check_inputs(query, key, value, None, initial_state, chunk_size)
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, key.device)
     if backend == "reference":
         return sum_rule_reference(query, key, value, initial_state, output_final_state)
+    if backend == "triton" and key.shape[2] == 1 and not _needs_gradient(query, key, value, initial_state):
+        check_triton_device(key.device)
+        from .triton_recurrent import sum_rule_step_triton
+
+        return sum_rule_step_triton(query, key, value, initial_state, output_final_state)
     if key.shape[2] == 1:
         return sum_rule_step(query, key, value, initial_state, output_final_state)
     return sum_rule_chunk(query, key, value, initial_state, output_final_state, chunk_size)

@@ -6,7 +6,8 @@ Key ``i`` at absolute position ``i`` has a span ``e_i``; a query at position ``t
 
 :func:`expire_span_attention` validates its inputs and dispatches on the backend (see
 :func:`memlm.kernels.resolve_backend`): ``"torch"`` runs ``scaled_dot_product_attention`` with the bias
-``log m`` (``sdpa.py``), ``"reference"`` the explicit softmax-mask-renormalise of ``reference.py``.
+``log m`` (``sdpa.py``), ``"triton"`` a FlashAttention-style kernel that computes the mask inside and skips expired
+tiles (``triton_attention.py``), ``"reference"`` the explicit softmax-mask-renormalise of ``reference.py``.
 :func:`expire_span_mask` is the mask itself, for the model's span loss and memory bookkeeping.
 """
 
@@ -15,7 +16,7 @@ from numbers import Real
 
 import torch
 
-from memlm.kernels import resolve_backend
+from memlm.kernels import check_triton_device, resolve_backend
 
 from .reference import expire_span_attention_reference, expire_span_mask, memory_statistics, visible_keys
 from .sdpa import expire_span_attention_sdpa
@@ -133,7 +134,9 @@ def expire_span_attention(
             shortening); ``None``: no limit.
         scale: score scale; ``None`` means ``d ** -0.5``.
         dropout: dropout probability on the attention weights (applied only when > 0; the caller passes 0 in eval).
-        backend: ``"torch"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS`` (default ``"torch"``).
+        backend: ``"torch"``, ``"triton"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS``, else picks
+            ``"triton"`` for CUDA tensors (when installed) and ``"torch"`` otherwise. The Triton kernel does not
+            cover attention dropout, float64 or head widths above 128: those run the torch implementation.
 
     Returns:
         ``(B, H, T, d_v)`` in the query's dtype.
@@ -141,8 +144,14 @@ def expire_span_attention(
     _check_inputs(
         query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
     )
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, query.device)
     implementation = expire_span_attention_reference if backend == "reference" else expire_span_attention_sdpa
+    supported = (
+        query.dtype in (torch.float32, torch.float16, torch.bfloat16) and max(query.shape[-1], value.shape[-1]) <= 128
+    )
+    if backend == "triton" and dropout == 0 and supported:
+        check_triton_device(query.device)
+        from .triton_attention import expire_span_attention_triton as implementation
     return implementation(
         query,
         key,

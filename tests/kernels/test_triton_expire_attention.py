@@ -1,0 +1,368 @@
+"""The Triton Expire-Span attention kernel (forward and backward) against the reference of paper Eqs. 4-5.
+
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) on small shapes
+with 16 x 16 tiles, so that every shape below crosses tiles and has tails. The CUDA tests use realistic shapes.
+"""
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from memlm.kernels.expire_attention import (  # noqa: E402
+    expire_span_attention_reference,
+    expire_span_mask,
+    visible_keys,
+)
+from memlm.kernels.expire_attention.triton_attention import expire_span_attention_triton  # noqa: E402
+
+RAMP = 4.0
+NAMES = ("query", "key", "value", "spans")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative RMS error ‖a − b‖ / ‖b‖ in float64."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def make_inputs(
+    *,
+    length=16,
+    memory=0,
+    key_dim=16,
+    value_dim=16,
+    spans=True,
+    integer_spans=False,
+    holes=True,
+    shuffle=True,
+    max_span=24.0,
+    batch_size=2,
+    num_heads=2,
+    dtype=torch.float32,
+    device="cpu",
+    seed=0,
+):
+    """One block of ``length`` queries attending to ``memory`` earlier memories and to itself.
+
+    Row 0's memories are the positions just before its block; row 1's block starts at 4 × memory + 50 and its
+    memories are a random sample of the earlier positions, so some have long expired. Keys are shuffled so that
+    causality must come from the positions; integer spans put pairs exactly on the ends of the ramp. Returns the differentiable tensors (a dict), the other keyword
+    arguments and a random output gradient, all float32 on the CPU before moving to ``dtype`` and ``device``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    num_keys = memory + length
+    key_positions, query_positions = [], []
+    for row in range(batch_size):
+        start = memory if row % 2 == 0 else 4 * memory + 50
+        if row % 2 == 0:
+            memories = torch.arange(start - memory, start)
+        else:
+            memories = torch.randperm(start, generator=generator)[:memory].sort().values
+        block = torch.arange(start, start + length)
+        key_positions.append(torch.cat([memories, block]))
+        query_positions.append(block)
+    key_positions, query_positions = torch.stack(key_positions), torch.stack(query_positions)
+    if shuffle:
+        key_positions = key_positions[:, torch.randperm(num_keys, generator=generator)]
+    tensors = {
+        "query": torch.randn(batch_size, num_heads, length, key_dim, generator=generator),
+        "key": torch.randn(batch_size, num_heads, num_keys, key_dim, generator=generator),
+        "value": torch.randn(batch_size, num_heads, num_keys, value_dim, generator=generator),
+        "spans": torch.rand(batch_size, num_keys, generator=generator) * max_span if spans else None,
+    }
+    if integer_spans:
+        tensors["spans"] = tensors["spans"].floor()
+    key_valid = torch.rand(batch_size, num_keys, generator=generator) > 0.2 if holes else None
+    grad_output = torch.randn(batch_size, num_heads, length, value_dim, generator=generator).to(device)
+    tensors = {name: None if t is None else t.to(device, dtype).requires_grad_() for name, t in tensors.items()}
+    options = {
+        "query_positions": query_positions.to(device),
+        "key_positions": key_positions.to(device),
+        "key_valid": None if key_valid is None else key_valid.to(device),
+        "ramp": RAMP,
+    }
+    return tensors, options, grad_output
+
+
+def run(function, tensors, options, grad_output, **kwargs):
+    """The output and a dict of the gradients of the inputs that require grad."""
+    output = function(**tensors, **options, **kwargs)
+    differentiable = {name: t for name, t in tensors.items() if t is not None and t.requires_grad}
+    grads = torch.autograd.grad((output.float() * grad_output).sum(), list(differentiable.values()))
+    return output, dict(zip(differentiable, grads))
+
+
+def float32_copies(tensors):
+    return {
+        name: None if t is None else t.detach().float().requires_grad_(t.requires_grad) for name, t in tensors.items()
+    }
+
+
+def mask_parts(tensors, options, max_distance=None):
+    """How many visible (query, key) pairs are expired (m = 0), on the ramp (0 < m < 1) and fully alive (m = 1)."""
+    positions = options["query_positions"], options["key_positions"]
+    visible = visible_keys(*positions, options["key_valid"], max_distance)
+    mask = expire_span_mask(tensors["spans"], *positions, options["ramp"])
+    return [int((visible & part).sum()) for part in (mask == 0, (mask > 0) & (mask < 1), mask == 1)]
+
+
+CASES = {
+    # name: (make_inputs arguments, attention arguments)
+    "block_only": ({"length": 16, "memory": 0, "key_dim": 16, "value_dim": 16}, {}),
+    "memories_and_tails": ({"length": 29, "memory": 16, "key_dim": 32, "value_dim": 16}, {}),
+    "spans_none": ({"length": 16, "memory": 29, "value_dim": 32, "spans": False}, {}),
+    "max_distance": ({"length": 29, "memory": 16}, {"max_distance": 9.5}),
+    "in_order_without_holes": ({"length": 16, "memory": 29, "holes": False, "shuffle": False}, {"max_distance": 12}),
+    "decoding": ({"length": 1, "memory": 29, "key_dim": 32, "value_dim": 32}, {"scale": 0.3}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference_float32(case):
+    inputs, kwargs = CASES[case]
+    tensors, options, grad_output = make_inputs(**inputs)
+    if tensors["spans"] is not None:  # the inputs exercise every part of the mask (Eq. 5)
+        assert min(mask_parts(tensors, options, kwargs.get("max_distance"))) > 0
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output, **kwargs)
+    expected, expected_grads = run(expire_span_attention_reference, tensors, options, grad_output, **kwargs)
+    assert output.dtype == torch.float32 and output.shape == expected.shape
+    assert relative_error(output, expected) < 1e-5
+    assert set(grads) == set(expected_grads)
+    for name in grads:
+        assert grads[name].dtype == tensors[name].dtype and grads[name].shape == tensors[name].shape
+        assert relative_error(grads[name], expected_grads[name]) < 1e-5, name
+    if tensors["spans"] is not None:
+        assert expected_grads["spans"].abs().max() > 1e-3  # the spans do learn, through the ramp
+
+
+def test_strided_inputs_and_spans_without_grad():
+    """Query, key and value in the (batch, tokens, heads, width) layout a model produces, transposed; spans fixed."""
+    tensors, options, grad_output = make_inputs(length=29, memory=16, key_dim=16, value_dim=32, seed=1)
+    strided = {name: tensors[name].detach().transpose(1, 2).contiguous().transpose(1, 2) for name in NAMES[:3]}
+    strided = {name: t.requires_grad_() for name, t in strided.items()}
+    strided["spans"] = tensors["spans"].detach()
+    assert not strided["query"].is_contiguous()
+    output, grads = run(expire_span_attention_triton, strided, options, grad_output)
+    expected, expected_grads = run(expire_span_attention_reference, strided, options, grad_output)
+    assert set(grads) == {"query", "key", "value"}
+    assert relative_error(output, expected) < 1e-5
+    for name in grads:
+        assert relative_error(grads[name], expected_grads[name]) < 1e-5, name
+    # The gradient of a sum reaches the backward as an expanded tensor with zero strides.
+    (grad_query,) = torch.autograd.grad(expire_span_attention_triton(**strided, **options).sum(), strided["query"])
+    expected = expire_span_attention_reference(**strided, **options)
+    (expected_grad_query,) = torch.autograd.grad(expected.sum(), strided["query"])
+    assert relative_error(grad_query, expected_grad_query) < 1e-5
+
+
+def test_float16_close_to_float32_reference():
+    # bfloat16 runs only on CUDA: Triton 3.9's interpreter multiplies the raw bits of bfloat16 operands in tl.dot.
+    tensors, options, grad_output = make_inputs(length=29, memory=16, dtype=torch.float16)
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output)
+    expected, expected_grads = run(expire_span_attention_reference, float32_copies(tensors), options, grad_output)
+    assert output.dtype == torch.float16
+    assert relative_error(output, expected) < 2e-3
+    for name in NAMES:
+        assert grads[name].dtype == torch.float16
+        assert relative_error(grads[name], expected_grads[name]) < 3e-3, name
+
+
+def test_exact_ends_of_the_ramp():
+    """Integer spans and a ramp of 3 (whose inverse is inexact): pairs with r = −R have m = 0 exactly, as in the
+    reference, and pairs with r = 0 have m = 1 and no span gradient."""
+    tensors, options, grad_output = make_inputs(length=29, memory=16, integer_spans=True, seed=2)
+    options["ramp"] = 3.0
+    distance = options["query_positions"][:, :, None] - options["key_positions"][:, None, :]
+    remaining = tensors["spans"].detach()[:, None, :] - distance
+    visible = visible_keys(options["query_positions"], options["key_positions"], options["key_valid"])
+    assert (visible & (remaining == -3)).sum() > 10 and (visible & (remaining == 0)).sum() > 10
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output)
+    expected, expected_grads = run(expire_span_attention_reference, tensors, options, grad_output)
+    assert relative_error(output, expected) < 1e-5
+    for name in NAMES:
+        assert relative_error(grads[name], expected_grads[name]) < 1e-5, name
+
+    # A query whose only visible key sits exactly at r = −R (t − i = 7, e = 4) sees nothing: zeros.
+    query, key, value = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16)
+    inputs = (query, key, value, torch.tensor([[4.0, 4.0]]), torch.tensor([[10]]), torch.tensor([[3, 11]]))
+    assert torch.equal(expire_span_attention_triton(*inputs, ramp=3.0), torch.zeros(1, 1, 1, 16))
+    assert torch.equal(expire_span_attention_reference(*inputs, ramp=3.0), torch.zeros(1, 1, 1, 16))
+    # One token less far, the key is on the ramp (m = 1/3) and alone: the output is its value.
+    inputs = (query, key, value, torch.tensor([[4.0, 4.0]]), torch.tensor([[9]]), torch.tensor([[3, 11]]))
+    torch.testing.assert_close(expire_span_attention_triton(*inputs, ramp=3.0), value[:, :, :1])
+
+
+@pytest.mark.parametrize("spans", [True, False])
+def test_queries_that_see_no_key_output_zeros_with_zero_gradients(spans):
+    # Row 0: keys at 10..54, so the queries at 0..9 come before every key. Row 1: every key slot is empty.
+    # Row 2: the keys at 0..44 have spans below 3, so with spans every key has expired for the queries at 60..88.
+    # Row 0's spans below 12 put some of its keys on the ramp, so the span gradient is not zero.
+    length, num_keys = 29, 45
+    query_positions = torch.stack([torch.arange(length), torch.arange(100, 100 + length), torch.arange(60, 89)])
+    key_positions = torch.stack([torch.arange(10, 55), torch.arange(50, 95), torch.arange(num_keys)])
+    key_valid = torch.ones(3, num_keys, dtype=torch.bool)
+    key_valid[1] = False
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "query": torch.randn(3, 2, length, 16, generator=generator),
+        "key": torch.randn(3, 2, num_keys, 16, generator=generator),
+        "value": torch.randn(3, 2, num_keys, 32, generator=generator),
+        "spans": torch.rand(3, num_keys, generator=generator) * torch.tensor([[12.0], [20.0], [3.0]]),
+    }
+    tensors = {name: t.requires_grad_() for name, t in tensors.items()}
+    if not spans:
+        tensors["spans"] = None
+    options = {"query_positions": query_positions, "key_positions": key_positions, "key_valid": key_valid}
+    grad_output = torch.randn(3, 2, length, 32, generator=generator)
+    output, grads = run(expire_span_attention_triton, tensors, options | {"ramp": RAMP}, grad_output)
+    expected, expected_grads = run(expire_span_attention_reference, tensors, options | {"ramp": RAMP}, grad_output)
+
+    mask = expire_span_mask(tensors["spans"], query_positions, key_positions, RAMP)
+    sees_a_key = (visible_keys(query_positions, key_positions, key_valid) & (mask > 0)).any(dim=-1)  # (B, T)
+    expected_empty = torch.zeros(3, length, dtype=torch.bool)
+    expected_empty[0, :10] = True
+    expected_empty[1] = True
+    expected_empty[2] = spans
+    assert torch.equal(~sees_a_key, expected_empty)
+    assert torch.equal(output.permute(0, 2, 1, 3)[expected_empty], torch.zeros(int(expected_empty.sum()), 2, 32))
+    assert (output.permute(0, 2, 1, 3)[~expected_empty] != 0).all()
+    assert relative_error(output, expected) < 1e-5
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), name
+        assert relative_error(grad, expected_grads[name]) < 1e-5, name
+    assert torch.equal(
+        grads["query"].permute(0, 2, 1, 3)[expected_empty], torch.zeros(int(expected_empty.sum()), 2, 16)
+    )
+    assert (grads["key"][1] == 0).all() and (grads["value"][1] == 0).all()
+    if spans:
+        assert (grads["key"][2] == 0).all() and (grads["value"][2] == 0).all() and (grads["spans"][1:] == 0).all()
+        assert (grads["spans"][0] != 0).sum() > 5
+
+
+@pytest.mark.parametrize("max_distance", [None, 50])
+def test_invisible_key_tiles_are_skipped(max_distance):
+    """Key tiles that no query can see are never read: their keys and values are NaN and nothing turns NaN.
+
+    Keys in tiles of 16 for queries at 200..215: expired (positions 0..15, spans below 5 + R = 9: m = 0), empty
+    slots (16..31, huge spans), in the future (300..315), too far for max_distance = 50 (100..115, huge spans),
+    then live memories 170..190 with spans that put them on the ramp or alive, and the block itself. Had a
+    kernel read a poisoned tile, 0 × NaN in the weights-times-values product would make its output NaN.
+    """
+    length, num_heads = 16, 2
+    query_positions = torch.arange(200, 200 + length).expand(2, -1)
+    tiles = [torch.arange(0, 16), torch.arange(16, 32), torch.arange(300, 316), torch.arange(100, 116)]
+    live = [torch.arange(170, 191), torch.arange(200, 200 + length)]
+    key_positions = torch.cat(tiles + live).expand(2, -1)
+    num_keys = key_positions.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    spans = torch.full((2, num_keys), 1000.0)
+    spans[:, :16] = torch.rand(2, 16, generator=generator) * 5
+    spans[:, 64:85] = torch.rand(2, 21, generator=generator) * 40
+    key_valid = torch.ones(2, num_keys, dtype=torch.bool)
+    key_valid[:, 16:32] = False
+    key_valid[1, 70] = False
+    poisoned = slice(0, 64) if max_distance is not None else slice(0, 48)
+    clean = {
+        "query": torch.randn(2, num_heads, length, 16, generator=generator),
+        "key": torch.randn(2, num_heads, num_keys, 16, generator=generator),
+        "value": torch.randn(2, num_heads, num_keys, 16, generator=generator),
+        "spans": spans,
+    }
+    clean = {name: t.requires_grad_() for name, t in clean.items()}
+    tensors = {name: t.detach().clone() for name, t in clean.items()}
+    tensors["key"][:, :, poisoned] = float("nan")
+    tensors["value"][:, :, poisoned] = float("nan")
+    tensors = {name: t.requires_grad_() for name, t in tensors.items()}
+    options = {"query_positions": query_positions, "key_positions": key_positions, "key_valid": key_valid}
+    options |= {"ramp": RAMP, "max_distance": max_distance}
+    grad_output = torch.randn(2, num_heads, length, 16, generator=generator)
+    assert min(mask_parts(clean, options, max_distance)) > 0
+
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output)
+    expected, expected_grads = run(expire_span_attention_reference, clean, options, grad_output)
+    assert torch.isfinite(output).all()
+    assert relative_error(output, expected) < 1e-5
+    for name in NAMES:
+        assert torch.isfinite(grads[name]).all(), name
+        assert relative_error(grads[name], expected_grads[name]) < 1e-5, name
+    for name in ("key", "value"):
+        assert (grads[name][:, :, poisoned] == 0).all()
+    assert expected_grads["spans"][:, 64:85].abs().max() > 1e-3
+
+
+def test_rejects_what_the_kernel_does_not_support():
+    tensors, options, _ = make_inputs(length=3, memory=2)
+    with pytest.raises(ValueError, match=r"dropout=0.1.*torch backend"):
+        expire_span_attention_triton(**tensors, **options, dropout=0.1)
+    as_double = {name: t.detach().double() for name, t in tensors.items()}
+    with pytest.raises(ValueError, match=r"float32, bfloat16 or float16.*got torch.float64"):
+        expire_span_attention_triton(**as_double, **options)
+    wide = dict(tensors, value=torch.zeros(2, 2, 5, 129))
+    with pytest.raises(ValueError, match=r"widths up to 128, got 16 and 129"):
+        expire_span_attention_triton(**wide, **options)
+    elsewhere = dict(tensors, spans=torch.zeros(2, 5, device="meta"))
+    with pytest.raises(ValueError, match=r"spans is on meta but query is on cpu"):
+        expire_span_attention_triton(**elsewhere, **options)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    ("length", "memory", "key_dim", "value_dim", "dtype", "tolerance"),
+    [
+        (1024, 0, 64, 64, torch.bfloat16, 2e-2),
+        (2048, 2048, 128, 128, torch.bfloat16, 2e-2),
+        (1024, 3072, 128, 64, torch.float16, 5e-3),
+        (1, 4095, 64, 64, torch.bfloat16, 2e-2),
+        (1024, 1024, 64, 32, torch.float32, 2e-5),
+    ],
+)
+def test_cuda_matches_float32_reference(length, memory, key_dim, value_dim, dtype, tolerance):
+    tensors, options, grad_output = make_inputs(
+        length=length,
+        memory=memory,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        max_span=1.5 * max(length, memory),
+        num_heads=4,
+        dtype=dtype,
+        device="cuda",
+    )
+    options["ramp"] = 64.0  # long enough for the single query of the decoding case to see memories on the ramp
+    assert min(mask_parts(tensors, options)) > 0
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output)
+    expected, expected_grads = run(expire_span_attention_reference, float32_copies(tensors), options, grad_output)
+    assert output.dtype == dtype
+    assert relative_error(output, expected) < tolerance
+    for name in NAMES:
+        assert grads[name].dtype == dtype
+        assert relative_error(grads[name], expected_grads[name]) < tolerance, name
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("max_distance", [None, 300])
+def test_cuda_long_memory_with_expired_tiles(max_distance):
+    """In-order memories of 4096 tokens of which most expired long ago: the skipped tiles change nothing."""
+    tensors, options, grad_output = make_inputs(
+        length=1024,
+        memory=4096,
+        key_dim=64,
+        value_dim=64,
+        max_span=400.0,
+        shuffle=False,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output, max_distance=max_distance)
+    expected, expected_grads = run(
+        expire_span_attention_reference, float32_copies(tensors), options, grad_output, max_distance=max_distance
+    )
+    assert relative_error(output, expected) < 2e-2
+    for name in NAMES:
+        assert relative_error(grads[name], expected_grads[name]) < 2e-2, name
