@@ -114,12 +114,28 @@ def test_flat_names():
     assert flat_module_name("memlm.configuration.configuration_deltanet") == "configuration_deltanet"
     assert flat_module_name("memlm.kernels.delta_rule.chunk") == "memlm_delta_rule_chunk"
     assert flat_module_name("memlm.kernels") == "memlm_kernels"  # never shadows the 🤗 `kernels` package
-    assert set(bundle_sources(["memlm.kernels.delta_rule"])) == {
+    sources = bundle_sources(["memlm.kernels.delta_rule"])
+    assert set(sources) == {
         "memlm_delta_rule.py",
         "memlm_delta_rule_chunk.py",
         "memlm_delta_rule_reference.py",
+        "memlm_delta_rule_triton_chunk.py",
+        "memlm_delta_rule_triton_recurrent.py",
         "memlm_kernels.py",
     }
+
+
+def test_the_bundle_does_not_require_triton(tmp_path):
+    """🤗 refuses remote code whose imports are missing; the Triton kernels import triton inside try/except, which
+    its check skips, so a machine without Triton loads the model and runs the torch backend."""
+    from transformers.dynamic_module_utils import get_imports
+
+    sources = bundle_sources(["memlm.kernels.delta_rule", "memlm.kernels.expire_attention"])
+    assert {"memlm_delta_rule_triton_chunk.py", "memlm_expire_attention_triton_attention.py"} <= set(sources)
+    for name, source in sources.items():
+        path = tmp_path / name
+        path.write_text(source)
+        assert "triton" not in get_imports(str(path)), name
 
 
 REMOTE_SCRIPT = textwrap.dedent(
