@@ -136,3 +136,17 @@ def test_models_on_gpu_in_bfloat16_agree_across_backends(model_class, monkeypatc
             monkeypatch.setenv("MEMLM_KERNELS", backend)
             logits[backend] = model(input_ids).logits
     assert _relative_error(logits["triton"], logits["torch"]) < 2e-2
+
+
+def test_the_kernel_benchmark_runs_end_to_end():
+    """benchmarks/kernels.py measures on a GPU; --smoke runs every table on tiny shapes (here in the interpreter)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+    specification = importlib.util.spec_from_file_location("kernel_benchmark", path)
+    benchmark = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(benchmark)
+    results = benchmark.main(["--smoke"])
+    assert len(results["delta_rule"]) == 1 and len(results["step"]) == 1 and len(results["expire_span"]) == 2
+    assert all(row["memlm"][0] > 0 for table in results.values() for row in table)

@@ -1,0 +1,218 @@
+"""How fast are memlm's Triton kernels on a GPU, next to flash-linear-attention and SDPA?
+
+Prints side-by-side tables measured in one run (medians of CUDA-event timings after a warm-up, peak memory from
+`torch.cuda.max_memory_allocated`):
+
+1. chunkwise delta rule, forward + backward, bf16: memlm's Triton kernel vs flash-linear-attention's
+   `chunk_delta_rule` vs causal SDPA (flash backend) at (B, T, H, D) ∈ {(8,2048,16,64), (4,4096,16,128),
+   (1,16384,16,128)};
+2. one decoding step: memlm's fused recurrent step vs flash-linear-attention's `fused_recurrent_delta_rule`;
+3. Expire-Span attention, forward + backward, bf16, at T = 4K and 16K with 20 % and 100 % of memories alive:
+   memlm's kernel vs SDPA with a materialised float bias (log m) vs plain causal SDPA.
+
+    python benchmarks/kernels.py [--json results.json]
+    python benchmarks/kernels.py --smoke     # tiny shapes: checks the script end to end (CPU: Triton's interpreter)
+
+flash-linear-attention columns read "n/a" when the package (pip install flash-linear-attention) is not installed.
+"""
+
+# ruff: noqa: B023  (every closure below is measured at once, inside its own loop iteration)
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+DELTA_SHAPES = [(8, 2048, 16, 64), (4, 4096, 16, 128), (1, 16384, 16, 128)]
+STEP_SHAPES = [(8, 16, 128), (64, 16, 128)]
+EXPIRE_LENGTHS = [4096, 16384]
+ALIVE_FRACTIONS = [0.2, 1.0]
+
+
+def measure(function, repeats: int, device) -> tuple[float, float]:
+    """(median milliseconds, peak MiB above the start) of `function()`."""
+    function()  # warm-up (and Triton compilation)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    timings = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            function()
+            end.record()
+            torch.cuda.synchronize()
+            timings.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            function()
+            timings.append((time.perf_counter() - began) * 1e3)
+    peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20 if cuda else float("nan")
+    return statistics.median(timings), peak
+
+
+def forward_backward(run, inputs):
+    def step():
+        for tensor in inputs:
+            tensor.grad = None
+        output = run()
+        output.backward(torch.ones_like(output))
+
+    return step
+
+
+def delta_rule_rows(shapes, device, dtype, repeats):
+    from memlm.kernels.delta_rule.triton_chunk import delta_rule_chunk_triton
+
+    try:
+        from fla.ops.delta_rule import chunk_delta_rule
+    except ImportError:
+        chunk_delta_rule = None
+    rows = []
+    for batch, length, heads, width in shapes:
+        generator = torch.Generator(device=device).manual_seed(0)
+
+        def make(*shape):
+            return torch.randn(*shape, device=device, dtype=dtype, generator=generator).requires_grad_()
+
+        query, key, value = (make(batch, heads, length, width) for _ in range(3))
+        with torch.no_grad():
+            key.copy_(F.normalize(key.float(), dim=-1))
+        beta = torch.rand(batch, heads, length, device=device, dtype=dtype, generator=generator).requires_grad_()
+        ours = measure(forward_backward(lambda: delta_rule_chunk_triton(query, key, value, beta, None, False)[0],
+                                        (query, key, value, beta)), repeats, device)  # fmt: skip
+        fla = (float("nan"), float("nan"))
+        if chunk_delta_rule is not None and device.type == "cuda":
+            # flash-linear-attention takes (B, T, H, D).
+            q, k, v = (tensor.detach().transpose(1, 2).contiguous().requires_grad_() for tensor in (query, key, value))
+            b = beta.detach().transpose(1, 2).contiguous().requires_grad_()
+            fla = measure(forward_backward(lambda: chunk_delta_rule(q, k, v, b)[0], (q, k, v, b)), repeats, device)
+        sdpa = measure(forward_backward(lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True),
+                                        (query, key, value)), repeats, device)  # fmt: skip
+        rows.append({"shape": (batch, length, heads, width), "memlm": ours, "fla": fla, "sdpa": sdpa})
+    return rows
+
+
+def step_rows(shapes, device, dtype, repeats):
+    from memlm.kernels.delta_rule.triton_recurrent import delta_rule_step_triton
+
+    try:
+        from fla.ops.delta_rule import fused_recurrent_delta_rule
+    except ImportError:
+        fused_recurrent_delta_rule = None
+    rows = []
+    for batch, heads, width in shapes:
+        query, key, value = (torch.randn(batch, heads, 1, width, device=device, dtype=dtype) for _ in range(3))
+        beta = torch.rand(batch, heads, 1, device=device, dtype=dtype)
+        state = torch.randn(batch, heads, width, width, device=device, dtype=torch.float32)
+        with torch.no_grad():
+            ours = measure(lambda: delta_rule_step_triton(query, key, value, beta, state, True), repeats, device)
+            fla = (float("nan"), float("nan"))
+            if fused_recurrent_delta_rule is not None and device.type == "cuda":
+                q, k, v = (tensor.transpose(1, 2).contiguous() for tensor in (query, key, value))
+                b = beta.transpose(1, 2).contiguous()
+                fla = measure(lambda: fused_recurrent_delta_rule(q, k, v, b, initial_state=state,
+                                                                 output_final_state=True), repeats, device)  # fmt: skip
+        rows.append({"shape": (batch, heads, width), "memlm": ours, "fla": fla})
+    return rows
+
+
+def expire_rows(lengths, fractions, device, dtype, repeats, heads=16, width=64):
+    from memlm.kernels.expire_attention.sdpa import expire_span_bias
+    from memlm.kernels.expire_attention.triton_attention import expire_span_attention_triton
+
+    rows = []
+    for length in lengths:
+        for alive in fractions:
+            generator = torch.Generator(device=device).manual_seed(0)
+            query, key, value = (torch.randn(1, heads, length, width, device=device, dtype=dtype, generator=generator)
+                                 .requires_grad_() for _ in range(3))  # fmt: skip
+            positions = torch.arange(length, device=device)[None]
+            # A fraction `alive` of the memories lives through the whole sequence; the rest expire within 64 tokens.
+            long_lived = torch.rand(1, length, device=device, generator=generator) < alive
+            spans = torch.where(long_lived, float(length), 32.0).requires_grad_()
+            ramp = 32.0
+            ours = measure(forward_backward(
+                lambda: expire_span_attention_triton(query, key, value, spans, positions, positions, ramp=ramp),
+                (query, key, value, spans)), repeats, device)  # fmt: skip
+
+            def biased():
+                bias = expire_span_bias(spans, positions, positions, ramp).to(dtype)[:, None]
+                return F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+
+            with_bias = measure(forward_backward(biased, (query, key, value, spans)), repeats, device)
+            causal = measure(forward_backward(lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True),
+                                              (query, key, value)), repeats, device)  # fmt: skip
+            rows.append({"length": length, "alive": alive, "memlm": ours, "sdpa_bias": with_bias, "causal": causal})
+    return rows
+
+
+def print_table(title, header, rows):
+    print(f"\n{title}")
+    print(" | ".join(header))
+    for row in rows:
+        print(" | ".join(row))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU: interpreter)")
+    parser.add_argument("--json", default=None)
+    arguments = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("No GPU: run on a CUDA machine, or with --smoke and TRITON_INTERPRET=1 to check the script.")
+    smoke = arguments.smoke
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    repeats = 1 if smoke else arguments.repeats
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    results = {
+        "delta_rule": delta_rule_rows([(1, 32, 2, 16)] if smoke else DELTA_SHAPES, device, dtype, repeats),
+        "step": step_rows([(2, 2, 16)] if smoke else STEP_SHAPES, device, dtype, repeats),
+        "expire_span": expire_rows(
+            [64] if smoke else EXPIRE_LENGTHS,
+            ALIVE_FRACTIONS,
+            device,
+            dtype,
+            repeats,
+            heads=2 if smoke else 16,
+            width=16 if smoke else 64,
+        ),  # fmt: skip
+    }
+
+    def cell(measured, reference=None):
+        if math.isnan(measured[0]):
+            return "n/a"
+        text = f"{measured[0]:.2f} ms" + ("" if math.isnan(measured[1]) else f" / {measured[1]:.0f} MiB")
+        return text + (f" ({measured[0] / reference[0]:.2f}×)" if reference is not None else "")
+
+    print_table("Chunkwise delta rule, forward + backward (ratio: time / memlm's)",
+                ["(B, T, H, D)", "memlm", "flash-linear-attention", "causal SDPA"],
+                [[str(row["shape"]), cell(row["memlm"]), cell(row["fla"], row["memlm"]), cell(row["sdpa"], row["memlm"])]
+                 for row in results["delta_rule"]])  # fmt: skip
+    print_table(
+        "One decoding step of the delta rule",
+        ["(B, H, D)", "memlm", "flash-linear-attention"],
+        [[str(row["shape"]), cell(row["memlm"]), cell(row["fla"], row["memlm"])] for row in results["step"]],
+    )
+    print_table("Expire-Span attention, forward + backward (ratio: time / memlm's)",
+                ["T", "alive", "memlm", "SDPA + float bias", "causal SDPA"],
+                [[str(row["length"]), f"{row['alive']:.0%}", cell(row["memlm"]), cell(row["sdpa_bias"], row["memlm"]),
+                  cell(row["causal"], row["memlm"])] for row in results["expire_span"]])  # fmt: skip
+    if arguments.json:
+        with open(arguments.json, "w") as file:
+            json.dump(results, file, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
