@@ -1,0 +1,97 @@
+"""Fine-tune a saved memlm model (or any checkpoint `AutoModelForCausalLM` loads) on text with the 🤗 `Trainer`.
+
+    python training/finetune.py --model runs/tiny-deltanet --output-dir runs/tuned --data notes.txt [--steps 200]
+
+The text comes from the same sources as pretraining (`memlm.training.data`: text files, dataset files or folders,
+cached dataset names; the embedded standard-library corpus when no --data is given). It is tokenised with
+`datasets.map`, cut into blocks of --length tokens, split into training and evaluation blocks, and trained with the
+Trainer (AdamW, warm-up then cosine decay, evaluation at the end). The result is saved with `save_pretrained` (code
+and card included) beside its tokenizer, with the evaluation in metrics.json; --push-to-hub uploads it.
+"""
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a folder written by save_pretrained")
+    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--data", nargs="*", default=None)
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--max-bytes", type=int, default=2_000_000, help="of the embedded corpus")
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--eval-blocks", type=int, default=16, help="blocks held out for evaluation")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--push-to-hub", default=None, metavar="REPOSITORY")
+    return parser.parse_args(argv)
+
+
+def finetune(arguments: argparse.Namespace) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+
+    import memlm  # noqa: F401  (registers memlm's model types)
+
+    from .data import load_texts
+
+    if not Path(arguments.model).is_dir():
+        raise FileNotFoundError(f"--model {arguments.model!r} is not a folder written by save_pretrained.")
+    model = AutoModelForCausalLM.from_pretrained(arguments.model)
+    tokenizer = AutoTokenizer.from_pretrained(arguments.model)
+    documents = Dataset.from_dict({"text": load_texts(arguments.data, arguments.text_column, arguments.max_bytes)})
+
+    def tokenize(batch):
+        return {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch["text"])["input_ids"]]}
+
+    def into_blocks(batch):  # concatenate the documents, then cut blocks of `length` tokens (the tail is dropped)
+        ids = [token for document in batch["input_ids"] for token in document]
+        blocks = [ids[start : start + arguments.length] for start in range(0, len(ids) - arguments.length + 1,
+                                                                            arguments.length)]  # fmt: skip
+        return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
+
+    tokenized = documents.map(tokenize, batched=True, remove_columns=["text"])
+    blocks = tokenized.map(into_blocks, batched=True, batch_size=1000, remove_columns=tokenized.column_names)
+    if len(blocks) <= arguments.eval_blocks:
+        raise ValueError(
+            f"The data gives {len(blocks)} blocks of {arguments.length} tokens: too few to hold out "
+            f"{arguments.eval_blocks} for evaluation. Give more text, a smaller --length or fewer --eval-blocks."
+        )
+    split = blocks.train_test_split(test_size=arguments.eval_blocks, seed=arguments.seed)
+    training_arguments = TrainingArguments(
+        output_dir=str(arguments.output_dir / "trainer"), per_device_train_batch_size=arguments.batch_size,
+        per_device_eval_batch_size=arguments.batch_size, learning_rate=arguments.learning_rate,
+        lr_scheduler_type="cosine", warmup_steps=arguments.warmup_steps, max_steps=arguments.steps,
+        logging_steps=max(1, arguments.steps // 10), save_strategy="no", report_to=[], seed=arguments.seed,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=training_arguments, train_dataset=split["train"], eval_dataset=split["test"],
+                      data_collator=default_data_collator)  # fmt: skip
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    metrics = {
+        "model": str(arguments.model),
+        "eval_loss_before": before,
+        "eval_loss_after": after,
+        "eval_perplexity_after": math.exp(min(after, 50.0)),
+        "steps": arguments.steps,
+        "data": "the Python standard library source" if not arguments.data else arguments.data,
+    }
+    trainer.model.save_pretrained(arguments.output_dir)
+    tokenizer.save_pretrained(arguments.output_dir)
+    (arguments.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if arguments.push_to_hub:
+        trainer.model.push_to_hub(arguments.push_to_hub)
+        tokenizer.push_to_hub(arguments.push_to_hub)
+    return metrics
+
+
+def main(argv=None) -> dict:
+    return finetune(parse_arguments(argv))
