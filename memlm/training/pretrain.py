@@ -257,7 +257,8 @@ def train(arguments: argparse.Namespace) -> dict:
     from ..tokenization import byte_level_tokenizer
     from .data import TokenStream, load_texts, split_held_out, tokenize_documents
 
-    accelerator = Accelerator(mixed_precision=arguments.mixed_precision)
+    # The schedule counts optimizer steps, whatever the number of processes (Accelerate would step it once each).
+    accelerator = Accelerator(mixed_precision=arguments.mixed_precision, step_scheduler_with_optimizer=False)
     set_seed(arguments.seed)
     output_dir = arguments.output_dir
     tokenizer = byte_level_tokenizer()
@@ -312,6 +313,8 @@ def train(arguments: argparse.Namespace) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        # The mean over processes: the loss of the global batch, as a single process would log it.
+        total = accelerator.reduce(torch.tensor(total, device=accelerator.device), reduction="mean").item()
         history["train"].append((step + 1, total))
         progress.set_postfix(loss=f"{total:.3f}")
         if (step + 1) % arguments.eval_every == 0 and step + 1 < arguments.steps:
@@ -325,8 +328,13 @@ def train(arguments: argparse.Namespace) -> dict:
     after = evaluate(unwrapped, eval_tokens, arguments.length, rows, byte_lengths, accelerator.device)
     history["eval"].append({"step": arguments.steps, **after})
     accelerator.print(f"held-out bits per byte after training: {after['bits_per_byte']:.3f}")
+    # A checksum of every process's weights (DDP keeps them identical; the tests check it).
+    checksum = torch.stack([parameter.detach().double().sum() for parameter in unwrapped.parameters()]).sum()
+    checksums = accelerator.gather(checksum.reshape(1).to(accelerator.device)).tolist()
     metrics = {
         "model_type": config.model_type,
+        "processes": accelerator.num_processes,
+        "weight_checksums": checksums,
         "parameters": sum(parameter.numel() for parameter in unwrapped.parameters()),
         "steps": arguments.steps,
         "tokens_per_step": rows * accelerator.num_processes * arguments.length * arguments.gradient_accumulation_steps,

@@ -177,3 +177,29 @@ def test_the_main_command_trains_then_generates(tmp_path):
     assert "held-out bits per byte" in result.stdout and "→" in result.stdout
     assert "sample from" in result.stdout and "12 tokens in" in result.stdout
     assert (tmp_path / "quickstart" / "model.safetensors").is_file()
+
+
+def test_two_processes_with_gloo_match_one_process_with_the_same_global_batch(tmp_path):
+    """DDP on CPU (gloo), launched with the shipped training/accelerate/cpu.yaml: both ranks end with the same
+    weights, and the run matches one process reading the same global batch (2 rows: one per rank, or both in one
+    process)."""
+    data = _data(tmp_path)
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "1",
+                   "OMP_NUM_THREADS": "1"}  # fmt: skip
+    two = tmp_path / "two"
+    subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    str(ROOT / "training" / "accelerate" / "cpu.yaml"), str(ROOT / "training" / "train.py"), "--preset", str(_preset(tmp_path, "deltanet", batch_size=1)),
+                    "--output-dir", str(two), "--data", str(data), "--steps", "4"],
+                   check=True, env=environment, capture_output=True)  # fmt: skip
+    one = tmp_path / "one"
+    subprocess.run([sys.executable, str(ROOT / "training" / "train.py"), "--preset",
+                    str(_preset(tmp_path, "deltanet", batch_size=2)), "--output-dir", str(one), "--data", str(data),
+                    "--steps", "4"], check=True, env=environment, capture_output=True)  # fmt: skip
+    distributed, single = (json.loads((folder / "metrics.json").read_text()) for folder in (two, one))
+    assert distributed["processes"] == 2 and len(set(distributed["weight_checksums"])) == 1
+    assert [loss for _, loss in distributed["history"]["train"]] == pytest.approx(
+        [loss for _, loss in single["history"]["train"]], rel=1e-4
+    )
+    expected, weights = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    for name in expected:
+        torch.testing.assert_close(weights[name], expected[name], atol=1e-5, rtol=1e-4)
