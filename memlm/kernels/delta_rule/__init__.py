@@ -29,6 +29,7 @@ def _check_inputs(
     beta: torch.Tensor | None,
     initial_state: torch.Tensor | None,
     chunk_size: int,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the offending argument and its shape if the inputs do not fit together."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -55,6 +56,16 @@ def _check_inputs(
             f"beta must have shape (batch, heads, tokens) = {(batch_size, num_heads, length)}, got {tuple(beta.shape)}."
         )
     expected_state = (batch_size, num_heads, key_dim, value_dim)
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-dimensional integer tensor of offsets, got {cu_seqlens!r}.")
+        offsets = cu_seqlens.tolist()
+        if batch_size != 1 or offsets[0] != 0 or offsets[-1] != length or offsets != sorted(offsets):
+            raise ValueError(
+                f"with cu_seqlens the inputs hold the sequences back to back in one row: batch size 1 and offsets "
+                f"rising from 0 to the {length} tokens; got batch size {batch_size} and cu_seqlens {offsets}."
+            )
+        expected_state = (len(offsets) - 1, num_heads, key_dim, value_dim)
     if initial_state is not None and initial_state.shape != expected_state:
         raise ValueError(
             f"initial_state must have shape (batch, heads, key width, value width) = {expected_state}, "
@@ -68,6 +79,30 @@ def _needs_gradient(*tensors) -> bool:
     return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
 
 
+def _per_sequence(cu_seqlens, output_final_state, query, key, value, beta, initial_state, run):
+    """Run `run(query, key, value, beta, initial_state)` on each packed sequence and put the results back together."""
+    offsets = cu_seqlens.tolist()
+    outputs, states = [], []
+    for index, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+        state = None if initial_state is None else initial_state[index : index + 1]
+        if end == start:  # an empty sequence: no output, its state passes through
+            states.append(state)
+            continue
+        pieces = [tensor[:, :, start:end] if tensor is not None else None for tensor in (query, key, value, beta)]
+        output, final = run(*pieces, state)
+        outputs.append(output)
+        states.append(final)
+    output = torch.cat(outputs, dim=2) if outputs else value.new_zeros(value.shape)
+    if not output_final_state:
+        return output, None
+    shape = (1, key.shape[1], key.shape[-1], value.shape[-1])
+    dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
+    final_states = [
+        state if state is not None else torch.zeros(shape, dtype=dtype, device=key.device) for state in states
+    ]
+    return output, torch.cat(final_states)
+
+
 def delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -77,6 +112,7 @@ def delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the delta rule over a sequence (SPEC §1).
@@ -89,6 +125,9 @@ def delta_rule(
         initial_state: memory entering the sequence, ``(B, H, d_k, d_v)`` (float32); ``None`` means zeros.
         output_final_state: also return the memory after the last token.
         chunk_size: tokens per chunk of the chunkwise implementation (any T works; the last chunk is padded).
+        cu_seqlens: variable-length sequences packed back to back in one row (batch size 1): the N + 1 offsets of
+            their starts and end. Each sequence starts from its own initial state ``(N, H, d_k, d_v)`` (or zeros)
+            and the final states are ``(N, H, d_k, d_v)``; no padding is computed.
         backend: ``"torch"``, ``"triton"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS``, else picks
             ``"triton"`` for CUDA tensors (when installed) and ``"torch"`` otherwise. With ``"triton"`` a single
             token without gradients runs the fused recurrent step, anything else the chunkwise kernel; float64
@@ -98,12 +137,15 @@ def delta_rule(
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
         float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``.
     """
-    _check_inputs(query, key, value, beta, initial_state, chunk_size)
+    _check_inputs(query, key, value, beta, initial_state, chunk_size, cu_seqlens)
     backend = resolve_backend(backend, key.device)
-    if backend == "reference":
-        return delta_rule_reference(query, key, value, beta, initial_state, output_final_state)
     if backend == "triton" and key.dtype != torch.float64:
         check_triton_device(key.device)
+        if cu_seqlens is not None:
+            from .triton_chunk import delta_rule_chunk_triton
+
+            return delta_rule_chunk_triton(query, key, value, beta, initial_state, output_final_state, chunk_size,
+                                           cu_seqlens)  # fmt: skip
         if key.shape[2] == 1 and not _needs_gradient(query, key, value, beta, initial_state):
             from .triton_recurrent import delta_rule_step_triton
 
@@ -111,6 +153,12 @@ def delta_rule(
         from .triton_chunk import delta_rule_chunk_triton
 
         return delta_rule_chunk_triton(query, key, value, beta, initial_state, output_final_state, chunk_size)
+    if cu_seqlens is not None:  # one sequence at a time: the same result, without a packed kernel
+        return _per_sequence(cu_seqlens, output_final_state, query, key, value, beta, initial_state,
+                             run=lambda *inputs: delta_rule(*inputs[:4], initial_state=inputs[4], chunk_size=chunk_size,
+                                                            output_final_state=output_final_state, backend=backend))  # fmt: skip
+    if backend == "reference":
+        return delta_rule_reference(query, key, value, beta, initial_state, output_final_state)
     if key.shape[2] == 1:
         return delta_rule_step(query, key, value, beta, initial_state, output_final_state)
     return delta_rule_chunk(query, key, value, beta, initial_state, output_final_state, chunk_size)

@@ -1,0 +1,701 @@
+"""Chunkwise delta rule in Triton (SPEC §1, §5): forward and a backward that recomputes per chunk.
+
+The same math as ``chunk.py`` (the WY/UT form of Yang et al. 2024, *Parallelizing Linear Transformers with
+the Delta Rule over Sequence Length*), one Triton program per chunk or per sequence. Inside a chunk with
+entering state ``S ∈ R^{d_k×d_v}`` and rows ``Q, K, V, β`` (SPEC §1)::
+
+    A  = strictly_lower(diag(β) K Kᵀ)                  (1)
+    W  = (I + A)⁻¹ diag(β) K;   U = (I + A)⁻¹ diag(β) V    (2)
+    V' = U − W S                                       (3)  the chunk's new values, v_t − v̄_t weighted by β
+    O  = Q S + causal(Q Kᵀ) V'                          (4)  causal keeps j ≤ i
+    S_next = S + Kᵀ V'                                 (5)
+
+Forward, three kernels: ``_prepare_chunk_kernel`` solves the unit-triangular system (1)-(2) for every
+chunk in parallel (``(I + A)⁻¹`` by block doubling, see ``_unit_lower_inverse``) and forms ``causal(Q Kᵀ)``;
+``_state_forward_kernel`` runs the recurrence (3), (5) over the chunks of each sequence and keeps only the
+chunk-entry states; ``_output_kernel`` computes (4) for every chunk in parallel.
+
+Backward, two kernels. With ``P = causal(Q Kᵀ)`` and the upstream gradients ``dO`` and ``dS_next``:
+
+    dV' = Pᵀ dO + K dS_next;          dS = dS_next + Qᵀ dO − Wᵀ dV'       (6)  reverse recurrence
+    dP  = causal(dO V'ᵀ);             dQ = dO Sᵀ + dP K                     (7)
+    d(βV) = (I + A)⁻ᵀ dV';            dA = −strictly_lower(d(βV) V'ᵀ)      (8)
+    d(βK) = dA K − d(βV) Sᵀ;          dK = V' dS_nextᵀ + dPᵀ Q + (diag(β) dA)ᵀ K + diag(β) d(βK)    (9)
+    dV = diag(β) d(βV);               dβ = rowsum(d(βK) ⊙ K) + rowsum(d(βV) ⊙ V)   (10)
+
+``_state_backward_kernel`` runs (6) in reverse over the chunks of each sequence; ``_chunk_backward_kernel``
+computes (7)-(10) for every chunk in parallel. Between forward and backward only per-token quantities
+(``W``, ``V'``, the rows of ``(I + A)⁻¹`` and of ``P``) and the chunk-entry states are kept: memory
+O(T·(d_k + d_v + C)) + O(T/C·d_k·d_v), never one state per token (the paper's App. E).
+
+Everything is computed in float32 (float64 for float64 inputs), with exact (IEEE, not TF32) products. With
+``cu_seqlens`` the batch holds several sequences back to back; chunks never straddle a sequence boundary and
+each sequence has its own initial and final state. Under ``TRITON_INTERPRET=1`` the kernels run on CPU
+tensors (slowly), which is how the CPU test suite checks them.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError(
+        "The Triton backend of memlm needs Triton: pip install triton (Linux), or choose the 'torch' backend."
+    ) from error
+
+__all__ = ["delta_rule_chunk_triton"]
+
+# Tile sizes and launch options. Exact float32 products run on CUDA cores, and a thread then holds whole rows
+# of both factors, so tiles are kept narrow. Chosen from register and spill counts of the kernels compiled for
+# sm_90 (d = 64 and 128, chunks of 64), not from timings.
+#
+# The widest slice of d_k or d_v that a chunk-parallel program holds at once; wider heads are looped over.
+MAX_BLOCK_WIDTH = 16
+# The recurrence kernels hold the state tile (all of d_k) × BLOCK_V in registers; BLOCK_V shrinks with d_k
+# so that the tile stays at most this many elements.
+MAX_STATE_TILE = 1024
+# tl.dot needs every dimension to be at least 16.
+MIN_BLOCK = 16
+LAUNCH_OPTIONS = {"num_warps": 8, "num_stages": 1}
+
+
+@triton.jit
+def _dot(left, right):
+    """Matrix product at the inputs' precision: IEEE float32 (no TF32 rounding) or float64."""
+    return tl.dot(left, right, input_precision="ieee")
+
+
+@triton.jit
+def _load_tile(pointer, rows, row_mask, columns, width, DTYPE: tl.constexpr):
+    """The tile ``rows × columns`` of a row-major matrix with ``width`` columns, zero outside it, in ``DTYPE``."""
+    mask = row_mask[:, None] & (columns[None, :] < width)
+    return tl.load(pointer + rows[:, None] * width + columns[None, :], mask=mask, other=0).to(DTYPE)
+
+
+@triton.jit
+def _store_tile(pointer, rows, row_mask, columns, width, tile):
+    """Store ``tile`` into the rows ``rows`` and columns ``columns`` of a row-major matrix with ``width`` columns."""
+    mask = row_mask[:, None] & (columns[None, :] < width)
+    tl.store(pointer + rows[:, None] * width + columns[None, :], tile.to(pointer.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _locate_chunk(
+    chunk, cu_seqlens, chunk_indices, length, num_chunks, CHUNK_SIZE: tl.constexpr, IS_VARLEN: tl.constexpr
+):
+    """Batch index, first token and end token (exclusive) of ``chunk`` (the chunks of all sequences, in order)."""
+    if IS_VARLEN:
+        sequence = tl.load(chunk_indices + 2 * chunk)
+        index = tl.load(chunk_indices + 2 * chunk + 1)
+        batch = 0
+        sequence_start = tl.load(cu_seqlens + sequence)
+        sequence_end = tl.load(cu_seqlens + sequence + 1)
+    else:
+        sequence = chunk // num_chunks
+        index = chunk % num_chunks
+        batch = sequence
+        sequence_start = 0
+        sequence_end = length
+    start = sequence_start + index * CHUNK_SIZE
+    return batch, start, tl.minimum(start + CHUNK_SIZE, sequence_end)
+
+
+@triton.jit
+def _locate_sequence(
+    sequence, cu_seqlens, chunk_offsets, length, num_chunks, CHUNK_SIZE: tl.constexpr, IS_VARLEN: tl.constexpr
+):
+    """Batch index, first token, end token (exclusive), first chunk and number of chunks of ``sequence``."""
+    if IS_VARLEN:
+        batch = 0
+        start = tl.load(cu_seqlens + sequence)
+        end = tl.load(cu_seqlens + sequence + 1)
+        first_chunk = tl.load(chunk_offsets + sequence)
+        count = tl.cdiv(end - start, CHUNK_SIZE)
+    else:
+        batch = sequence
+        start = 0
+        end = length
+        first_chunk = sequence * num_chunks
+        count = num_chunks
+    return batch, start, end, first_chunk, count
+
+
+@triton.jit
+def _unit_lower_inverse(system, offsets, BLOCK_T: tl.constexpr):
+    """``(I + A)⁻¹`` for a strictly lower triangular ``A``, by doubling the size of solved diagonal blocks.
+
+    Split ``L = I + A`` into its diagonal blocks ``D`` of size ``b`` and the lower-left blocks ``E`` that join pairs
+    of them into blocks of size ``2b``. As ``E D⁻¹ E = 0``, ``(D + E)⁻¹ = D⁻¹ − D⁻¹ E D⁻¹``, the block formula
+    ``[[L₁₁, 0], [L₂₁, L₂₂]]⁻¹ = [[L₁₁⁻¹, 0], [−L₂₂⁻¹ L₂₁ L₁₁⁻¹, L₂₂⁻¹]]`` of triangular inversion (Higham,
+    *Accuracy and Stability of Numerical Algorithms*, 2002, §14.2) applied to all pairs at once: no loop over
+    rows, two matrix products per doubling. From ``D⁻¹ = I`` at ``b = 1``, log2(BLOCK_T) doublings give ``L⁻¹``.
+    """
+    rows, columns = offsets[:, None], offsets[None, :]
+    inverse = (rows == columns).to(system.dtype)
+    for level in tl.static_range(BLOCK_T.bit_length() - 1):
+        size = 1 << level
+        same_pair = rows // (2 * size) == columns // (2 * size)
+        joins = same_pair & ((rows // size) % 2 == 1) & ((columns // size) % 2 == 0)  # where E sits
+        inverse -= _dot(inverse, _dot(tl.where(joins, system, 0), inverse))
+    return inverse
+
+
+@triton.jit
+def _prepare_chunk_kernel(
+    query,
+    key,
+    value,
+    beta,
+    inverse,
+    scores,
+    weights,
+    updates,
+    cu_seqlens,
+    chunk_indices,
+    length,
+    num_heads,
+    num_chunks,
+    key_dim,
+    value_dim,
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Per (chunk, head): the rows of ``(I + A)⁻¹``, ``W``, ``U`` (Eqs. 1-2) and ``P = causal(Q Kᵀ)``."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    batch, start, end = _locate_chunk(chunk, cu_seqlens, chunk_indices, length, num_chunks, CHUNK_SIZE, IS_VARLEN)
+    offsets = tl.arange(0, BLOCK_T)
+    valid = start + offsets < end
+    rows = (batch * num_heads + head).to(tl.int64) * length + start + offsets
+    if HAS_BETA:
+        beta_rows = tl.load(beta + rows, mask=valid, other=0).to(DTYPE)
+    else:
+        beta_rows = valid.to(DTYPE)
+
+    # (1) A = strictly_lower(diag(β) K Kᵀ), and P = causal(Q Kᵀ) for Eqs. (4) and (6).
+    gram = tl.zeros((BLOCK_T, BLOCK_T), dtype=DTYPE)
+    query_key = tl.zeros((BLOCK_T, BLOCK_T), dtype=DTYPE)
+    for column_start in range(0, key_dim, BLOCK_K):
+        columns = column_start + tl.arange(0, BLOCK_K)
+        keys = _load_tile(key, rows, valid, columns, key_dim, DTYPE)
+        gram += _dot(keys, tl.trans(keys))
+        query_key += _dot(_load_tile(query, rows, valid, columns, key_dim, DTYPE), tl.trans(keys))
+    _store_tile(scores, rows, valid, offsets, BLOCK_T, tl.where(offsets[:, None] >= offsets[None, :], query_key, 0))
+    system = tl.where(offsets[:, None] > offsets[None, :], beta_rows[:, None] * gram, 0)
+    inverse_tile = _unit_lower_inverse(system, offsets, BLOCK_T)
+    _store_tile(inverse, rows, valid, offsets, BLOCK_T, inverse_tile)
+
+    # (2) W = (I + A)⁻¹ diag(β) K and U = (I + A)⁻¹ diag(β) V.
+    for column_start in range(0, key_dim, BLOCK_K):
+        columns = column_start + tl.arange(0, BLOCK_K)
+        keys = _load_tile(key, rows, valid, columns, key_dim, DTYPE)
+        _store_tile(weights, rows, valid, columns, key_dim, _dot(inverse_tile, keys * beta_rows[:, None]))
+    for column_start in range(0, value_dim, BLOCK_V):
+        columns = column_start + tl.arange(0, BLOCK_V)
+        values = _load_tile(value, rows, valid, columns, value_dim, DTYPE)
+        _store_tile(updates, rows, valid, columns, value_dim, _dot(inverse_tile, values * beta_rows[:, None]))
+
+
+@triton.jit
+def _state_forward_kernel(
+    key,
+    weights,
+    updates,
+    initial_state,
+    states,
+    new_values,
+    final_state,
+    cu_seqlens,
+    chunk_offsets,
+    length,
+    num_heads,
+    num_chunks,
+    key_dim,
+    value_dim,
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Per (sequence, head, slice of d_v): the recurrence (3), (5) over the sequence's chunks, in order.
+
+    Stores the state entering each chunk and the new values ``V'``. ``BLOCK_K`` covers all of d_k.
+    """
+    sequence, head, value_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    batch, sequence_start, sequence_end, first_chunk, count = _locate_sequence(
+        sequence, cu_seqlens, chunk_offsets, length, num_chunks, CHUNK_SIZE, IS_VARLEN
+    )
+    row_start = (batch * num_heads + head).to(tl.int64) * length
+    offsets = tl.arange(0, BLOCK_T)
+    key_columns = tl.arange(0, BLOCK_K)
+    value_columns = value_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    key_valid = key_columns < key_dim
+
+    state_size = key_dim * value_dim
+    head_state = (sequence * num_heads + head).to(tl.int64) * state_size
+    if HAS_INITIAL_STATE:
+        state = _load_tile(initial_state + head_state, key_columns, key_valid, value_columns, value_dim, DTYPE)
+    else:
+        state = tl.zeros((BLOCK_K, BLOCK_V), dtype=DTYPE)
+
+    for index in range(0, count):
+        start = sequence_start + index * CHUNK_SIZE
+        valid = start + offsets < tl.minimum(start + CHUNK_SIZE, sequence_end)
+        rows = row_start + start + offsets
+        # The state entering the chunk: all the backward keeps of the recurrence.
+        chunk_state = ((first_chunk + index) * num_heads + head).to(tl.int64) * state_size
+        _store_tile(states + chunk_state, key_columns, key_valid, value_columns, value_dim, state)
+        # (3) V' = U − W S.
+        chunk_weights = _load_tile(weights, rows, valid, key_columns, key_dim, DTYPE)
+        chunk_updates = _load_tile(updates, rows, valid, value_columns, value_dim, DTYPE)
+        chunk_new_values = chunk_updates - _dot(chunk_weights, state)
+        _store_tile(new_values, rows, valid, value_columns, value_dim, chunk_new_values)
+        # (5) S_next = S + Kᵀ V'.
+        keys = _load_tile(key, rows, valid, key_columns, key_dim, DTYPE)
+        state += _dot(tl.trans(keys), chunk_new_values)
+
+    if STORE_FINAL_STATE:
+        _store_tile(final_state + head_state, key_columns, key_valid, value_columns, value_dim, state)
+
+
+@triton.jit
+def _output_kernel(
+    query,
+    scores,
+    new_values,
+    states,
+    output,
+    cu_seqlens,
+    chunk_indices,
+    length,
+    num_heads,
+    num_chunks,
+    key_dim,
+    value_dim,
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Per (chunk, head, slice of d_v): the output (4), O = Q S + causal(Q Kᵀ) V'."""
+    chunk, head, value_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    batch, start, end = _locate_chunk(chunk, cu_seqlens, chunk_indices, length, num_chunks, CHUNK_SIZE, IS_VARLEN)
+    offsets = tl.arange(0, BLOCK_T)
+    valid = start + offsets < end
+    rows = (batch * num_heads + head).to(tl.int64) * length + start + offsets
+    value_columns = value_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    chunk_state = states + (chunk * num_heads + head).to(tl.int64) * key_dim * value_dim
+
+    chunk_output = tl.zeros((BLOCK_T, BLOCK_V), dtype=DTYPE)
+    for column_start in range(0, key_dim, BLOCK_K):
+        key_columns = column_start + tl.arange(0, BLOCK_K)
+        queries = _load_tile(query, rows, valid, key_columns, key_dim, DTYPE)
+        state = _load_tile(chunk_state, key_columns, key_columns < key_dim, value_columns, value_dim, DTYPE)
+        chunk_output += _dot(queries, state)
+    chunk_scores = _load_tile(scores, rows, valid, offsets, BLOCK_T, DTYPE)
+    chunk_output += _dot(chunk_scores, _load_tile(new_values, rows, valid, value_columns, value_dim, DTYPE))
+    _store_tile(output, rows, valid, value_columns, value_dim, chunk_output)
+
+
+@triton.jit
+def _state_backward_kernel(
+    query,
+    key,
+    weights,
+    scores,
+    grad_output,
+    grad_final_state,
+    grad_states,
+    grad_new_values,
+    grad_initial_state,
+    cu_seqlens,
+    chunk_offsets,
+    length,
+    num_heads,
+    num_chunks,
+    key_dim,
+    value_dim,
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_GRAD_FINAL_STATE: tl.constexpr,
+    STORE_GRAD_INITIAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Per (sequence, head, slice of d_v): the reverse recurrence (6) over the sequence's chunks, last first.
+
+    Stores the gradient of the state leaving each chunk and ``dV'``. ``BLOCK_K`` covers all of d_k.
+    """
+    sequence, head, value_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    batch, sequence_start, sequence_end, first_chunk, count = _locate_sequence(
+        sequence, cu_seqlens, chunk_offsets, length, num_chunks, CHUNK_SIZE, IS_VARLEN
+    )
+    row_start = (batch * num_heads + head).to(tl.int64) * length
+    offsets = tl.arange(0, BLOCK_T)
+    key_columns = tl.arange(0, BLOCK_K)
+    value_columns = value_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    key_valid = key_columns < key_dim
+
+    state_size = key_dim * value_dim
+    head_state = (sequence * num_heads + head).to(tl.int64) * state_size
+    if HAS_GRAD_FINAL_STATE:
+        grad_state = _load_tile(grad_final_state + head_state, key_columns, key_valid, value_columns, value_dim, DTYPE)
+    else:
+        grad_state = tl.zeros((BLOCK_K, BLOCK_V), dtype=DTYPE)
+
+    for step in range(0, count):
+        index = count - 1 - step
+        start = sequence_start + index * CHUNK_SIZE
+        valid = start + offsets < tl.minimum(start + CHUNK_SIZE, sequence_end)
+        rows = row_start + start + offsets
+        chunk_state = ((first_chunk + index) * num_heads + head).to(tl.int64) * state_size
+        _store_tile(grad_states + chunk_state, key_columns, key_valid, value_columns, value_dim, grad_state)
+
+        queries = _load_tile(query, rows, valid, key_columns, key_dim, DTYPE)
+        keys = _load_tile(key, rows, valid, key_columns, key_dim, DTYPE)
+        chunk_weights = _load_tile(weights, rows, valid, key_columns, key_dim, DTYPE)
+        chunk_grad_output = _load_tile(grad_output, rows, valid, value_columns, value_dim, DTYPE)
+        chunk_scores = _load_tile(scores, rows, valid, offsets, BLOCK_T, DTYPE)
+        # (6) dV' = Pᵀ dO + K dS_next, then dS = dS_next + Qᵀ dO − Wᵀ dV'.
+        chunk_grad_new_values = _dot(tl.trans(chunk_scores), chunk_grad_output) + _dot(keys, grad_state)
+        _store_tile(grad_new_values, rows, valid, value_columns, value_dim, chunk_grad_new_values)
+        grad_state += _dot(tl.trans(queries), chunk_grad_output) - _dot(tl.trans(chunk_weights), chunk_grad_new_values)
+
+    if STORE_GRAD_INITIAL_STATE:
+        _store_tile(grad_initial_state + head_state, key_columns, key_valid, value_columns, value_dim, grad_state)
+
+
+@triton.jit
+def _chunk_backward_kernel(
+    query,
+    key,
+    value,
+    beta,
+    inverse,
+    new_values,
+    states,
+    grad_output,
+    grad_states,
+    grad_new_values,
+    grad_query,
+    grad_key,
+    grad_value,
+    grad_beta,
+    cu_seqlens,
+    chunk_indices,
+    length,
+    num_heads,
+    num_chunks,
+    key_dim,
+    value_dim,
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Per (chunk, head): the chunk-local gradients (7)-(10) of query, key, value and beta."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    batch, start, end = _locate_chunk(chunk, cu_seqlens, chunk_indices, length, num_chunks, CHUNK_SIZE, IS_VARLEN)
+    offsets = tl.arange(0, BLOCK_T)
+    valid = start + offsets < end
+    rows = (batch * num_heads + head).to(tl.int64) * length + start + offsets
+    if HAS_BETA:
+        beta_rows = tl.load(beta + rows, mask=valid, other=0).to(DTYPE)
+    else:
+        beta_rows = valid.to(DTYPE)
+    inverse_tile = _load_tile(inverse, rows, valid, offsets, BLOCK_T, DTYPE)
+    state_offset = (chunk * num_heads + head).to(tl.int64) * key_dim * value_dim
+    chunk_state, chunk_grad_state = states + state_offset, grad_states + state_offset  # S and dS_next
+
+    # dP = dO V'ᵀ and dA = −d(βV) V'ᵀ, before masking (Eqs. 7-8); dV and the value part of dβ (Eq. 10).
+    grad_scores = tl.zeros((BLOCK_T, BLOCK_T), dtype=DTYPE)
+    grad_system = tl.zeros((BLOCK_T, BLOCK_T), dtype=DTYPE)
+    grad_beta_rows = tl.zeros((BLOCK_T,), dtype=DTYPE)
+    for column_start in range(0, value_dim, BLOCK_V):
+        value_columns = column_start + tl.arange(0, BLOCK_V)
+        chunk_grad_output = _load_tile(grad_output, rows, valid, value_columns, value_dim, DTYPE)
+        chunk_new_values = _load_tile(new_values, rows, valid, value_columns, value_dim, DTYPE)
+        chunk_grad_new_values = _load_tile(grad_new_values, rows, valid, value_columns, value_dim, DTYPE)
+        grad_weighted_values = _dot(tl.trans(inverse_tile), chunk_grad_new_values)  # d(βV) = (I + A)⁻ᵀ dV'
+        grad_scores += _dot(chunk_grad_output, tl.trans(chunk_new_values))
+        grad_system -= _dot(grad_weighted_values, tl.trans(chunk_new_values))
+        values = _load_tile(value, rows, valid, value_columns, value_dim, DTYPE)
+        grad_beta_rows += tl.sum(grad_weighted_values * values, 1)
+        _store_tile(grad_value, rows, valid, value_columns, value_dim, grad_weighted_values * beta_rows[:, None])
+    grad_scores = tl.where(offsets[:, None] >= offsets[None, :], grad_scores, 0)
+    grad_system = tl.where(offsets[:, None] > offsets[None, :], grad_system, 0)
+
+    for column_start in range(0, key_dim, BLOCK_K):
+        key_columns = column_start + tl.arange(0, BLOCK_K)
+        key_valid = key_columns < key_dim
+        queries = _load_tile(query, rows, valid, key_columns, key_dim, DTYPE)
+        keys = _load_tile(key, rows, valid, key_columns, key_dim, DTYPE)
+        # The terms that sum over d_v: dO Sᵀ, V' dS_nextᵀ and dV' Sᵀ (so that d(βV) Sᵀ = (I + A)⁻ᵀ dV' Sᵀ).
+        grad_output_state = tl.zeros((BLOCK_T, BLOCK_K), dtype=DTYPE)
+        new_values_grad_state = tl.zeros((BLOCK_T, BLOCK_K), dtype=DTYPE)
+        grad_new_values_state = tl.zeros((BLOCK_T, BLOCK_K), dtype=DTYPE)
+        for value_start in range(0, value_dim, BLOCK_V):
+            value_columns = value_start + tl.arange(0, BLOCK_V)
+            state = _load_tile(chunk_state, key_columns, key_valid, value_columns, value_dim, DTYPE)
+            grad_state = _load_tile(chunk_grad_state, key_columns, key_valid, value_columns, value_dim, DTYPE)
+            chunk_grad_output = _load_tile(grad_output, rows, valid, value_columns, value_dim, DTYPE)
+            chunk_new_values = _load_tile(new_values, rows, valid, value_columns, value_dim, DTYPE)
+            chunk_grad_new_values = _load_tile(grad_new_values, rows, valid, value_columns, value_dim, DTYPE)
+            grad_output_state += _dot(chunk_grad_output, tl.trans(state))
+            new_values_grad_state += _dot(chunk_new_values, tl.trans(grad_state))
+            grad_new_values_state += _dot(chunk_grad_new_values, tl.trans(state))
+        # (7) dQ = dO Sᵀ + dP K.
+        _store_tile(grad_query, rows, valid, key_columns, key_dim, grad_output_state + _dot(grad_scores, keys))
+        # (9) d(βK) = dA K − d(βV) Sᵀ; dK = V' dS_nextᵀ + dPᵀ Q + (diag(β) dA)ᵀ K + diag(β) d(βK).
+        grad_weighted_keys = _dot(grad_system, keys) - _dot(tl.trans(inverse_tile), grad_new_values_state)
+        chunk_grad_key = new_values_grad_state + _dot(tl.trans(grad_scores), queries)
+        chunk_grad_key += _dot(tl.trans(grad_system * beta_rows[:, None]), keys)
+        chunk_grad_key += grad_weighted_keys * beta_rows[:, None]
+        _store_tile(grad_key, rows, valid, key_columns, key_dim, chunk_grad_key)
+        # (10) the key part of dβ.
+        grad_beta_rows += tl.sum(grad_weighted_keys * keys, 1)
+
+    if HAS_BETA:
+        tl.store(grad_beta + rows, grad_beta_rows.to(grad_beta.dtype.element_ty), mask=valid)
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float32, or float64 when any input is float64 (as ``chunk.py``)."""
+    if any(tensor is not None and tensor.dtype == torch.float64 for tensor in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _contiguous(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels index rows of ``width`` elements: every tensor they read must be contiguous."""
+    return None if tensor is None else tensor.contiguous()
+
+
+class _Layout:
+    """Shapes, chunking and tile sizes shared by the forward and the backward of one call."""
+
+    def __init__(self, key, value, chunk_size, cu_seqlens, compute_dtype):
+        batch_size, num_heads, length, key_dim = key.shape
+        self.num_heads, self.length, self.key_dim, self.value_dim = num_heads, length, key_dim, value.shape[-1]
+        self.chunk_size = chunk_size
+        self.dtype = compute_dtype
+        self.triton_dtype = tl.float64 if compute_dtype == torch.float64 else tl.float32
+        self.is_varlen = cu_seqlens is not None
+        # Chunks of length chunk_size live in tiles of BLOCK_T ≥ 16 rows (a power of two); extra rows are masked.
+        self.block_t = max(MIN_BLOCK, triton.next_power_of_2(chunk_size))
+        full_key = max(MIN_BLOCK, triton.next_power_of_2(key_dim))
+        full_value = max(MIN_BLOCK, triton.next_power_of_2(self.value_dim))
+        self.block_k = min(full_key, MAX_BLOCK_WIDTH)
+        self.block_v = min(full_value, MAX_BLOCK_WIDTH)
+        self.state_block_k = full_key
+        self.state_block_v = max(MIN_BLOCK, min(full_value, MAX_STATE_TILE // full_key))
+
+        if cu_seqlens is None:
+            self.num_sequences = batch_size
+            self.num_chunks = triton.cdiv(length, chunk_size)  # per sequence
+            self.total_chunks = batch_size * self.num_chunks
+            self.cu_seqlens = self.chunk_indices = self.chunk_offsets = None
+        else:
+            # Chunk c of all sequences is chunk chunk_indices[c, 1] of sequence chunk_indices[c, 0]; sequence s
+            # owns the chunks chunk_offsets[s] .. chunk_offsets[s + 1] − 1.
+            self.cu_seqlens = cu_seqlens.to(device=key.device, dtype=torch.int32).contiguous()
+            self.num_sequences = cu_seqlens.numel() - 1
+            counts = (self.cu_seqlens.diff() + chunk_size - 1) // chunk_size
+            self.chunk_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+            self.total_chunks = int(self.chunk_offsets[-1])
+            sequences = torch.repeat_interleave(torch.arange(self.num_sequences, device=key.device), counts)
+            index = torch.arange(self.total_chunks, device=key.device) - self.chunk_offsets[sequences]
+            self.chunk_indices = torch.stack([sequences, index], dim=1).to(torch.int32).contiguous()
+            self.num_chunks = 0  # unused: the chunks are located through the tables above
+
+    def kernel_options(self) -> dict:
+        """The compile-time constants and launch options every kernel takes."""
+        options = {"CHUNK_SIZE": self.chunk_size, "BLOCK_T": self.block_t, "IS_VARLEN": self.is_varlen}
+        return {**options, "DTYPE": self.triton_dtype, **LAUNCH_OPTIONS}
+
+    def state_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_sequences, self.num_heads, self.key_dim, self.value_dim)
+
+    def arguments(self) -> tuple:
+        """The trailing runtime arguments every kernel takes, after its tensors and the chunk tables."""
+        return (self.length, self.num_heads, self.num_chunks, self.key_dim, self.value_dim)
+
+    def chunk_grid(self, value_blocks: bool) -> tuple[int, ...]:
+        grid = (self.total_chunks, self.num_heads)
+        return (*grid, triton.cdiv(self.value_dim, self.block_v)) if value_blocks else grid
+
+    def sequence_grid(self) -> tuple[int, int, int]:
+        return (self.num_sequences, self.num_heads, triton.cdiv(self.value_dim, self.state_block_v))
+
+
+def _forward(query, key, value, beta, initial_state, output_final_state, layout):
+    """Eqs. (1)-(5). Returns the output, the final state (or None) and what the backward needs."""
+    dtype, device = layout.dtype, key.device
+    inverse = torch.empty(*key.shape[:3], layout.block_t, dtype=dtype, device=device)
+    scores = torch.empty_like(inverse)
+    weights = torch.empty(key.shape, dtype=dtype, device=device)
+    updates = torch.empty(value.shape, dtype=dtype, device=device)
+    new_values = torch.empty(value.shape, dtype=dtype, device=device)
+    states = torch.empty(layout.total_chunks, *layout.state_shape()[1:], dtype=dtype, device=device)
+    final_state = torch.empty(layout.state_shape(), dtype=dtype, device=device) if output_final_state else None
+    output = torch.empty_like(value)
+    common = layout.kernel_options()
+
+    if layout.total_chunks > 0:
+        _prepare_chunk_kernel[layout.chunk_grid(value_blocks=False)](
+            query, key, value, beta, inverse, scores, weights, updates, layout.cu_seqlens, layout.chunk_indices,
+            *layout.arguments(), BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
+            **common,
+        )  # fmt: skip
+    _state_forward_kernel[layout.sequence_grid()](
+        key, weights, updates, initial_state, states, new_values, final_state, layout.cu_seqlens,
+        layout.chunk_offsets, *layout.arguments(), BLOCK_K=layout.state_block_k, BLOCK_V=layout.state_block_v,
+        HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state, **common,
+    )  # fmt: skip
+    if layout.total_chunks > 0:
+        _output_kernel[layout.chunk_grid(value_blocks=True)](
+            query, scores, new_values, states, output, layout.cu_seqlens, layout.chunk_indices, *layout.arguments(),
+            BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, **common,
+        )  # fmt: skip
+    return output, final_state, (inverse, scores, weights, new_values, states)
+
+
+def _backward(query, key, value, beta, saved, grad_output, grad_final_state, need_grad_initial_state, layout):
+    """Eqs. (6)-(10). Returns the gradients of query, key, value, beta (or None) and initial state (or None)."""
+    inverse, scores, weights, new_values, states = saved
+    dtype = layout.dtype
+    grad_new_values = torch.empty_like(new_values)
+    grad_states = torch.empty_like(states)
+    grad_initial_state = None
+    if need_grad_initial_state:
+        grad_initial_state = torch.empty(layout.state_shape(), dtype=dtype, device=key.device)
+    grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    grad_beta = None if beta is None else torch.empty_like(beta)
+    common = layout.kernel_options()
+
+    _state_backward_kernel[layout.sequence_grid()](
+        query, key, weights, scores, grad_output, grad_final_state, grad_states, grad_new_values, grad_initial_state,
+        layout.cu_seqlens, layout.chunk_offsets, *layout.arguments(), BLOCK_K=layout.state_block_k,
+        BLOCK_V=layout.state_block_v, HAS_GRAD_FINAL_STATE=grad_final_state is not None,
+        STORE_GRAD_INITIAL_STATE=need_grad_initial_state, **common,
+    )  # fmt: skip
+    if layout.total_chunks > 0:
+        _chunk_backward_kernel[layout.chunk_grid(value_blocks=False)](
+            query, key, value, beta, inverse, new_values, states, grad_output, grad_states, grad_new_values,
+            grad_query, grad_key, grad_value, grad_beta, layout.cu_seqlens, layout.chunk_indices,
+            *layout.arguments(), BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
+            **common,
+        )  # fmt: skip
+    return grad_query, grad_key, grad_value, grad_beta, grad_initial_state
+
+
+class DeltaRuleChunkTritonFunction(torch.autograd.Function):
+    """The chunkwise delta rule of SPEC §1 in Triton; see the module docstring for the equations."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens):
+        query, key, value, beta, initial_state = map(_contiguous, (query, key, value, beta, initial_state))
+        layout = _Layout(key, value, chunk_size, cu_seqlens, _compute_dtype(query, key, value, beta, initial_state))
+        output, final_state, saved = _forward(query, key, value, beta, initial_state, output_final_state, layout)
+        ctx.save_for_backward(query, key, value, beta, *saved)
+        ctx.layout = layout
+        ctx.state_dtype = None if initial_state is None else initial_state.dtype
+        ctx.set_materialize_grads(False)  # an unused output or final state arrives as None
+        return output, final_state
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_final_state):
+        query, key, value, beta, *saved = ctx.saved_tensors
+        layout = ctx.layout
+        if grad_output is None:
+            grad_output = torch.zeros_like(value)
+        need_grad_initial_state = ctx.needs_input_grad[4]
+        grad_query, grad_key, grad_value, grad_beta, grad_initial_state = _backward(
+            query, key, value, beta, saved, grad_output.contiguous(), _contiguous(grad_final_state),
+            need_grad_initial_state, layout,
+        )  # fmt: skip
+        if grad_initial_state is not None:
+            grad_initial_state = grad_initial_state.to(ctx.state_dtype)
+        return grad_query, grad_key, grad_value, grad_beta, grad_initial_state, None, None, None
+
+
+def _check_varlen(key, value, initial_state, cu_seqlens) -> None:
+    """Raise ``ValueError`` if ``cu_seqlens`` does not describe sequences packed into the batch of one."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(
+            f"cu_seqlens must be a 1-dimensional integer tensor of N + 1 offsets, got dtype {cu_seqlens.dtype} "
+            f"and shape {tuple(cu_seqlens.shape)}."
+        )
+    if key.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed into a batch of one, got key {tuple(key.shape)}.")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != key.shape[2] or any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the number of tokens {key.shape[2]} without decreasing, got {offsets}."
+        )
+    expected = (len(offsets) - 1, key.shape[1], key.shape[3], value.shape[3])
+    if initial_state is not None and initial_state.shape != expected:
+        raise ValueError(
+            f"with cu_seqlens, initial_state must have shape (sequences, heads, key width, value width) = "
+            f"{expected}, got {tuple(initial_state.shape)}."
+        )
+
+
+def delta_rule_chunk_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise delta rule in Triton (SPEC §1), differentiable in every tensor input.
+
+    Same arguments and results as ``chunk.delta_rule_chunk``; shapes are not validated here (use
+    ``memlm.kernels.delta_rule``), except the packed-sequence layout.
+
+    Args:
+        query, key: ``(B, H, T, d_k)``; value: ``(B, H, T, d_v)``; beta: ``(B, H, T)`` or ``None`` (β = 1).
+        initial_state: ``(B, H, d_k, d_v)`` (``(N, H, d_k, d_v)`` with ``cu_seqlens``) or ``None`` (zeros).
+        output_final_state: also return the state after the last token of each sequence.
+        chunk_size: tokens per chunk, any positive integer (tiles are padded to a power of two ≥ 16).
+        cu_seqlens: ``None``, or ``N + 1`` integer offsets of ``N`` sequences packed back to back along T
+            in a batch of one; chunks never straddle a sequence boundary.
+
+    Returns:
+        The output ``(B, H, T, d_v)`` in the value's dtype and, if ``output_final_state``, the final state
+        ``(B, H, d_k, d_v)`` (``(N, H, d_k, d_v)`` with ``cu_seqlens``) in float32 (float64 for float64
+        inputs), else ``None``.
+
+    Raises:
+        RuntimeError: for CPU tensors unless Triton's interpreter is on (``TRITON_INTERPRET=1``).
+        ValueError: if ``cu_seqlens`` or, with it, the batch size or ``initial_state`` do not fit together.
+    """
+    if not key.is_cuda and isinstance(_output_kernel, triton.runtime.JITFunction):
+        raise RuntimeError(
+            f"the Triton kernels need CUDA tensors, got {key.device}; to run them on CPU, set TRITON_INTERPRET=1 "
+            "before memlm's Triton kernels are first imported."
+        )
+    if cu_seqlens is not None:
+        _check_varlen(key, value, initial_state, cu_seqlens)
+    return DeltaRuleChunkTritonFunction.apply(
+        query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens
+    )
