@@ -50,11 +50,9 @@ def main(argv=None):
     print(f"\nsample from {arguments.output_dir} (prompt {arguments.prompt!r}):\n")
     start = time.perf_counter()
     result = generator(arguments.prompt, max_new_tokens=arguments.max_new_tokens, do_sample=True, top_k=20,
-                       temperature=0.8, streamer=TextStreamer(tokenizer))  # fmt: skip
+                       temperature=0.8, streamer=TextStreamer(tokenizer), return_tensors=True)  # fmt: skip
     seconds = time.perf_counter() - start
-    new_tokens = len(tokenizer(result[0]["generated_text"])["input_ids"]) - len(
-        tokenizer(arguments.prompt)["input_ids"]
-    )
+    new_tokens = len(result[0]["generated_token_ids"]) - len(tokenizer(arguments.prompt)["input_ids"])
     print(f"\n{new_tokens} tokens in {seconds:.2f} s = {new_tokens / seconds:.1f} tokens/s")
     return metrics
 
