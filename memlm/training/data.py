@@ -110,16 +110,37 @@ def tokenize_documents(documents: list[str], tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def split_held_out(tokens: torch.Tensor, fraction: float, minimum: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training tokens, held-out tokens): the last `fraction` of the sequence (at least `minimum` tokens) is held
-    out for evaluation."""
-    held_out = max(minimum, int(len(tokens) * fraction))
-    if held_out >= len(tokens) // 2:
+def split_held_out(
+    documents: list[str], tokenizer, eval_tokens: int, every: int = 20
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training tokens, held-out tokens). Whole documents are held out, every `every`-th one (spread over the
+    corpus, so the held-out text is like the rest, not one corner of it), until they hold `eval_tokens` tokens;
+    a single document is cut instead. The held-out text never appears in training."""
+    held_out = []
+    count = 0
+    for index in range(every // 2, len(documents), every):
+        if count >= eval_tokens:
+            break
+        held_out.append(index)
+        count += len(tokenizer(documents[index], add_special_tokens=False)["input_ids"]) + 1
+    if len(documents) == 1 or not held_out:
+        tokens = tokenize_documents(documents, tokenizer)
+        if eval_tokens >= len(tokens) // 2:
+            raise ValueError(
+                f"The data has {len(tokens)} tokens: too few to hold out {eval_tokens} for evaluation and train on "
+                "the rest. Give more text or lower --eval-tokens."
+            )
+        return tokens[:-eval_tokens], tokens[-eval_tokens:]
+    chosen = set(held_out)
+    training = tokenize_documents([document for index, document in enumerate(documents) if index not in chosen],
+                                  tokenizer)  # fmt: skip
+    evaluation = tokenize_documents([documents[index] for index in held_out], tokenizer)[:eval_tokens]
+    if len(evaluation) < eval_tokens or len(training) < len(evaluation):
         raise ValueError(
-            f"The data has {len(tokens)} tokens: too few to hold out {held_out} for evaluation and train on the rest. "
-            "Give more text or lower --eval-tokens."
+            f"The data has too little text to hold out {eval_tokens} tokens for evaluation and train on the rest "
+            f"({len(documents)} documents). Give more text or lower --eval-tokens."
         )
-    return tokens[:-held_out], tokens[-held_out:]
+    return training, evaluation
 
 
 class TokenStream:

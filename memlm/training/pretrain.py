@@ -4,15 +4,15 @@
     accelerate launch training/train.py ...      (DDP / FSDP / DeepSpeed, see training/accelerate/)
 
 What a run does: reads the text (the Python standard library's source when no --data is given), tokenises it with
-the byte-level tokenizer, holds out the last --eval-tokens for evaluation, and trains with AdamW, linear warm-up then
-cosine decay, gradient clipping and accumulation, in `--batch-mode segments` (consecutive batches continue the same
-streams and each model's memory — fast weights, span memories, feedback memory — is carried from batch to batch
-with its gradient cut, as the papers trained) or `independent`. Every --save-every steps it writes a checkpoint
-(`accelerator.save_state` plus the carried memory and the step) under OUTPUT/checkpoints, first to a temporary
-folder then renamed, so a killed run leaves complete checkpoints only; a restarted run with the same OUTPUT resumes
-from the last one and ends with the same weights as an uninterrupted run. At the end OUTPUT holds the model
-(`save_pretrained`, with exported code and a model card carrying the evaluation), the tokenizer, metrics.json and
-loss.png.
+the byte-level tokenizer, holds out --eval-tokens tokens of whole documents (every 20th) for evaluation, and trains
+with AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, in `--batch-mode segments`
+(consecutive batches continue the same streams and each model's memory — fast weights, span memories, feedback
+memory — is carried from batch to batch with its gradient cut, as the papers trained) or `independent`. Every
+--save-every steps it writes a checkpoint (`accelerator.save_state` plus the carried memory and the step) under
+OUTPUT/checkpoints, first to a temporary folder then renamed, so a killed run leaves complete checkpoints only; a
+restarted run with the same OUTPUT resumes from the last one and ends with the same weights as an uninterrupted
+run. At the end OUTPUT holds the model (`save_pretrained`, with exported code and a model card carrying the
+evaluation), the tokenizer, metrics.json and loss.png.
 """
 
 import argparse
@@ -255,7 +255,7 @@ def train(arguments: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
     from ..tokenization import byte_level_tokenizer
-    from .data import TokenStream, load_texts, split_held_out, tokenize_documents
+    from .data import TokenStream, load_texts, split_held_out
 
     # The schedule counts optimizer steps, whatever the number of processes (Accelerate would step it once each).
     accelerator = Accelerator(mixed_precision=arguments.mixed_precision, step_scheduler_with_optimizer=False)
@@ -263,8 +263,7 @@ def train(arguments: argparse.Namespace) -> dict:
     output_dir = arguments.output_dir
     tokenizer = byte_level_tokenizer()
     documents = load_texts(arguments.data, arguments.text_column, arguments.max_bytes)
-    tokens = tokenize_documents(documents, tokenizer)
-    train_tokens, eval_tokens = split_held_out(tokens, fraction=0.0, minimum=arguments.eval_tokens)
+    train_tokens, eval_tokens = split_held_out(documents, tokenizer, arguments.eval_tokens)
     config = build_config(arguments.preset_content, tokenizer)
     model = AutoModelForCausalLM.from_config(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=arguments.learning_rate, weight_decay=arguments.weight_decay)
@@ -370,7 +369,7 @@ def write_training_card(output_dir: Path, metrics: dict, arguments):
         "",
         "## Training",
         "",
-        f"- Data: {data}; the last {arguments.eval_tokens} tokens held out for evaluation.",
+        f"- Data: {data}; {arguments.eval_tokens} tokens of whole documents (every 20th) held out for evaluation.",
         f"- {metrics['steps']} steps of {metrics['tokens_per_step']} tokens ({arguments.batch_mode} batches of "
         f"{arguments.length} tokens), AdamW at {arguments.learning_rate} with {arguments.warmup_steps} warm-up steps "
         f"and cosine decay, seed {arguments.seed}.",
