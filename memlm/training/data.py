@@ -111,11 +111,13 @@ def tokenize_documents(documents: list[str], tokenizer) -> torch.Tensor:
 
 
 def split_held_out(
-    documents: list[str], tokenizer, eval_tokens: int, every: int = 20
+    documents: list[str], tokenizer, eval_tokens: int, every: int = 20, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(training tokens, held-out tokens). Whole documents are held out, every `every`-th one (spread over the
     corpus, so the held-out text is like the rest, not one corner of it), until they hold `eval_tokens` tokens;
-    a single document is cut instead. The held-out text never appears in training."""
+    a single document is cut instead. The held-out text never appears in training. The training documents are
+    shuffled (with `seed`), so that each stream of segments reads a mix of the corpus rather than one stretch of
+    related files in a row."""
     held_out = []
     count = 0
     for index in range(every // 2, len(documents), every):
@@ -132,8 +134,9 @@ def split_held_out(
             )
         return tokens[:-eval_tokens], tokens[-eval_tokens:]
     chosen = set(held_out)
-    training = tokenize_documents([document for index, document in enumerate(documents) if index not in chosen],
-                                  tokenizer)  # fmt: skip
+    kept = [document for index, document in enumerate(documents) if index not in chosen]
+    order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed)).tolist()
+    training = tokenize_documents([kept[index] for index in order], tokenizer)
     evaluation = tokenize_documents([documents[index] for index in held_out], tokenizer)[:eval_tokens]
     if len(evaluation) < eval_tokens or len(training) < len(evaluation):
         raise ValueError(

@@ -130,7 +130,8 @@ def language_model_loss(outputs, labels: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, tokens: torch.Tensor, length: int, rows: int, byte_lengths: torch.Tensor, device) -> dict:
     """Held-out loss as bits per byte and perplexity per token, reading `tokens` as `rows` contiguous streams in
-    segments of `length` with the memory carried, as the model reads text in generation."""
+    segments of `length` with the memory carried, as the model reads text in generation. Training evaluates one
+    stream: every stream starts with an empty memory, and the papers' models are meant to read long contexts."""
     was_training = model.training
     model.eval()
     stream_length = len(tokens) // rows
@@ -263,7 +264,7 @@ def train(arguments: argparse.Namespace) -> dict:
     output_dir = arguments.output_dir
     tokenizer = byte_level_tokenizer()
     documents = load_texts(arguments.data, arguments.text_column, arguments.max_bytes)
-    train_tokens, eval_tokens = split_held_out(documents, tokenizer, arguments.eval_tokens)
+    train_tokens, eval_tokens = split_held_out(documents, tokenizer, arguments.eval_tokens, seed=arguments.seed)
     config = build_config(arguments.preset_content, tokenizer)
     model = AutoModelForCausalLM.from_config(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=arguments.learning_rate, weight_decay=arguments.weight_decay)
@@ -286,7 +287,7 @@ def train(arguments: argparse.Namespace) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
     unwrapped = accelerator.unwrap_model(model)
     if start_step == 0:
-        before = evaluate(unwrapped, eval_tokens, arguments.length, rows, byte_lengths, accelerator.device)
+        before = evaluate(unwrapped, eval_tokens, arguments.length, 1, byte_lengths, accelerator.device)
         history["eval"].append({"step": 0, **before})
         accelerator.print(f"held-out bits per byte before training: {before['bits_per_byte']:.3f}")
 
@@ -317,14 +318,14 @@ def train(arguments: argparse.Namespace) -> dict:
         history["train"].append((step + 1, total))
         progress.set_postfix(loss=f"{total:.3f}")
         if (step + 1) % arguments.eval_every == 0 and step + 1 < arguments.steps:
-            result = evaluate(unwrapped, eval_tokens, arguments.length, rows, byte_lengths, accelerator.device)
+            result = evaluate(unwrapped, eval_tokens, arguments.length, 1, byte_lengths, accelerator.device)
             history["eval"].append({"step": step + 1, **result})
             accelerator.print(f"step {step + 1}: held-out bits per byte {result['bits_per_byte']:.3f}")
         if (step + 1) % arguments.save_every == 0 and step + 1 < arguments.steps:
             save_checkpoint(accelerator, output_dir, step + 1, memory, history, arguments.keep_checkpoints)
     seconds = time.perf_counter() - started
 
-    after = evaluate(unwrapped, eval_tokens, arguments.length, rows, byte_lengths, accelerator.device)
+    after = evaluate(unwrapped, eval_tokens, arguments.length, 1, byte_lengths, accelerator.device)
     history["eval"].append({"step": arguments.steps, **after})
     accelerator.print(f"held-out bits per byte after training: {after['bits_per_byte']:.3f}")
     # A checksum of every process's weights (DDP keeps them identical; the tests check it).
