@@ -44,6 +44,8 @@ except ImportError as error:
         "The Triton backend of memlm needs Triton: pip install triton (Linux), or choose the 'torch' backend."
     ) from error
 
+from .chunk import _compute_dtype
+
 __all__ = ["delta_rule_chunk_triton"]
 
 # Tile sizes and launch options. Exact float32 products run on CUDA cores, and a thread then holds whole rows
@@ -473,13 +475,6 @@ def _chunk_backward_kernel(
 
     if HAS_BETA:
         tl.store(grad_beta + rows, grad_beta_rows.to(grad_beta.dtype.element_ty), mask=valid)
-
-
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float32, or float64 when any input is float64 (as ``chunk.py``)."""
-    if any(tensor is not None and tensor.dtype == torch.float64 for tensor in tensors):
-        return torch.float64
-    return torch.float32
 
 
 def _contiguous(tensor: torch.Tensor | None) -> torch.Tensor | None:

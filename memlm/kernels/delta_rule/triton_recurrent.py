@@ -28,6 +28,8 @@ except ImportError as error:
 
 import torch
 
+from .chunk import _compute_dtype
+
 __all__ = ["MAX_KEY_DIM", "delta_rule_step_triton", "sum_rule_step_triton"]
 
 # Widest key supported: a program holds a whole column block of the state, d_k rows, in registers.
@@ -148,13 +150,6 @@ def _fused_recurrent_kernel(
             + columns[None, :] * final_state_strides_v
         )
         tl.store(final_state_tile, state.to(final_state_ptr.dtype.element_ty), mask=tile_mask)
-
-
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float32, or float64 when any input is float64 (as in ``chunk.py``)."""
-    if any(tensor is not None and tensor.dtype == torch.float64 for tensor in tensors):
-        return torch.float64
-    return torch.float32
 
 
 def _check_inputs(
