@@ -203,3 +203,25 @@ def test_two_processes_with_gloo_match_one_process_with_the_same_global_batch(tm
     expected, weights = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     for name in expected:
         torch.testing.assert_close(weights[name], expected[name], atol=1e-5, rtol=1e-4)
+
+
+def test_every_shipped_preset_builds_its_model():
+    """The tiny presets and the papers' configurations (built on the meta device: no memory, no time)."""
+    tokenizer = byte_level_tokenizer()
+    names = pretrain.available_presets()
+    assert {"tiny-deltanet", "tiny-expire-span", "tiny-feedback", "deltanet-small", "deltanet-medium",
+            "expire-span-enwik8-small", "feedback-enwik8"} <= set(names)  # fmt: skip
+    sizes = {}
+    for name in names:
+        preset = pretrain.load_preset(name)
+        config = pretrain.build_config(preset, tokenizer)
+        for field, value in preset["model"].items():
+            if field not in ("model_type", "preset"):
+                assert getattr(config, field) == value, (name, field)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert model.config.model_type == preset["model"]["model_type"]
+        sizes[name] = sum(parameter.numel() for parameter in model.parameters())
+    # 16 layers of width 128 with a gated MLP of 2048: 16 · (4·128² + 3·128·2048) ≈ 13.6M, plus byte embeddings.
+    assert 13e6 < sizes["deltanet-small"] < 14.5e6
+    assert sizes["tiny-deltanet"] < 1e6 < sizes["deltanet-medium"] < sizes["feedback-enwik8"]
