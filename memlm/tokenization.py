@@ -40,3 +40,31 @@ def byte_level_tokenizer(model_max_length: int = 1_000_000) -> PreTrainedTokeniz
         pad_token=PADDING,
         model_max_length=model_max_length,
     )
+
+
+def train_byte_level_bpe(texts, vocab_size: int, model_max_length: int = 1_000_000) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `texts` with 🤗 `tokenizers`: the 256 bytes first (so any text still
+    round-trips), then merges up to `vocab_size` tokens, then `<|endoftext|>` and `<|pad|>` as in
+    `byte_level_tokenizer`. Deterministic for the same texts."""
+    from tokenizers import trainers
+
+    if vocab_size < 258:
+        raise ValueError(f"vocab_size must be at least 258 (256 bytes and 2 special tokens), got {vocab_size}.")
+    byte_to_char = _bytes_to_unicode()
+    tokenizer = Tokenizer(models.BPE(fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 2,
+        initial_alphabet=[byte_to_char[byte] for byte in range(256)],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.add_special_tokens([END_OF_TEXT, PADDING])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=END_OF_TEXT,
+        eos_token=END_OF_TEXT,
+        pad_token=PADDING,
+        model_max_length=model_max_length,
+    )

@@ -232,6 +232,13 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
     parser.add_argument("--push-to-hub", default=None, metavar="REPOSITORY")
+    parser.add_argument(
+        "--tokenizer",
+        choices=["bytes", "bpe"],
+        default="bytes",
+        help="bytes: 256 byte tokens, nothing to train; bpe: a byte-level BPE trained on the text",
+    )
+    parser.add_argument("--vocab-size", type=int, default=4096, help="of the BPE tokenizer")
     for name, default in TRAINING_DEFAULTS.items():
         option = "--" + name.replace("_", "-")
         if name == "batch_mode":
@@ -253,17 +260,25 @@ def train(arguments: argparse.Namespace) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-    from ..tokenization import byte_level_tokenizer
+    from ..tokenization import byte_level_tokenizer, train_byte_level_bpe
     from .data import TokenStream, load_texts, split_held_out
 
     # The schedule counts optimizer steps, whatever the number of processes (Accelerate would step it once each).
     accelerator = Accelerator(mixed_precision=arguments.mixed_precision, step_scheduler_with_optimizer=False)
     set_seed(arguments.seed)
     output_dir = arguments.output_dir
-    tokenizer = byte_level_tokenizer()
     documents = load_texts(arguments.data, arguments.text_column, arguments.max_bytes)
+    tokenizer_folder = output_dir / "tokenizer"
+    if (tokenizer_folder / "tokenizer.json").is_file():  # a resumed run reads the text with the same tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    elif arguments.tokenizer == "bpe":
+        tokenizer = train_byte_level_bpe(documents, arguments.vocab_size)
+    else:
+        tokenizer = byte_level_tokenizer()
+    if accelerator.is_main_process and not (tokenizer_folder / "tokenizer.json").is_file():
+        tokenizer.save_pretrained(tokenizer_folder)
     train_tokens, eval_tokens = split_held_out(documents, tokenizer, arguments.eval_tokens, seed=arguments.seed)
     config = build_config(arguments.preset_content, tokenizer)
     model = AutoModelForCausalLM.from_config(config)

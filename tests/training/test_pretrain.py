@@ -225,3 +225,17 @@ def test_every_shipped_preset_builds_its_model():
     # 16 layers of width 128 with a gated MLP of 2048: 16 · (4·128² + 3·128·2048) ≈ 13.6M, plus byte embeddings.
     assert 13e6 < sizes["deltanet-small"] < 14.5e6
     assert sizes["tiny-deltanet"] < 1e6 < sizes["deltanet-medium"] < sizes["feedback-enwik8"]
+
+
+def test_a_byte_level_bpe_trained_on_the_text(tmp_path):
+    output = tmp_path / "bpe"
+    metrics = pretrain.main(["--preset", str(_preset(tmp_path, "deltanet")), "--output-dir", str(output), "--data",
+                             str(_data(tmp_path)), "--tokenizer", "bpe", "--vocab-size", "320"])  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    assert len(tokenizer) == 320 and AutoModelForCausalLM.from_pretrained(output).config.vocab_size == 320
+    ids = tokenizer("def function_12(value):")["input_ids"]
+    assert len(ids) < len("def function_12(value):")  # merges learned from the text
+    assert tokenizer.decode(ids) == "def function_12(value):"
+    lengths = pretrain.token_byte_lengths(tokenizer)
+    assert int(lengths[ids].sum()) == len(b"def function_12(value):")  # bits per byte count real bytes
+    assert metrics["eval_after"]["bits_per_byte"] < metrics["eval_before"]["bits_per_byte"]
