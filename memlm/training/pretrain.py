@@ -380,7 +380,11 @@ def write_training_card(output_dir: Path, metrics: dict, arguments):
     if not readme.is_file():
         return
     after, before = metrics["eval_after"], metrics["eval_before"]
-    data = metrics["data"] if isinstance(metrics["data"], str) else ", ".join(metrics["data"])
+    data = (
+        metrics["data"]
+        if isinstance(metrics["data"], str)
+        else ", ".join(Path(source).name for source in metrics["data"])
+    )
     lines = [
         "",
         "## Training",
@@ -400,6 +404,18 @@ def write_training_card(output_dir: Path, metrics: dict, arguments):
         lines.append(f"| before training | {before['bits_per_byte']:.3f} | {before['perplexity']:.2f} |")
     lines.append(f"| after training | {after['bits_per_byte']:.3f} | {after['perplexity']:.2f} |")
     readme.write_text(readme.read_text(encoding="utf-8").rstrip("\n") + "\n" + "\n".join(lines) + "\n")
+    # The same numbers as Hub metadata (model-index), which the Hub shows as evaluation results.
+    from huggingface_hub import EvalResult, ModelCard
+
+    card = ModelCard.load(readme)
+    card.data.model_name = card.data.model_name or output_dir.name
+    card.data.eval_results = [
+        EvalResult(task_type="text-generation", dataset_type="held-out text", dataset_name=f"held-out part of {data}",
+                   metric_type="bits_per_byte", metric_name="bits per byte", metric_value=round(after["bits_per_byte"], 4)),
+        EvalResult(task_type="text-generation", dataset_type="held-out text", dataset_name=f"held-out part of {data}",
+                   metric_type="perplexity", metric_name="perplexity per token", metric_value=round(after["perplexity"], 4)),
+    ]  # fmt: skip
+    card.save(readme)
 
 
 def main(argv=None) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,6 +55,9 @@ def test_a_run_trains_evaluates_and_saves_a_loadable_model(tmp_path, model):
     assert (output / "loss.png").stat().st_size > 1000
     card = (output / "README.md").read_text()
     assert "## Evaluation" in card and f"{metrics['eval_after']['bits_per_byte']:.3f}" in card
+    results = ModelCard.load(output / "README.md").data.eval_results  # valid model-index metadata
+    assert results[0].metric_type == "bits_per_byte"
+    assert results[0].metric_value == pytest.approx(metrics["eval_after"]["bits_per_byte"], abs=1e-4)
     assert sorted(path.name for path in (output / "checkpoints").iterdir()) == ["step-0000003"]
 
     loaded = AutoModelForCausalLM.from_pretrained(output)
