@@ -2,6 +2,7 @@
 carried memory, batches, and bad inputs."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -243,3 +244,33 @@ def test_a_byte_level_bpe_trained_on_the_text(tmp_path):
     lengths = pretrain.token_byte_lengths(tokenizer)
     assert int(lengths[ids].sum()) == len(b"def function_12(value):")  # bits per byte count real bytes
     assert metrics["eval_after"]["bits_per_byte"] < metrics["eval_before"]["bits_per_byte"]
+
+
+def test_dataset_files_and_folders_accumulation_and_bfloat16(tmp_path):
+    """--data also takes JSON lines and `save_to_disk` folders (read with 🤗 datasets); gradient accumulation and
+    bfloat16 autocast run (on CPU)."""
+    from datasets import Dataset
+
+    lines = TEXT.split("\n\n")
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"content": line}) + "\n" for line in lines))
+    folder = tmp_path / "saved"
+    Dataset.from_dict({"content": lines}).save_to_disk(str(folder))
+    documents = load_texts([str(jsonl)], text_column="content")
+    assert documents == [line for line in lines if line.strip()] == load_texts([str(folder)], text_column="content")
+    with pytest.raises(ValueError, match="has no column 'text'.*\\['content'\\]"):
+        load_texts([str(jsonl)])
+
+    preset = _preset(tmp_path, "feedback")
+    accumulated = pretrain.main(["--preset", str(preset), "--output-dir", str(tmp_path / "accumulated"), "--data",
+                                 str(folder), "--text-column", "content", "--gradient-accumulation-steps", "2",
+                                 "--steps", "3", "--batch-mode", "independent"])  # fmt: skip
+    assert accumulated["tokens_per_step"] == 2 * 16 * 2
+    # Accelerate keeps one precision per process: bfloat16 runs in its own.
+    subprocess.run([sys.executable, str(ROOT / "training" / "train.py"), "--preset", str(_preset(tmp_path, "deltanet")),
+                    "--output-dir", str(tmp_path / "bf16"), "--data", str(jsonl), "--text-column", "content", "--mixed-precision",
+                    "bf16", "--steps", "3"], check=True, capture_output=True,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})  # fmt: skip
+    mixed = json.loads((tmp_path / "bf16" / "metrics.json").read_text())
+    assert mixed["settings"]["mixed_precision"] == "bf16"
+    assert all(math.isfinite(loss) for _, loss in mixed["history"]["train"])
