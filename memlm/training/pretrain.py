@@ -318,9 +318,10 @@ def train(arguments: argparse.Namespace) -> dict:
                 memory = None
             inputs, labels = (tensor[own_rows].to(accelerator.device) for tensor in stream.batch(index))
             last = micro == arguments.gradient_accumulation_steps - 1
-            with accelerator.autocast(), accelerator.no_sync(model) if not last else contextlib.nullcontext():
-                outputs = model(input_ids=inputs, past_key_values=memory, use_cache=carry)
-                loss = language_model_loss(outputs, labels)
+            with accelerator.no_sync(model) if not last else contextlib.nullcontext():
+                with accelerator.autocast():  # the forward only: backward runs outside autocast
+                    outputs = model(input_ids=inputs, past_key_values=memory, use_cache=carry)
+                    loss = language_model_loss(outputs, labels)
                 accelerator.backward(loss / arguments.gradient_accumulation_steps)
             memory = detach_memory(outputs.past_key_values) if carry else None
             total += loss.item() / arguments.gradient_accumulation_steps

@@ -389,3 +389,27 @@ def test_packed_sequences_equal_each_sequence_alone(backend):
     assert all(tensor.grad is not None and tensor.grad.abs().sum() > 0 for tensor in (query, key, value))
     with pytest.raises(ValueError, match="batch size 1 and offsets rising from 0 to the 19 tokens"):
         delta_rule(query, key, value, beta, cu_seqlens=torch.tensor([0, 5, 18]), backend=backend)
+
+
+def test_runs_under_bfloat16_autocast_with_a_float32_state():
+    """Under autocast the kernels keep their own precision (a bfloat16 triangular solve does not exist on CPU)."""
+    tensors, _, _ = make_inputs()
+    inputs = {name: tensor.to(torch.bfloat16) if name in ("query", "key", "value") else tensor
+              for name, tensor in tensors.items()}  # fmt: skip
+    expected, expected_state = delta_rule(**inputs, output_final_state=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output, state = delta_rule(**inputs, output_final_state=True)
+        sum_output, _ = sum_rule(inputs["query"], inputs["key"], inputs["value"])
+    assert output.dtype == torch.bfloat16 and state.dtype == torch.float32
+    assert torch.equal(output, expected) and torch.equal(state, expected_state)
+    assert sum_output.dtype == torch.bfloat16
+
+
+def test_backward_called_inside_autocast_keeps_its_precision():
+    tensors, _, _ = make_inputs()
+    leaves = {name: tensor.detach().requires_grad_() for name, tensor in tensors.items()}
+    expected = torch.autograd.grad(delta_rule(**leaves)[0].sum(), list(leaves.values()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gradients = torch.autograd.grad(delta_rule(**leaves)[0].sum(), list(leaves.values()))
+    for gradient, reference in zip(gradients, expected):
+        assert gradient.dtype == reference.dtype and torch.equal(gradient, reference)

@@ -139,6 +139,11 @@ def delta_rule(
     """
     _check_inputs(query, key, value, beta, initial_state, chunk_size, cu_seqlens)
     backend = resolve_backend(backend, key.device)
+    if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
+        with torch.autocast(key.device.type, enabled=False):
+            return delta_rule(query, key, value, beta, initial_state=initial_state,
+                              output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                              backend=backend)  # fmt: skip
     if backend == "triton" and key.dtype != torch.float64:
         check_triton_device(key.device)
         if cu_seqlens is not None:
@@ -181,6 +186,10 @@ def sum_rule(
     """
     _check_inputs(query, key, value, None, initial_state, chunk_size)
     backend = resolve_backend(backend, key.device)
+    if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
+        with torch.autocast(key.device.type, enabled=False):
+            return sum_rule(query, key, value, initial_state=initial_state, output_final_state=output_final_state,
+                            chunk_size=chunk_size, backend=backend)  # fmt: skip
     if backend == "reference":
         return sum_rule_reference(query, key, value, initial_state, output_final_state)
     if backend == "triton" and key.shape[2] == 1 and not _needs_gradient(query, key, value, initial_state):

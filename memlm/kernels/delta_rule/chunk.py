@@ -164,6 +164,12 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_final_state):
+        # Own precision: a backward called inside autocast must not turn the float32 state math to half.
+        with torch.autocast(grad_output.device.type, enabled=False):
+            return DeltaRuleChunkFunction._backward(ctx, grad_output, grad_final_state)
+
+    @staticmethod
+    def _backward(ctx, grad_output, grad_final_state):
         (
             query_flat,
             key_flat,

@@ -616,6 +616,12 @@ class DeltaRuleChunkTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, grad_final_state):
+        # Own precision: a backward called inside autocast must not turn the float32 state math to half.
+        with torch.autocast(grad_output.device.type, enabled=False):
+            return DeltaRuleChunkTritonFunction._backward(ctx, grad_output, grad_final_state)
+
+    @staticmethod
+    def _backward(ctx, grad_output, grad_final_state):
         query, key, value, beta, *saved = ctx.saved_tensors
         layout = ctx.layout
         if grad_output is None:
