@@ -165,7 +165,8 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, grad_final_state):
         # Own precision: a backward called inside autocast must not turn the float32 state math to half.
-        with torch.autocast(grad_output.device.type, enabled=False):
+        device_type = next((grad.device.type for grad in (grad_output, grad_final_state) if grad is not None), "cpu")
+        with torch.autocast(device_type, enabled=False):
             return DeltaRuleChunkFunction._backward(ctx, grad_output, grad_final_state)
 
     @staticmethod
