@@ -293,7 +293,7 @@ def train(arguments: argparse.Namespace) -> dict:
     # Memory is carried from batch to batch only where batches continue the same streams.
     carry = arguments.batch_mode == "segments" and arguments.carry_memory
 
-    start_step, memory, history = 0, None, {"train": [], "eval": []}
+    start_step, memory, history = 0, None, {"train": [], "eval": [], "optimizer": []}
     checkpoints = complete_checkpoints(output_dir)
     if checkpoints:
         start_step, memory, history = load_checkpoint(accelerator, checkpoints[-1])
@@ -325,13 +325,17 @@ def train(arguments: argparse.Namespace) -> dict:
                 accelerator.backward(loss / arguments.gradient_accumulation_steps)
             memory = detach_memory(outputs.past_key_values) if carry else None
             total += loss.item() / arguments.gradient_accumulation_steps
-        accelerator.clip_grad_norm_(model.parameters(), arguments.max_grad_norm)
+        gradient_norm = accelerator.clip_grad_norm_(model.parameters(), arguments.max_grad_norm)
+        learning_rate = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # The mean over processes: the loss of the global batch, as a single process would log it.
         total = accelerator.reduce(torch.tensor(total, device=accelerator.device), reduction="mean").item()
         history["train"].append((step + 1, total))
+        history["optimizer"].append(
+            {"step": step + 1, "learning_rate": learning_rate, "gradient_norm": float(gradient_norm)}
+        )  # before clipping
         progress.set_postfix(loss=f"{total:.3f}")
         if (step + 1) % arguments.eval_every == 0 and step + 1 < arguments.steps:
             result = evaluate(unwrapped, eval_tokens, arguments.length, 1, byte_lengths, accelerator.device)

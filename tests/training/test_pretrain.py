@@ -274,3 +274,32 @@ def test_dataset_files_and_folders_accumulation_and_bfloat16(tmp_path):
     mixed = json.loads((tmp_path / "bf16" / "metrics.json").read_text())
     assert mixed["settings"]["mixed_precision"] == "bf16"
     assert all(math.isfinite(loss) for _, loss in mixed["history"]["train"])
+
+
+def test_optimizer_options_reach_the_optimizer(tmp_path):
+    """--learning-rate and --warmup-steps shape the schedule, --weight-decay reaches AdamW, --max-grad-norm clips,
+    --seed changes the initial weights."""
+    data = _data(tmp_path)
+
+    def run(name, *options):
+        return pretrain.main(["--preset", str(_preset(tmp_path, "deltanet")), "--output-dir", str(tmp_path / name),
+                              "--data", str(data), "--steps", "6", "--save-every", "3", *options])  # fmt: skip
+
+    plain = run("plain", "--learning-rate", "0.02", "--warmup-steps", "2", "--weight-decay", "0.3")
+    rates = [entry["learning_rate"] for entry in plain["history"]["optimizer"]]
+    assert rates[:3] == pytest.approx([0.0, 0.01, 0.02])  # linear warm-up over 2 steps (🤗's schedule starts at 0)
+    assert rates[2] > rates[3] > rates[4] > rates[5] > 0  # then cosine decay
+    optimizer = torch.load(tmp_path / "plain" / "checkpoints" / "step-0000003" / "optimizer.bin", weights_only=False)
+    assert {group["weight_decay"] for group in optimizer["param_groups"]} == {0.3}
+
+    norms = [entry["gradient_norm"] for entry in plain["history"]["optimizer"]]
+    clipped = run("clipped", "--learning-rate", "0.02", "--warmup-steps", "2", "--weight-decay", "0.3",
+                  "--max-grad-norm", "1e-9")  # fmt: skip
+    assert clipped["history"]["train"][0] == plain["history"]["train"][0] and min(norms) > 1e-3
+    expected, weights = (
+        load_file(tmp_path / "plain" / "model.safetensors"),
+        load_file(tmp_path / "clipped" / "model.safetensors"),
+    )
+    assert any(not torch.allclose(weights[name], expected[name], atol=1e-4) for name in expected)
+    seeded = run("seed", "--seed", "1", "--learning-rate", "0.02", "--warmup-steps", "2")
+    assert seeded["eval_before"]["bits_per_byte"] != plain["eval_before"]["bits_per_byte"]
