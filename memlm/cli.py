@@ -4,6 +4,7 @@ memlm train --preset tiny-deltanet --output-dir runs/tiny      pretrain (see mem
 memlm finetune --model runs/tiny --output-dir runs/tuned ...    fine-tune with the 🤗 Trainer
 memlm generate runs/tiny --prompt "def "                        stream text from a saved model
 memlm info runs/tiny                                            what a checkpoint is
+memlm plot-memory runs/tiny --text "..." --output memory.png     what an Expire-Span / Feedback model remembers
 """
 
 import argparse
@@ -77,9 +78,54 @@ def describe(path: str) -> list[str]:
     return lines
 
 
+def plot_memory(argv) -> None:
+    parser = argparse.ArgumentParser(
+        prog="memlm plot-memory",
+        description="Draw what a saved model remembers: an Expire-Span model's span per token and layer over a text, "
+        "or a Feedback Transformer's memory weight per layer.",
+    )
+    parser.add_argument("model", help="a folder written by save_pretrained (Expire-Span or Feedback Transformer)")
+    parser.add_argument("--output", required=True, help="the PNG to write")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument("--text", help="Expire-Span: the text whose spans are drawn")
+    text.add_argument("--text-file", help="Expire-Span: a file holding that text")
+    parser.add_argument("--width", type=int, default=64, help="Expire-Span: characters per line of the drawing")
+    arguments = parser.parse_args(argv)
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import memlm  # noqa: F401
+    from memlm.visualization import plot_expire_spans, plot_feedback_layer_weights
+
+    if not (Path(arguments.model) / "config.json").is_file():
+        raise SystemExit(
+            f"memlm plot-memory: {arguments.model!r} holds no config.json (not a save_pretrained folder)."
+        )
+    model_type = AutoConfig.from_pretrained(arguments.model).model_type
+    if model_type == "memlm_expire_span":
+        if arguments.text is None and arguments.text_file is None:
+            raise SystemExit("memlm plot-memory: an Expire-Span model needs --text or --text-file.")
+        text = arguments.text if arguments.text is not None else Path(arguments.text_file).read_text()
+        model = AutoModelForCausalLM.from_pretrained(arguments.model)
+        tokenizer = AutoTokenizer.from_pretrained(arguments.model)
+        spans = plot_expire_spans(model, tokenizer, text, arguments.output, width=arguments.width)
+        for layer, layer_spans in enumerate(spans, start=1):
+            print(f"layer {layer}: mean span {float(layer_spans.mean()):.1f} tokens, "
+                  f"longest {float(layer_spans.max()):.1f} (max_span {model.config.max_span})")  # fmt: skip
+    elif model_type == "memlm_feedback_transformer":
+        weights = plot_feedback_layer_weights(AutoModelForCausalLM.from_pretrained(arguments.model), arguments.output)
+        print("memory weights softmax(w): " + ", ".join(f"{weight:.3f}" for weight in weights.tolist()))
+    else:
+        raise SystemExit(
+            f"memlm plot-memory: {model_type!r} models have no memory picture; it draws memlm_expire_span and "
+            "memlm_feedback_transformer models."
+        )
+    print(f"wrote {arguments.output}")
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "finetune", "generate", "info")
+    commands = ("train", "finetune", "generate", "info", "plot-memory")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -96,6 +142,8 @@ def main(argv=None) -> None:
         finetune(rest)
     elif command == "generate":
         generate(rest)
+    elif command == "plot-memory":
+        plot_memory(rest)
     else:
         parser = argparse.ArgumentParser(prog="memlm info", description="Describe a saved checkpoint.")
         parser.add_argument("model")

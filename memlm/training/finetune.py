@@ -69,7 +69,7 @@ def finetune(arguments: argparse.Namespace) -> dict:
         per_device_eval_batch_size=arguments.batch_size, learning_rate=arguments.learning_rate,
         lr_scheduler_type="cosine", warmup_steps=arguments.warmup_steps, max_steps=arguments.steps,
         logging_steps=max(1, arguments.steps // 10), save_strategy="no", report_to=[], seed=arguments.seed,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, include_num_input_tokens_seen=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_arguments, train_dataset=split["train"], eval_dataset=split["test"],
                       data_collator=default_data_collator)  # fmt: skip
@@ -82,6 +82,11 @@ def finetune(arguments: argparse.Namespace) -> dict:
         "eval_loss_after": after,
         "eval_perplexity_after": math.exp(min(after, 50.0)),
         "steps": arguments.steps,
+        # what the Trainer did, as it logged it: tokens fed to the model, and the learning rate at each logged step
+        "tokens_seen": int(trainer.state.num_input_tokens_seen),
+        "learning_rates": {
+            entry["step"]: entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry
+        },
         "data": "the Python standard library source" if not arguments.data else arguments.data,
     }
     trainer.model.save_pretrained(arguments.output_dir)

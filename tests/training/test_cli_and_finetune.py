@@ -67,3 +67,57 @@ def test_bad_command_lines_give_clear_errors(tmp_path):
     assert missing.returncode != 0 and "holds no config.json" in missing.stderr
     with pytest.raises(FileNotFoundError, match="is not a folder written by save_pretrained"):
         finetune.main(["--model", str(tmp_path / "nothing"), "--output-dir", str(tmp_path / "out")])
+
+
+def test_finetune_warmup_and_batch_size_take_effect(trained, tmp_path):
+    data = tmp_path / "tune.txt"
+    data.write_text("fast weights remember; expired memories do not. " * 60)
+    common = ["--model", str(trained["deltanet"]), "--data", str(data), "--length", "16", "--steps", "10",
+              "--learning-rate", "0.01", "--eval-blocks", "2"]  # fmt: skip
+    runs = {
+        name: finetune.main([*common, "--output-dir", str(tmp_path / name), *options])
+        for name, options in {
+            "plain": ["--batch-size", "2", "--warmup-steps", "0"],
+            "warm": ["--batch-size", "2", "--warmup-steps", "8"],
+            "wide": ["--batch-size", "4", "--warmup-steps", "0"],
+        }.items()
+    }
+    # every step feeds batch × length tokens
+    assert runs["plain"]["tokens_seen"] == 10 * 2 * 16 and runs["wide"]["tokens_seen"] == 10 * 4 * 16
+    # warm-up: the learning rate is still climbing at step 1, where the cosine schedule without warm-up is near 0.01
+    assert runs["warm"]["learning_rates"][1] < 0.3 * runs["plain"]["learning_rates"][1]
+    assert runs["plain"]["learning_rates"][1] > 0.009
+
+
+def test_generate_sampling_options_take_effect(trained, capsys):
+    from memlm.cli import generate
+
+    def sample(*options) -> str:
+        generate([str(trained["expire_span"]), "--prompt", "def ", "--max-new-tokens", "24", *options])
+        return capsys.readouterr().out
+
+    greedy = sample("--greedy")
+    assert sample("--seed", "3", "--temperature", "2.0") == sample("--seed", "3", "--temperature", "2.0")
+    assert sample("--seed", "3", "--temperature", "2.0") != sample("--seed", "4", "--temperature", "2.0")
+    # top-k 1 and a near-zero temperature both leave only the most likely token: sampling becomes greedy
+    assert sample("--seed", "5", "--top-k", "1", "--temperature", "2.0") == greedy
+    assert sample("--seed", "5", "--top-k", "258", "--temperature", "0.01") == greedy
+    assert sample("--seed", "5", "--top-k", "258", "--temperature", "2.0") != greedy
+
+
+def test_plot_memory_draws_spans_and_layer_weights(trained, tmp_path):
+    spans = _memlm("plot-memory", str(trained["expire_span"]), "--text", "def f(x):\n    return x", "--output",
+                   str(tmp_path / "spans.png"))  # fmt: skip
+    assert "layer 1: mean span" in spans.stdout and (tmp_path / "spans.png").stat().st_size > 1000
+    weights = _memlm("plot-memory", str(trained["feedback"]), "--output", str(tmp_path / "weights.png"))
+    values = [float(value) for value in weights.stdout.split("softmax(w): ")[1].splitlines()[0].split(", ")]
+    assert len(values) == SIZES["num_hidden_layers"] + 1 and abs(sum(values) - 1) < 1e-2
+    assert (tmp_path / "weights.png").stat().st_size > 1000
+    for arguments, message in [
+        ((str(trained["deltanet"]), "--output", str(tmp_path / "x.png")), "have no memory picture"),
+        ((str(trained["expire_span"]), "--output", str(tmp_path / "x.png")), "needs --text or --text-file"),
+    ]:
+        result = subprocess.run([sys.executable, "-m", "memlm.cli", "plot-memory", *arguments], env=ENVIRONMENT,
+                                capture_output=True, text=True)  # fmt: skip
+        assert result.returncode != 0 and message in result.stderr
+    assert not (tmp_path / "x.png").exists()
