@@ -13,6 +13,7 @@ import ast
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 PACKAGE = "memlm"
@@ -152,9 +153,11 @@ class RemoteCodeMixin:
         create_pr: bool = False,
         max_shard_size: int | str | None = "50GB",
         tags: list[str] | None = None,
+        edit_card: Callable[[Path], None] | None = None,
     ):
         """Upload the weights, the config, the flat code bundle and the memlm model card (🤗's default push would
-        replace the card with a generic one)."""
+        replace the card with a generic one). `edit_card(folder)`, when given, is called once the card is written in
+        the folder being uploaded, to add to it (training/pretrain.py adds the training run and its evaluation)."""
         import tempfile
 
         from huggingface_hub import HfApi
@@ -164,6 +167,8 @@ class RemoteCodeMixin:
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, max_shard_size=max_shard_size)
             self.write_model_card(Path(folder), model_id=repo_id)
+            if edit_card is not None:
+                edit_card(Path(folder))
             if tags:
                 from .hub_card import add_tags
 

@@ -203,13 +203,37 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None):
+    def prune(self, memory: ExpireSpanMemory, first_positions: torch.Tensor, delete_expired: bool):
+        """The memory without empty slots and, with `delete_expired`, without the memories that are dead for each
+        row's first query of the coming block. Part of the layer (not the model) so that it runs inside the layer's
+        forward, where FSDP has gathered the span predictor's weights."""
+        keep = memory.valid
+        if delete_expired:
+            config = self.attention.config
+            if config.expire_memories:
+                spans = memory.spans
+                if memory.span_inputs is not None:
+                    with torch.no_grad():
+                        spans = self.attention.predict_spans(memory.span_inputs)
+                # m_ti = 0 ⇔ e_i − (t − i) <= −R ⇔ i + e_i + R <= t (paper Eq. 6); m only falls as t grows.
+                dead = memory.positions + spans + config.ramp <= first_positions[:, None]
+            else:
+                dead = first_positions[:, None] - memory.positions > config.max_span
+            keep = keep & ~dead
+        return memory.select(keep)
+
+    def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
+                first_positions=None, delete_expired=True):  # fmt: skip
+        """Returns the new hidden states, this block's memories, their spans, the span-loss sum, the number of
+        memories read, and the earlier memories after pruning (`first_positions`: each row's first query)."""
+        if memory is not None:
+            memory = self.prune(memory, first_positions, delete_expired)
         mixed, block, spans, span_loss_sum, read = self.attention(
             self.input_layernorm(hidden_states), positions, token_valid, cos, sin, memory, max_distance
         )
         hidden_states = hidden_states + self.dropout(mixed)
         hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
-        return hidden_states, block, spans, span_loss_sum, read
+        return hidden_states, block, spans, span_loss_sum, read, memory
 
 
 class ExpireSpanCacheLayer(MemoryCacheLayer):
@@ -288,22 +312,6 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def _prune(self, layer: ExpireSpanDecoderLayer, memory: ExpireSpanMemory, first_positions: torch.Tensor):
-        """Delete memories that are dead for each row's first query of the coming block (and empty slots)."""
-        keep = memory.valid
-        if self.prune_expired_memories:
-            if self.config.expire_memories:
-                spans = memory.spans
-                if memory.span_inputs is not None:
-                    with torch.no_grad():
-                        spans = layer.attention.predict_spans(memory.span_inputs)
-                # m_ti = 0 ⇔ e_i − (t − i) <= −R ⇔ i + e_i + R <= t (paper Eq. 6); m only falls as t grows.
-                dead = memory.positions + spans + self.config.ramp <= first_positions[:, None]
-            else:
-                dead = first_positions[:, None] - memory.positions > self.config.max_span
-            keep = keep & ~dead
-        return memory.select(keep)
 
     def forward(
         self,
@@ -387,12 +395,11 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             first_positions = first_positions.masked_fill(~block_valid.any(1), -1)
             block_hidden_states = [hidden_states]
             for index, decoder_layer in enumerate(self.layers):
-                memory = memories[index]
-                if memory is not None:
-                    memory = self._prune(decoder_layer, memory, first_positions)
-                hidden_states, new, spans, layer_span_loss, layer_read = decoder_layer(
-                    hidden_states, block_positions, block_valid, cos, sin, memory=memory, max_distance=max_distance
-                )
+                hidden_states, new, spans, layer_span_loss, layer_read, memory = decoder_layer(
+                    hidden_states, block_positions, block_valid, cos, sin, memory=memories[index],
+                    max_distance=max_distance, first_positions=first_positions,
+                    delete_expired=self.prune_expired_memories,
+                )  # fmt: skip
                 span_loss_sum = span_loss_sum + layer_span_loss
                 read_count = read_count + layer_read
                 # Memories of earlier blocks carry no gradient to the hidden states that made them.

@@ -662,7 +662,9 @@ class FeedbackTransformerPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     base_model_prefix = "model"
     # Checkpointing recomputes each step's MLP block (its activations are the largest) in the backward.
     supports_gradient_checkpointing = True
-    _no_split_modules = ["FeedbackDecoderLayer"]
+    # Every time step runs every layer (the memory feeds back from the top), reading their weights directly rather
+    # than through each layer's forward: the whole stack is one unit for FSDP wrapping and device maps.
+    _no_split_modules = ["FeedbackTransformerModel"]
     _skip_keys_device_placement = ["past_key_values"]
     _can_compile_fullgraph = False
     # The ring buffer overwrites its oldest memories, so assisted decoding (which rolls back) is refused.

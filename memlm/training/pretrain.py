@@ -373,14 +373,19 @@ def train(arguments: argparse.Namespace) -> dict:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         save_loss_curve(history, output_dir / "loss.png")
         if arguments.push_to_hub:
-            unwrapped.push_to_hub(arguments.push_to_hub)
+            # The card pushed is rendered for the repository: it needs the training and evaluation sections too.
+            name = arguments.push_to_hub.split("/")[-1]
+            unwrapped.push_to_hub(
+                arguments.push_to_hub, edit_card=lambda folder: write_training_card(folder, metrics, arguments, name)
+            )
             tokenizer.push_to_hub(arguments.push_to_hub)
     accelerator.wait_for_everyone()
     return metrics
 
 
-def write_training_card(output_dir: Path, metrics: dict, arguments):
-    """Add how the model was trained and what it scored to the model card `save_pretrained` wrote."""
+def write_training_card(output_dir: Path, metrics: dict, arguments, model_name: str | None = None):
+    """Add how the model was trained and what it scored to the model card `save_pretrained` wrote; `model_name`
+    (by default the folder's name) names the model in the model-index metadata."""
     readme = output_dir / "README.md"
     if not readme.is_file():
         return
@@ -413,7 +418,7 @@ def write_training_card(output_dir: Path, metrics: dict, arguments):
     from huggingface_hub import EvalResult, ModelCard
 
     card = ModelCard.load(readme)
-    card.data.model_name = card.data.model_name or output_dir.name
+    card.data.model_name = card.data.model_name or model_name or output_dir.name
     card.data.eval_results = [
         EvalResult(task_type="text-generation", dataset_type="held-out text", dataset_name=f"held-out part of {data}",
                    metric_type="bits_per_byte", metric_name="bits per byte", metric_value=round(after["bits_per_byte"], 4)),

@@ -1,0 +1,34 @@
+"""Run by test_fsdp.py under `torchrun --nproc_per_node 2` (gloo, CPU): each memlm model is sharded with FSDP2 the
+way Accelerate's TRANSFORMER_BASED_WRAP does it (every module whose class is in `_no_split_modules`, then the
+root), each rank takes half of a batch, and the gathered gradients are written out for the test to compare with
+one process on the whole batch."""
+
+import sys
+
+import torch
+import torch.distributed as distributed
+from torch.distributed.fsdp import fully_shard
+
+from tests.training.test_fsdp import build_models, fixed_batch
+
+
+def main(output: str) -> None:
+    distributed.init_process_group("gloo")
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    gradients = {}
+    for name, model in build_models().items():
+        for module in model.modules():
+            if type(module).__name__ in model._no_split_modules:
+                fully_shard(module)
+        fully_shard(model)
+        input_ids = fixed_batch().chunk(world)[rank]
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        gradients[name] = {key: parameter.grad.full_tensor() for key, parameter in model.named_parameters()}
+    if rank == 0:
+        torch.save(gradients, output)
+    distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
