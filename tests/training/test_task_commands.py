@@ -1,0 +1,71 @@
+"""The task registry and the two task commands (training/tasks/make_dataset.py and train_task.py), run as a user
+would: real subprocesses, real save_to_disk folders, a saved model loaded back with the Auto classes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from memlm.training.tasks import TASKS, task
+from memlm.training.tasks.commands import build_model, make_dataset, train_task
+from memlm.training.tasks.common import evaluate_accuracy, solver_accuracy
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVIRONMENT = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_every_task_builds_a_solvable_dataset_with_its_tokenizer(name):
+    chosen = task(name)
+    options = chosen.options()
+    dataset = chosen.dataset(8, **options)
+    assert {"input_ids", "labels"} <= set(dataset.column_names) and len(dataset) >= 8
+    assert solver_accuracy(dataset, chosen.solver_for(**options)) == 1.0
+    tokenizer = chosen.tokenizer_for(**options)
+    largest = max(max(row) for row in list(dataset["input_ids"]) + list(dataset["labels"]))
+    assert largest < len(tokenizer)
+    text = tokenizer.decode(dataset[0]["input_ids"])
+    assert tokenizer(text).input_ids == dataset[0]["input_ids"]
+
+
+def test_unknown_task_and_option_are_named():
+    with pytest.raises(ValueError, match="Unknown task 'copy'; the tasks are: associative-retrieval"):
+        task("copy")
+    with pytest.raises(ValueError, match="max_length=200"):
+        make_dataset(["corridor", "--output-dir", "unused", "--option", "longest=3"])
+
+
+def test_make_dataset_then_train_task_then_load(tmp_path):
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(ROOT / "training" / "tasks" / "make_dataset.py"), "associative-retrieval",
+                    "--output-dir", str(data), "--train", "64", "--validation", "16", "--test", "16", "--option",
+                    "setting=2", "--option", "num_keys=4", "--option", "num_pairs=6"], env=ENVIRONMENT, check=True,
+                   capture_output=True)  # fmt: skip
+    described = json.loads((data / "task.json").read_text())
+    assert described["options"] == {"setting": 2, "num_keys": 4, "num_pairs": 6}
+    splits = load_from_disk(str(data))
+    assert [len(splits[split]) for split in ("train", "validation", "test")] == [64, 16, 16]
+    assert list(splits["train"]["input_ids"])[:16] != list(splits["validation"]["input_ids"])
+    metrics = train_task(["--data", str(data), "--model", "deltanet", "--output-dir", str(tmp_path / "run"),
+                          "--steps", "3", "--batch-size", "8", "--config", '{"short_convolution": true}'])  # fmt: skip
+    assert metrics["config"] == {"short_convolution": True} and len(metrics["losses"]) == 3
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run")
+    assert model.config.short_convolution and model.config.vocab_size == len(
+        AutoTokenizer.from_pretrained(data / "tokenizer")
+    )
+    assert evaluate_accuracy(model, splits["validation"]) == metrics["validation_after"]
+    with pytest.raises(ValueError, match="--config must be a JSON object"):
+        train_task(["--data", str(data), "--model", "llama", "--output-dir", str(tmp_path / "x"), "--config", "[1]"])
+    with pytest.raises(FileNotFoundError, match="holds no task.json"):
+        train_task(["--data", str(tmp_path), "--model", "llama", "--output-dir", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize("kind", ["deltanet", "expire-span", "feedback", "llama"])
+def test_build_model_applies_the_overrides(kind):
+    model = build_model(kind, vocab_size=12, overrides={"hidden_size": 32, "num_attention_heads": 2})
+    assert model.config.vocab_size == 12 and model.config.hidden_size == 32 and model.config.pad_token_id == 0
