@@ -1,0 +1,223 @@
+"""DeltaNet at small scale: the two associative-retrieval comparisons of Schlag, Irie & Schmidhuber (2021, Sec. 6.1).
+
+1. Update rules (Fig. 3, setting 2): S = 20 keys and values drawn with replacement into L = 40 pairs, so keys are
+   re-bound and the answer is the most recent value. The paper's claim: with the same DPFP-1 features and sum
+   normalisation, the delta rule ("ours") learns the task while the sum rule (linear attention) does not, since it
+   can only add associations, never replace one. Two models trained from the same seed on the same data, evaluated
+   every `--eval-every` steps (learning curves) on 20 held-out sequences with every possible query (the paper's
+   evaluation).
+2. Capacity (Fig. 2, setting 1): S keys and S values without replacement, L = S. The paper's claim: a sum-rule
+   memory whose feature map has dimension d_φ retrieves without error only while S ≤ d_φ: `elu+1` (linear attention,
+   d_φ = d_key) fails first, then DPFP-1 (d_φ = 2 d_key), then DPFP-2 (d_φ = 4 d_key). All three use the sum rule,
+   as the paper's Fig. 2 (the capacity argument of Sec. 4.1 is about the sum rule; in setting 1 no key is re-bound,
+   so the delta rule's overwrite is not what is measured), with sum-normalised features. The key head width is small
+   (`--capacity-key-dim`, default 4, so d_φ = 4 / 8 / 16) so that the capacities fall inside a sweep of S that
+   trains in minutes. For each model and S the best evaluation loss is reported (as the paper's Fig. 2). One
+   difference: the paper regresses fixed one-hot values (exact retrieval needs orthogonal keys, a hard limit of
+   d_φ), while here a learned output layer and a softmax read the retrieved vector, which only needs the right value
+   to score highest, so the limit is soft and, at this budget, optimisation failures also show up as high loss.
+
+Models: the paper preset (`DeltaNetConfig.from_preset("paper")`: DPFP features, sum normalisation, learned β) with
+1 layer and 1 head (so the feature dimension is the memory's capacity), hidden size 64, values of width 64, tied
+input/output embeddings, and a short causal convolution of width 2: in this language-model formulation a key and its
+value are consecutive tokens, and the convolution lets the value token's key projection read the key token, so one
+write binds the pair (see `memlm.training.tasks.associative_retrieval`). AdamW, linear warm-up then cosine decay.
+
+    python benchmarks/paper_deltanet.py [--smoke] [--threads 2] [--json results.json] [--plot PATH]
+
+writes `benchmarks/paper_deltanet.png` (left: learning curves of the two update rules; right: best evaluation loss
+against S for each feature map) unless `--plot` says otherwise.
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+from memlm import DeltaNetConfig, DeltaNetForCausalLM
+from memlm.training.tasks.associative_retrieval import associative_retrieval_dataset
+from memlm.training.tasks.common import evaluate_accuracy, train_on_task
+
+DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_deltanet.png")
+# The feature maps of the capacity sweep: (name, feature_map, dpfp_nu); d_φ = d_key, 2 d_key, 4 d_key.
+CAPACITY_FEATURE_MAPS = (("elu+1", "elu+1", 1), ("DPFP-1", "dpfp", 1), ("DPFP-2", "dpfp", 2))
+UPDATE_RULES = (("delta rule (ours)", "delta"), ("sum rule", "sum"))
+
+
+def build_model(args, num_keys: int, key_dim: int, feature_map: str, dpfp_nu: int, update_rule: str):
+    torch.manual_seed(args.seed)
+    config = DeltaNetConfig.from_preset(
+        "paper", vocab_size=2 * num_keys + 1, pad_token_id=0, hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size, num_hidden_layers=1, num_attention_heads=1, key_head_dim=key_dim,
+        value_head_dim=args.hidden_size, feature_map=feature_map, dpfp_nu=dpfp_nu, update_rule=update_rule,
+        short_convolution=True, convolution_size=2, tie_word_embeddings=True,
+        initializer_range=args.initializer_range,
+    )  # fmt: skip
+    return DeltaNetForCausalLM(config)
+
+
+def train_and_evaluate(model, train, test, args) -> dict:
+    """Trains `model`, evaluating on `test` every `--eval-every` steps and at the end; returns the curve, the final
+    result and the best (lowest-loss) evaluation."""
+    curve = []
+
+    def evaluate(step: int, _loss: float):
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            curve.append({"step": step + 1, **evaluate_accuracy(model, test)})
+
+    started = time.perf_counter()
+    train_on_task(model, train, args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                  warmup_steps=args.steps // 20, seed=args.seed, callback=evaluate)  # fmt: skip
+    best = min(curve, key=lambda point: point["loss"])
+    return {"curve": curve, "final": curve[-1], "best": best, "seconds": time.perf_counter() - started}
+
+
+def update_rule_comparison(args) -> list[dict]:
+    """Fig. 3: delta rule against sum rule on setting 2, DPFP-1 features, d_φ = 2 d_key ≥ S."""
+    train = associative_retrieval_dataset(args.train_sequences, setting=2, num_keys=args.rules_keys,
+                                          num_pairs=args.rules_pairs, seed=args.seed)  # fmt: skip
+    test = associative_retrieval_dataset(args.test_sequences, setting=2, num_keys=args.rules_keys,
+                                         num_pairs=args.rules_pairs, seed=args.seed + 1, all_queries=True)  # fmt: skip
+    rows = []
+    for label, rule in UPDATE_RULES:
+        model = build_model(args, args.rules_keys, args.rules_key_dim, "dpfp", 1, rule)
+        result = train_and_evaluate(model, train, test, args)
+        rows.append({"model": label, "update_rule": rule, "feature_dim": model.config.feature_dim, **result})
+        final = result["final"]
+        print(f"  {label:18} loss {final['loss']:.3f}  accuracy {final['accuracy']:.1%}  "
+              f"({result['seconds']:.0f} s)", flush=True)  # fmt: skip
+    return rows
+
+
+def capacity_sweep(args) -> list[dict]:
+    """Fig. 2: best evaluation loss of sum-rule memories against the number S of associations (setting 1)."""
+    rows = []
+    for num_keys in args.capacity_keys:
+        train = associative_retrieval_dataset(args.train_sequences, setting=1, num_keys=num_keys, seed=args.seed)
+        test = associative_retrieval_dataset(args.test_sequences, setting=1, num_keys=num_keys, seed=args.seed + 1,
+                                             all_queries=True)  # fmt: skip
+        for label, feature_map, nu in CAPACITY_FEATURE_MAPS:
+            model = build_model(args, num_keys, args.capacity_key_dim, feature_map, nu, "sum")
+            result = train_and_evaluate(model, train, test, args)
+            rows.append({"model": label, "num_keys": num_keys, "feature_dim": model.config.feature_dim, **result})
+            best = result["best"]
+            print(f"  S={num_keys:<3} {label:7} (d_φ={model.config.feature_dim:>2}) best loss {best['loss']:.3f}  "
+                  f"accuracy {best['accuracy']:.1%}  ({result['seconds']:.0f} s)", flush=True)  # fmt: skip
+    return rows
+
+
+def print_tables(rules: list[dict], capacity: list[dict], args) -> None:
+    if rules:
+        print(f"\nUpdate rules, setting 2 (S={args.rules_keys}, L={args.rules_pairs}, DPFP-1, "
+              f"d_φ={rules[0]['feature_dim']}), after {args.steps} steps:")  # fmt: skip
+        steps = [point["step"] for point in rules[0]["curve"]]
+        print(f"{'eval loss at step':22}" + "".join(f"{step:>8}" for step in steps))
+        for row in rules:
+            print(f"{row['model']:22}" + "".join(f"{point['loss']:8.3f}" for point in row["curve"]))
+        print(f"\n{'model':22}{'final loss':>12}{'accuracy':>10}{'best loss':>11}")
+        for row in rules:
+            print(f"{row['model']:22}{row['final']['loss']:12.3f}{row['final']['accuracy']:10.1%}"
+                  f"{row['best']['loss']:11.3f}")  # fmt: skip
+    if capacity:
+        labels = [label for label, _, _ in CAPACITY_FEATURE_MAPS]
+        dims = {row["model"]: row["feature_dim"] for row in capacity}
+        print(f"\nCapacity, setting 1 (sum rule, d_key={args.capacity_key_dim}): best eval loss / accuracy "
+              f"after {args.steps} steps")  # fmt: skip
+        print(f"{'S':>4}" + "".join(f"{f'{label} (d_φ={dims[label]})':>22}" for label in labels))
+        for num_keys in args.capacity_keys:
+            cells = {row["model"]: row["best"] for row in capacity if row["num_keys"] == num_keys}
+            print(f"{num_keys:>4}" + "".join(f"{cells[label]['loss']:>13.3f} / {cells[label]['accuracy']:>5.1%}"
+                                             for label in labels))  # fmt: skip
+
+
+def plot(rules: list[dict], capacity: list[dict], args, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for row in rules:
+        steps = [point["step"] for point in row["curve"]]
+        left.plot(steps, [point["loss"] for point in row["curve"]], "o-", markersize=3, label=row["model"])
+    left.set_title(f"Update rules (setting 2: S={args.rules_keys}, L={args.rules_pairs}, DPFP-1)")
+    left.set_xlabel("training step")
+    left.set_ylabel("evaluation loss")
+    left.legend()
+    for (label, _, _), color in zip(CAPACITY_FEATURE_MAPS, ("C0", "C1", "C2")):
+        rows = [row for row in capacity if row["model"] == label]
+        if not rows:
+            continue
+        right.plot([row["num_keys"] for row in rows], [row["best"]["loss"] for row in rows], "o-", color=color,
+                   label=f"{label} (d_φ={rows[0]['feature_dim']})")  # fmt: skip
+        right.axvline(rows[0]["feature_dim"], color=color, linestyle=":", linewidth=1)
+    right.set_title(f"Capacity (setting 1, sum rule, d_key={args.capacity_key_dim}); dotted: d_φ")
+    right.set_xlabel("number of unique keys S (= sequence length L)")
+    right.set_ylabel("best evaluation loss")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny budget (a few seconds), for CI")
+    parser.add_argument("--comparisons", nargs="+", choices=("rules", "capacity"), default=["rules", "capacity"])
+    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default 800, smoke 4)")
+    parser.add_argument("--eval-every", type=int, default=None, help="default 50, smoke 2")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--initializer-range", type=float, default=0.1)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--train-sequences", type=int, default=None, help="default 20000, smoke 64")
+    parser.add_argument("--test-sequences", type=int, default=20, help="each with every possible query (paper)")
+    parser.add_argument("--rules-keys", type=int, default=None, help="S of setting 2 (default 20, smoke 4)")
+    parser.add_argument("--rules-pairs", type=int, default=None, help="L of setting 2 (default 40, smoke 8)")
+    parser.add_argument("--rules-key-dim", type=int, default=16, help="d_key of the update-rule models")
+    parser.add_argument("--capacity-keys", type=int, nargs="+", default=None,
+                        help="the values of S of setting 1 (default 4 8 16 24, smoke 4 8)")  # fmt: skip
+    parser.add_argument("--capacity-key-dim", type=int, default=4, help="d_key of the capacity models")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=DEFAULT_PLOT)
+    args = parser.parse_args(argv)
+    defaults = {"steps": (800, 4), "eval_every": (50, 2), "train_sequences": (20000, 64), "rules_keys": (20, 4),
+                "rules_pairs": (40, 8), "capacity_keys": ([4, 8, 16, 24], [4, 8])}  # fmt: skip
+    for option, (full, smoke) in defaults.items():
+        if getattr(args, option) is None:
+            setattr(args, option, smoke if args.smoke else full)
+    for option in ("steps", "eval_every", "batch_size", "hidden_size", "train_sequences", "test_sequences",
+                   "rules_keys", "rules_pairs", "rules_key_dim", "capacity_key_dim", "threads"):  # fmt: skip
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be a positive integer, got {getattr(args, option)}")
+    if any(num_keys < 1 for num_keys in args.capacity_keys):
+        parser.error(f"--capacity-keys must be positive integers, got {args.capacity_keys}")
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}", flush=True)
+
+    started = time.perf_counter()
+    rules, capacity = [], []
+    if "rules" in args.comparisons:
+        print("Update rules (Fig. 3):", flush=True)
+        rules = update_rule_comparison(args)
+    if "capacity" in args.comparisons:
+        print("Capacity (Fig. 2):", flush=True)
+        capacity = capacity_sweep(args)
+    print_tables(rules, capacity, args)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    if args.plot:
+        plot(rules, capacity, args, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"settings": vars(args), "update_rules": rules, "capacity": capacity}, file, indent=2)
+    return {"update_rules": rules, "capacity": capacity}
+
+
+if __name__ == "__main__":
+    main()
