@@ -26,14 +26,14 @@ single layer cannot see the key when the value arrives, so a second layer would 
 value token: more to learn, and not the memory being measured (we did not try that variant).
 """
 
-from .common import IGNORE, examples_to_dataset, make_generator, task_tokenizer
+from .common import IGNORE, check_integer, examples_to_dataset, make_generator, task_tokenizer
 
 SETTINGS = (1, 2)
 
 
 def associative_retrieval_symbols(num_keys: int) -> list[str]:
     """The task's symbols in vocabulary order: keys `k0 … k{S-1}` then values `v0 … v{S-1}` (ids 1 … 2S)."""
-    _check_positive("num_keys", num_keys)
+    check_integer("num_keys", num_keys)
     return [f"k{index}" for index in range(num_keys)] + [f"v{index}" for index in range(num_keys)]
 
 
@@ -63,8 +63,8 @@ def associative_retrieval_dataset(
         all_queries: evaluation mode: one example per distinct key of each sequence (in order of first
             appearance) instead of one random query per sequence.
     """
-    _check_positive("num_sequences", num_sequences)
-    _check_positive("num_keys", num_keys)
+    check_integer("num_sequences", num_sequences)
+    check_integer("num_keys", num_keys)
     if setting not in SETTINGS or isinstance(setting, bool):
         raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}.")
     if setting == 1:
@@ -76,7 +76,7 @@ def associative_retrieval_dataset(
         num_pairs = num_keys
     elif num_pairs is None:
         num_pairs = 2 * num_keys
-    _check_positive("num_pairs", num_pairs)
+    check_integer("num_pairs", num_pairs)
     if not isinstance(all_queries, bool):
         raise ValueError(f"all_queries must be True or False, got {all_queries!r}.")
 
@@ -110,11 +110,6 @@ def solve_associative_retrieval(input_ids: list[int]) -> list[int]:
     *pairs, query, _answer = input_ids
     binding = dict(zip(pairs[0::2], pairs[1::2]))
     return [IGNORE] * (len(input_ids) - 1) + [binding.get(query, IGNORE)]
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 __all__ = [

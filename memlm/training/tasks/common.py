@@ -40,6 +40,13 @@ def task_tokenizer(symbols: Iterable[str]) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PADDING, padding_side="left")
 
 
+def check_integer(name: str, value, minimum: int = 1) -> None:
+    """Raises `ValueError` naming the option unless `value` is an int (not a bool) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {wanted}, got {value!r}.")
+
+
 def examples_to_dataset(examples: list[dict]):
     """A 🤗 `datasets.Dataset` from a list of example dicts (all with the same keys)."""
     from datasets import Dataset

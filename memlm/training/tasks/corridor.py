@@ -17,14 +17,14 @@ so the logits at `<door>` are scored against the colour; nothing else is scored.
 appears equally often (±1).
 """
 
-from .common import IGNORE, examples_to_dataset, make_generator, task_tokenizer
+from .common import IGNORE, check_integer, examples_to_dataset, make_generator, task_tokenizer
 
 
 def corridor_symbols(num_colours: int = 2, num_distractors: int = 8) -> list[str]:
     """The task's symbols in vocabulary order: colours `colour0 …` (ids 1 … C), distractors `cell0 …` (ids C+1 …
     C+S), then `<door>` (id C+S+1)."""
-    _check_positive("num_colours", num_colours)
-    _check_positive("num_distractors", num_distractors)
+    check_integer("num_colours", num_colours)
+    check_integer("num_distractors", num_distractors)
     colours = [f"colour{index}" for index in range(num_colours)]
     return colours + [f"cell{index}" for index in range(num_distractors)] + ["<door>"]
 
@@ -53,10 +53,10 @@ def corridor_dataset(
             uniformly in [min_length, max_length] (the paper: U(3, 200)). The answer reaches back length + 1 tokens.
         seed: seed of the `random.Random` that draws everything; the same seed gives the same dataset.
     """
-    _check_positive("num_examples", num_examples)
+    check_integer("num_examples", num_examples)
     symbols = corridor_symbols(num_colours, num_distractors)
-    _check_positive("min_length", min_length)
-    _check_positive("max_length", max_length)
+    check_integer("min_length", min_length)
+    check_integer("max_length", max_length)
     if max_length < min_length:
         raise ValueError(f"max_length must be >= min_length ({min_length}), got {max_length}.")
     door = len(symbols)  # the last symbol; symbol i has id i + 1
@@ -81,11 +81,6 @@ def solve_corridor(input_ids: list[int]) -> list[int]:
     if len(input_ids) < 4:
         raise ValueError(f"input_ids must hold a colour, a corridor, the door and the answer, got {input_ids}.")
     return [IGNORE] * (len(input_ids) - 1) + [input_ids[0]]
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 __all__ = ["corridor_dataset", "corridor_symbols", "corridor_tokenizer", "solve_corridor"]

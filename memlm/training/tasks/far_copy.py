@@ -16,7 +16,7 @@ so the logits at the query are scored against the first answer `A`, and those at
 `<end>`: n + 1 scored tokens. The counts n are balanced: each of 1 … max_count appears equally often (±1).
 """
 
-from .common import IGNORE, examples_to_dataset, make_generator, task_tokenizer
+from .common import IGNORE, check_integer, examples_to_dataset, make_generator, task_tokenizer
 
 SYMBOLS = ("A", "B", "<query>", "<end>")
 A, B, QUERY, END = range(1, len(SYMBOLS) + 1)  # ids: symbol i → i + 1, `<pad>` is 0
@@ -48,10 +48,10 @@ def far_copy_dataset(
             [min_gap, max_gap]. The distance the answer must reach back is gap + 1 … gap + 2n.
         seed: seed of the `random.Random` that draws everything; the same seed gives the same dataset.
     """
-    _check_positive("num_examples", num_examples)
-    _check_positive("max_count", max_count)
-    _check_positive("min_gap", min_gap)
-    _check_positive("max_gap", max_gap)
+    check_integer("num_examples", num_examples)
+    check_integer("max_count", max_count)
+    check_integer("min_gap", min_gap)
+    check_integer("max_gap", max_gap)
     if max_gap < min_gap:
         raise ValueError(f"max_gap must be >= min_gap ({min_gap}), got {max_gap}.")
     generator = make_generator(seed)
@@ -82,11 +82,6 @@ def solve_far_copy(input_ids: list[int]) -> list[int]:
         written = position - query - 1  # answer tokens before this position
         predictions[position] = A if written < count else END
     return predictions
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 __all__ = ["far_copy_dataset", "far_copy_symbols", "far_copy_tokenizer", "solve_far_copy"]
