@@ -101,13 +101,13 @@ def plot_feedback_layer_weights(model, path: str | Path) -> torch.Tensor:
     base = getattr(model, "model", model)
     weights = torch.softmax(base.layer_weights.detach().float(), dim=0)
     names = ["embedding"] + [f"layer {index}" for index in range(1, len(weights))]
-    figure, axis = plt.subplots(figsize=(1.2 * len(names) + 2, 3))
+    figure, axis = plt.subplots(figsize=(max(6.0, 1.2 * len(names) + 2), 3.2))
     axis.bar(names, weights.numpy(), color="tab:blue")
     for position, weight in enumerate(weights.tolist()):
         axis.text(position, weight, f"{weight:.2f}", ha="center", va="bottom")
     axis.set_ylim(0, max(1.0, float(weights.max()) * 1.15))
     axis.set_ylabel("softmax(w)_l")
-    axis.set_title("Feedback memory: weight of each layer's output in m_t = Σ_l softmax(w)_l x_t^l (Eq. 1)")
+    axis.set_title("Feedback memory: the weight of each layer's output\nin m_t = Σ_l softmax(w)_l x_t^l (Eq. 1)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
