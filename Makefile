@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: main test benchmark clean
+.PHONY: main test benchmark papers clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ benchmark: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/delta_rule.py
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/expire_span.py
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/feedback.py
+
+papers: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/paper_deltanet.py
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/paper_expire_span.py
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/paper_feedback.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
