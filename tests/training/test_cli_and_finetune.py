@@ -109,6 +109,17 @@ def test_plot_memory_draws_spans_and_layer_weights(trained, tmp_path):
     spans = _memlm("plot-memory", str(trained["expire_span"]), "--text", "def f(x):\n    return x", "--output",
                    str(tmp_path / "spans.png"))  # fmt: skip
     assert "layer 1: mean span" in spans.stdout and (tmp_path / "spans.png").stat().st_size > 1000
+    # in process: --text-file and --width (a narrower drawing of the same text is a taller, narrower picture)
+    from PIL import Image
+
+    from memlm.cli import plot_memory
+
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x")
+    for width in ("8", "64"):
+        plot_memory([str(trained["expire_span"]), "--text-file", str(tmp_path / "text.txt"), "--width", width,
+                     "--output", str(tmp_path / f"width{width}.png")])  # fmt: skip
+    narrow, wide = (Image.open(tmp_path / f"width{width}.png").size for width in ("8", "64"))
+    assert narrow[0] < wide[0] and narrow[1] > wide[1]
     weights = _memlm("plot-memory", str(trained["feedback"]), "--output", str(tmp_path / "weights.png"))
     values = [float(value) for value in weights.stdout.split("softmax(w): ")[1].splitlines()[0].split(", ")]
     assert len(values) == SIZES["num_hidden_layers"] + 1 and abs(sum(values) - 1) < 1e-2

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from datasets import load_from_disk
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,3 +70,44 @@ def test_make_dataset_then_train_task_then_load(tmp_path):
 def test_build_model_applies_the_overrides(kind):
     model = build_model(kind, vocab_size=12, overrides={"hidden_size": 32, "num_attention_heads": 2})
     assert model.config.vocab_size == 12 and model.config.hidden_size == 32 and model.config.pad_token_id == 0
+
+
+def _tiny_retrieval(count: int, seed: int = 0):
+    return task("associative-retrieval").dataset(count, setting=2, num_keys=4, num_pairs=6, seed=seed)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"learning_rate": 3e-2}, {"warmup_steps": 3}, {"weight_decay": 0.5}, {"max_grad_norm": 1e-3},
+     {"batch_size": 4}, {"seed": 1}],
+)  # fmt: skip
+def test_every_training_option_changes_the_trained_weights(option):
+    from memlm.training.tasks.common import train_on_task
+
+    data = _tiny_retrieval(32)
+
+    def trained(**options):
+        torch.manual_seed(0)
+        model = build_model("deltanet", vocab_size=9, overrides={"hidden_size": 16, "num_attention_heads": 2})
+        train_on_task(model, data, steps=4, **{"batch_size": 8, "learning_rate": 1e-2, **options})
+        return torch.cat([parameter.detach().flatten() for parameter in model.parameters()])
+
+    assert torch.equal(trained(), trained())  # deterministic, so a difference is the option's doing
+    assert not torch.allclose(trained(), trained(**option))
+
+
+def test_train_task_and_make_dataset_pass_their_options_on(tmp_path):
+    for seed in ("0", "1"):
+        make_dataset(["corridor", "--output-dir", str(tmp_path / seed), "--train", "16", "--validation", "4",
+                      "--test", "4", "--seed", seed, "--option", "max_length=6"])  # fmt: skip
+    first, second = (load_from_disk(str(tmp_path / seed)) for seed in ("0", "1"))
+    assert list(first["train"]["input_ids"]) != list(second["train"]["input_ids"])
+
+    def losses(*options) -> list[float]:
+        return train_task(["--data", str(tmp_path / "0"), "--model", "llama", "--output-dir", str(tmp_path / "run"),
+                           "--steps", "3", "--batch-size", "4", "--warmup-steps", "0", *options])["losses"]  # fmt: skip
+
+    baseline = losses()
+    assert losses() == baseline
+    for options in (["--learning-rate", "0.03"], ["--warmup-steps", "2"], ["--batch-size", "8"], ["--seed", "1"]):
+        assert losses(*options) != baseline, options
