@@ -39,6 +39,10 @@ def test_unknown_task_and_option_are_named():
         task("copy")
     with pytest.raises(ValueError, match="max_length=200"):
         make_dataset(["corridor", "--output-dir", "unused", "--option", "longest=3"])
+    with pytest.raises(ValueError, match="is not KEY=VALUE with a KEY of the corridor task"):
+        make_dataset(
+            ["corridor", "--output-dir", "unused", "--option", "seed=3"]
+        )  # the splits' seeds come from --seed
 
 
 def test_make_dataset_then_train_task_then_load(tmp_path):

@@ -47,15 +47,17 @@ def make_dataset(argv=None) -> Path:
     parser.add_argument("--train", type=int, default=4000, help="examples in the training split")
     parser.add_argument("--validation", type=int, default=500, help="examples in the validation split")
     parser.add_argument("--test", type=int, default=500, help="examples in the test split")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the train split is drawn with it, validation seed+1, test seed+2"
+    )
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the task's generator (repeatable); a bad key lists them")  # fmt: skip
     arguments = parser.parse_args(argv)
     from datasets import DatasetDict
 
     chosen = task(arguments.task)
-    options = _parse_options(arguments.option, chosen.options(), arguments.task)
-    options.pop("seed", None)
+    allowed = {key: value for key, value in chosen.options().items() if key != "seed"}  # splits draw seed, seed+1, …
+    options = _parse_options(arguments.option, allowed, arguments.task)
     sizes = {"train": arguments.train, "validation": arguments.validation, "test": arguments.test}
     splits = DatasetDict({
         split: chosen.dataset(sizes[split], **options, seed=arguments.seed + offset)
