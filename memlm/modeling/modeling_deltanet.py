@@ -24,6 +24,7 @@ from transformers.utils import logging
 
 from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
+from ..kernels import resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
 from .layers import GatedMLP, RMSNorm
 from .memory import (
@@ -54,14 +55,57 @@ class DeltaNetShortConvolution(nn.Module):
         # Same layout as a depthwise nn.Conv1d: (channels, 1, kernel); weight[:, 0, -1] multiplies the current input.
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
 
-    def forward(self, inputs: torch.Tensor, tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """inputs (B, T, C), tail (B, kernel-1, C) or None (zeros) → outputs (B, T, C), new tail (B, kernel-1, C)."""
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        tail: torch.Tensor | None,
+        lengths: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """inputs (B, T, C), tail (B, kernel-1, C) or None (zeros) → outputs (B, T, C), new tail (B, kernel-1, C).
+
+        lengths (B,): rows hold their real tokens first and padding after; each new tail ends at its row's last real
+        input. cu_seqlens (S + 1,): inputs (1, N, C) hold S sequences back to back, each behind its own tail (S, ...).
+        """
+        if cu_seqlens is not None:
+            return self._forward_packed(inputs, tail, cu_seqlens)
         batch_size, _, channels = inputs.shape
+        width = self.kernel_size - 1
         if tail is None:
-            tail = inputs.new_zeros(batch_size, self.kernel_size - 1, channels)
+            tail = inputs.new_zeros(batch_size, width, channels)
         window = torch.cat([tail.to(inputs.dtype), inputs], dim=1)
         outputs = F.conv1d(window.transpose(1, 2), self.weight, groups=channels).transpose(1, 2)
-        return outputs, window[:, -(self.kernel_size - 1) :]
+        if lengths is None:
+            return outputs, window[:, -width:]
+        # In `window` a row's last real input sits at width + length - 1, so its tail starts at `length`.
+        positions = lengths[:, None] + torch.arange(width, device=inputs.device)
+        return outputs, window.gather(1, positions[..., None].expand(-1, -1, channels))
+
+    def _forward_packed(self, inputs, tail, cu_seqlens):
+        _, total, channels = inputs.shape
+        width = self.kernel_size - 1
+        lengths = cu_seqlens.diff().long()
+        count = lengths.numel()
+        if tail is None:
+            tail = inputs.new_zeros(count, width, channels)
+        # One row [tail_0, x_0, tail_1, x_1, ...] to slide the kernel over: every real input's window stays inside
+        # its own block, so sequences never see each other.
+        blocks = lengths + width
+        block_ends = blocks.cumsum(0)
+        block_starts = block_ends - blocks
+        block = torch.repeat_interleave(
+            torch.arange(count, device=inputs.device), blocks, output_size=total + count * width
+        )
+        local = torch.arange(total + count * width, device=inputs.device) - block_starts[block]
+        from_tail = local < width
+        source = torch.where(
+            from_tail, block * width + local, count * width + cu_seqlens.long()[block] + local - width
+        )
+        rows = torch.cat([tail.to(inputs.dtype).reshape(count * width, channels), inputs[0]])[source]
+        slid = F.conv1d(rows.T[None], self.weight, groups=channels)[0].T  # window ending at row j + width
+        outputs = slid[torch.nonzero(~from_tail).squeeze(1) - width]
+        new_tail = rows[block_ends[:, None] - width + torch.arange(width, device=inputs.device)]
+        return outputs[None], new_tail
 
 
 class DeltaNetFeatureMap(nn.Module):
@@ -153,21 +197,25 @@ class DeltaNetAttention(nn.Module):
         fast_weights: torch.Tensor | None = None,
         convolution_tail: torch.Tensor | None = None,
         return_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """hidden_states (B, T, D); attention_mask (B, T) with 0 at padding, which writes nothing into the memory;
-        fast_weights (B, H, d_k, d_v[+1]) float32 and convolution_tail (B, kernel-1, C) carried from earlier tokens."""
+        """hidden_states (B, T, D); attention_mask (B, T), 1 for each row's real tokens, which come first, and 0 for
+        the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32 and
+        convolution_tail (B, kernel-1, C) carried from earlier tokens. With cu_seqlens (delta rule only),
+        hidden_states (1, N, D) hold B sequences back to back (`DeltaNetPadding`) and nothing is padded."""
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
         projected = torch.cat(
             [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
         )
-        keep = None
+        keep = lengths = None
         if attention_mask is not None:
             keep = attention_mask[:, :, None].bool()
+            lengths = attention_mask.sum(1)
             projected = projected.masked_fill(~keep, 0.0)  # padding enters neither the convolution nor the memory
         new_tail = None
         if self.convolution is not None:
-            projected, new_tail = self.convolution(projected, convolution_tail)
+            projected, new_tail = self.convolution(projected, convolution_tail, lengths, cu_seqlens)
         query, key, value = projected.split([key_width, key_width, projected.shape[-1] - 2 * key_width], dim=-1)
 
         query = self.feature_map(query.view(batch_size, length, self.num_heads, -1).transpose(1, 2))
@@ -185,10 +233,12 @@ class DeltaNetAttention(nn.Module):
 
         if self.config.update_rule == "delta":
             output, new_state = delta_rule(
-                query, key, value, beta,
-                initial_state=fast_weights, output_final_state=return_state, chunk_size=self.config.chunk_size,
+                query, key, value, beta, initial_state=fast_weights, output_final_state=return_state,
+                chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens,
             )  # fmt: skip
         else:
+            if cu_seqlens is not None:
+                raise ValueError("packed sequences (cu_seqlens) run with the delta rule only; the sum rule is masked.")
             if beta is not None:
                 key = key * beta[..., None]  # with the sum rule, β scales each write
             if self.config.attention_normalizer:
@@ -230,13 +280,54 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         fast_weights: torch.Tensor | None = None,
         convolution_tail: torch.Tensor | None = None,
         return_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         mixed, fast_weights, convolution_tail = self.attention(
-            self.input_layernorm(hidden_states), attention_mask, fast_weights, convolution_tail, return_state
-        )
+            self.input_layernorm(hidden_states), attention_mask, fast_weights, convolution_tail, return_state,
+            cu_seqlens,
+        )  # fmt: skip
         hidden_states = hidden_states + self.dropout(mixed)
         hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
         return hidden_states, fast_weights, convolution_tail
+
+
+class DeltaNetPadding:
+    """How a padded batch runs. Padding is skipped: each row's real tokens give the outputs and the memory they give
+    alone, wherever the padding sits (left, right or between tokens).
+
+    - Packed (the Triton delta rule): the real tokens of all rows go back to back into one row, with `cu_seqlens`
+      marking where each sequence starts, so the padding costs nothing; the outputs at padding are zeros.
+    - Otherwise each row's real tokens move, in order, to the front of the row (a stable reordering, undone at the
+      end) and the padding behind them is masked: it writes nothing into the memory.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor, pack: bool):
+        self.shape = attention_mask.shape
+        self.lengths = attention_mask.sum(1)
+        if pack:
+            self.indices = attention_mask.flatten().nonzero().squeeze(1)
+            self.cu_seqlens = F.pad(self.lengths.cumsum(0), (1, 0)).to(torch.int32)
+            self.attention_mask = None
+        else:
+            self.order = torch.sort((~attention_mask).to(torch.uint8), dim=1, stable=True).indices
+            self.attention_mask = torch.arange(self.shape[1], device=attention_mask.device) < self.lengths[:, None]
+            self.cu_seqlens = None
+
+    def gather(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) in the caller's order → the layout the layers run on: (1, N, D) packed, else (B, T, D)."""
+        if self.cu_seqlens is not None:
+            return hidden_states.flatten(0, 1)[self.indices][None]
+        return hidden_states.gather(1, self.order[..., None].expand_as(hidden_states))
+
+    def scatter(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The inverse of `gather`: back to (B, T, D) in the caller's order."""
+        if self.cu_seqlens is not None:
+            width = hidden_states.shape[-1]
+            restored = hidden_states.new_zeros(self.shape.numel(), width).index_copy(0, self.indices, hidden_states[0])
+            return restored.view(*self.shape, width)
+        return hidden_states.new_empty(hidden_states.shape).scatter(
+            1, self.order[..., None].expand_as(hidden_states), hidden_states
+        )
 
 
 class DeltaNetCacheLayer(MemoryCacheLayer):
@@ -312,6 +403,15 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    def packs_padding(self, attention_mask: torch.Tensor) -> bool:
+        """Whether a padded batch runs packed (`cu_seqlens`): with the delta rule on the Triton backend, and when some
+        token is real. The PyTorch backend masks instead, which is faster there: it runs all rows as one batch."""
+        return (
+            self.config.update_rule == "delta"
+            and resolve_backend(None, attention_mask.device) == "triton"
+            and bool(attention_mask.any())
+        )
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -328,7 +428,8 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         position_ids: accepted for compatibility with 🤗 `generate`; DeltaNet has no positional encoding (the order is
             in the recurrence), so they are not used.
         past_key_values: a `DeltaNetCache` carrying each layer's fast weights from earlier tokens.
-        attention_mask: (B, T) or (B, past + T); positions with 0 are padding and write nothing into the memory.
+        attention_mask: (B, T) or (B, past + T); positions with 0 are padding, anywhere in a row: they are skipped
+            (see `DeltaNetPadding`), so each row's real tokens give what they give alone.
         """
         check_extra_kwargs(kwargs, type(self).__name__)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -352,8 +453,9 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             past_key_values.check_against(self.config, batch_size)
             past_length = past_key_values.get_seq_length()
         attention_mask = current_padding_mask(attention_mask, batch_size, length, past_length)
-        if attention_mask is not None and bool(attention_mask.all()):
-            attention_mask = None  # nothing is padded
+        padding = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            padding = DeltaNetPadding(attention_mask, pack=self.packs_padding(attention_mask))
 
         if self.training:
             for layer in self.layers:
@@ -361,23 +463,26 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                     # Redrawn here, outside the (possibly checkpointed) layers, so a recomputation sees the same draw.
                     layer.attention.feature_map.redraw_projection()
 
-        hidden_states = inputs_embeds
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        hidden_states = inputs_embeds if padding is None else padding.gather(inputs_embeds)
+        all_hidden_states = (inputs_embeds,) if output_hidden_states else None
         for layer_idx, decoder_layer in enumerate(self.layers):
             cache_layer = past_key_values.layers[layer_idx] if past_key_values is not None else None
             hidden_states, fast_weights, convolution_tail = decoder_layer(
                 hidden_states,
-                attention_mask=attention_mask,
+                attention_mask=None if padding is None else padding.attention_mask,
                 fast_weights=cache_layer.fast_weights if cache_layer is not None else None,
                 convolution_tail=cache_layer.convolution_tail if cache_layer is not None else None,
                 return_state=cache_layer is not None,
+                cu_seqlens=None if padding is None else padding.cu_seqlens,
             )
             if cache_layer is not None:
                 cache_layer.update(fast_weights, convolution_tail, length)
             if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+                all_hidden_states += (hidden_states if padding is None else padding.scatter(hidden_states),)
 
         hidden_states = self.norm(hidden_states)
+        if padding is not None:
+            hidden_states = padding.scatter(hidden_states)
         if output_hidden_states:
             # As in 🤗 Llama: the last entry is the normed output.
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)

@@ -1,0 +1,171 @@
+"""DeltaNet on padded batches: padding anywhere in a row is skipped, so each row gives what it gives alone. The
+PyTorch backend masks the padding; the Triton backend packs the real tokens back to back with `cu_seqlens` (run in
+Triton's interpreter without a GPU, see tests/conftest.py)."""
+
+import os
+
+import pytest
+import torch
+
+from memlm import DeltaNetForCausalLM
+from memlm.kernels import triton_available
+from memlm.modeling.modeling_deltanet import DeltaNetShortConvolution
+from tests.conftest import DELTANET_VARIANTS
+
+TRITON_RUNS = triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton"))]
+WIDTH = 12
+PREFIX = 4
+
+
+def _randomised(model):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model
+
+
+def _mask(layout: str) -> torch.Tensor:
+    """(3, WIDTH) padding masks: real tokens on the left, on the right, scattered, or a row with none."""
+    lengths = (9, 0, 3) if layout == "empty_row" else (9, 5, 3)
+    mask = torch.zeros(3, WIDTH, dtype=torch.long)
+    generator = torch.Generator().manual_seed(3)
+    for row, length in enumerate(lengths):
+        if layout == "right":
+            mask[row, :length] = 1
+        elif layout == "between":
+            mask[row, torch.randperm(WIDTH, generator=generator)[:length]] = 1
+        else:  # left padding, as generate uses
+            mask[row, WIDTH - length :] = 1
+    return mask
+
+
+def _record_packed_calls(monkeypatch) -> list:
+    """The cu_seqlens of every call of the Triton chunk kernel (None when a call was not packed)."""
+    from memlm.kernels.delta_rule import triton_chunk
+
+    calls, function = [], triton_chunk.delta_rule_chunk_triton
+
+    def recorded(*args, **kwargs):
+        calls.append(args[7] if len(args) > 7 else kwargs.get("cu_seqlens"))
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(triton_chunk, "delta_rule_chunk_triton", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["left", "right", "between", "empty_row"])
+@pytest.mark.parametrize("variant", ["fla", "favor_conv_gate", "sum_rule_normalised"])
+def test_padding_anywhere_gives_each_row_alone(variant, layout, backend, monkeypatch):
+    """After an unpadded prefix, a padded chunk and then a continuation: the logits at real tokens, the memory (fast
+    weights and convolution tails) and the continuation equal each row run alone."""
+    monkeypatch.setenv("MEMLM_KERNELS", backend)
+    calls = _record_packed_calls(monkeypatch) if backend == "triton" else []
+    config = DELTANET_VARIANTS[variant]()
+    model = _randomised(DeltaNetForCausalLM(config).eval())
+    mask = _mask(layout)
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 256, (3, PREFIX), generator=generator)
+    tokens = torch.randint(0, 256, (3, WIDTH), generator=generator).masked_fill(mask == 0, config.pad_token_id)
+    following = torch.randint(0, 256, (3, 3), generator=generator)
+    full_mask = torch.cat([torch.ones(3, PREFIX, dtype=torch.long), mask], 1)
+    with torch.no_grad():
+        cache = model(prefix, use_cache=True).past_key_values
+        padded = model(tokens, attention_mask=full_mask, past_key_values=cache, use_cache=True)
+        continued = model(following, attention_mask=torch.cat([full_mask, torch.ones_like(following)], 1),
+                          past_key_values=padded.past_key_values, use_cache=True)  # fmt: skip
+        monkeypatch.setenv("MEMLM_KERNELS", "torch")  # the rows alone, on the (separately tested) PyTorch path
+        for row in range(3):
+            alone = model(prefix[row : row + 1], use_cache=True)
+            real = tokens[row, mask[row].bool()][None]
+            if real.shape[1]:
+                alone = model(real, past_key_values=alone.past_key_values, use_cache=True)
+                torch.testing.assert_close(padded.logits[row, mask[row].bool()], alone.logits[0], atol=1e-4, rtol=0)
+            alone_cache = alone.past_key_values
+            alone_next = model(following[row : row + 1], past_key_values=alone_cache, use_cache=True)
+            torch.testing.assert_close(continued.logits[row], alone_next.logits[0], atol=1e-4, rtol=0)
+            for layer, alone_layer in zip(padded.past_key_values.layers, alone_cache.layers):
+                torch.testing.assert_close(layer.fast_weights[row], alone_layer.fast_weights[0], atol=1e-5, rtol=0)
+                if config.short_convolution:
+                    torch.testing.assert_close(layer.convolution_tail[row], alone_layer.convolution_tail[0])
+    monkeypatch.setenv("MEMLM_KERNELS", backend)
+    packs = backend == "triton" and config.update_rule == "delta"
+    assert model.model.packs_padding(mask.bool()) == packs
+    if packs:  # the padded chunk ran packed in each layer: one sequence per row, empty ones included
+        packed = [offsets for offsets in calls if offsets is not None]
+        assert len(packed) == config.num_hidden_layers
+        assert packed[0].tolist() == [0, *mask.sum(1).cumsum(0).tolist()]
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton")
+def test_packed_training_gives_the_masked_gradients(monkeypatch):
+    """A right-padded training batch (as collators build them), loss on real tokens only: the packed Triton run and
+    the masked PyTorch run give the same loss and parameter gradients."""
+    config = DELTANET_VARIANTS["fla_gated"]()
+    model = _randomised(DeltaNetForCausalLM(config)).train()
+    mask = _mask("right")
+    input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, config.pad_token_id)
+    labels = input_ids.masked_fill(mask == 0, -100)
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("MEMLM_KERNELS", backend)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        results[backend] = loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-5, rtol=0)
+    for name, gradient in results["torch"][1].items():
+        torch.testing.assert_close(results["triton"][1][name], gradient, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton")
+def test_left_padded_generation_packs_and_equals_torch(monkeypatch):
+    calls = _record_packed_calls(monkeypatch)
+    config = DELTANET_VARIANTS["fla"]()
+    model = _randomised(DeltaNetForCausalLM(config).eval())
+    mask = _mask("left")
+    input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, config.pad_token_id)
+    generated = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("MEMLM_KERNELS", backend)
+        generated[backend] = model.generate(input_ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                            pad_token_id=config.pad_token_id)  # fmt: skip
+    assert torch.equal(generated["triton"], generated["torch"])
+    assert sum(offsets is not None for offsets in calls) == config.num_hidden_layers  # the prefill, packed
+
+
+@pytest.mark.parametrize("kernel_size", [2, 4])
+def test_packed_short_convolution_equals_each_sequence_alone(kernel_size):
+    torch.manual_seed(0)
+    convolution = DeltaNetShortConvolution(6, kernel_size)
+    torch.nn.init.normal_(convolution.weight)
+    lengths = [5, 0, 1, 7]
+    sequences = [torch.randn(1, length, 6) for length in lengths]
+    tails = torch.randn(len(lengths), kernel_size - 1, 6)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    outputs, new_tails = convolution(torch.cat(sequences, 1), tails, cu_seqlens=cu_seqlens)
+    assert outputs.shape == (1, sum(lengths), 6) and new_tails.shape == tails.shape
+    fresh_outputs, _ = convolution(torch.cat(sequences, 1), None, cu_seqlens=cu_seqlens)
+    for index, sequence in enumerate(sequences):
+        if not lengths[index]:  # an empty sequence keeps its tail
+            torch.testing.assert_close(new_tails[index], tails[index])
+            continue
+        expected, expected_tail = convolution(sequence, tails[index : index + 1])
+        start, end = cu_seqlens[index], cu_seqlens[index + 1]
+        torch.testing.assert_close(outputs[:, start:end], expected)
+        torch.testing.assert_close(new_tails[index], expected_tail[0])  # shorter than the kernel: part of the old tail
+        torch.testing.assert_close(fresh_outputs[:, start:end], convolution(sequence, None)[0])
+
+
+def test_right_padded_rows_keep_the_tail_of_their_last_real_inputs():
+    torch.manual_seed(0)
+    convolution = DeltaNetShortConvolution(3, 4)
+    torch.nn.init.normal_(convolution.weight)
+    inputs = torch.randn(2, 6, 3)
+    lengths = torch.tensor([6, 2])
+    outputs, tails = convolution(inputs, None, lengths=lengths)
+    torch.testing.assert_close(tails[0], inputs[0, 3:])
+    torch.testing.assert_close(tails[1], torch.cat([torch.zeros(1, 3), inputs[1, :2]]))
+    torch.testing.assert_close(outputs, convolution(inputs, None)[0])
