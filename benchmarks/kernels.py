@@ -8,7 +8,9 @@ Prints side-by-side tables measured in one run (medians of CUDA-event timings af
    (1,16384,16,128)};
 2. one decoding step: memlm's fused recurrent step vs flash-linear-attention's `fused_recurrent_delta_rule`;
 3. Expire-Span attention, forward + backward, bf16, at T = 4K and 16K with 20 % and 100 % of memories alive:
-   memlm's kernel vs SDPA with a materialised float bias (log m) vs plain causal SDPA.
+   memlm's kernel vs SDPA with a materialised float bias (log m) vs plain causal SDPA;
+4. a DeltaNet model (preset "fla") on a right-padded batch, forward + backward, bf16: the padding packed away with
+   `cu_seqlens` (what the model does on the Triton backend) vs masked, both on the Triton kernels.
 
     python benchmarks/kernels.py [--json results.json]
     python benchmarks/kernels.py --smoke     # tiny shapes: checks the script end to end (CPU: Triton's interpreter)
@@ -32,6 +34,15 @@ DELTA_SHAPES = [(8, 2048, 16, 64), (4, 4096, 16, 128), (1, 16384, 16, 128)]
 STEP_SHAPES = [(8, 16, 128), (64, 16, 128)]
 EXPIRE_LENGTHS = [4096, 16384]
 ALIVE_FRACTIONS = [0.2, 1.0]
+# (batch, padded length, shortest real length): real lengths spread evenly from the shortest to the padded length.
+PADDED_BATCHES = [(8, 2048, 256), (16, 4096, 512)]
+PADDED_MODEL = {
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "intermediate_size": 2816,
+}
 
 
 def measure(function, repeats: int, device) -> tuple[float, float]:
@@ -155,6 +166,38 @@ def expire_rows(lengths, fractions, device, dtype, repeats, heads=16, width=64):
     return rows
 
 
+def padded_rows(batches, sizes, device, dtype, repeats):
+    from memlm import DeltaNetConfig, DeltaNetForCausalLM
+
+    model = DeltaNetForCausalLM(DeltaNetConfig.from_preset("fla", **sizes)).to(device, dtype)
+    rows = []
+    previous_backend = os.environ.get("MEMLM_KERNELS")
+    os.environ["MEMLM_KERNELS"] = "triton"
+    try:
+        for batch, length, shortest in batches:
+            lengths = torch.linspace(shortest, length, batch, device=device).long()
+            mask = (torch.arange(length, device=device) < lengths[:, None]).long()
+            input_ids = torch.randint(0, sizes["vocab_size"], (batch, length), device=device)
+            labels = input_ids.masked_fill(mask == 0, -100)
+
+            def train_step():
+                model.zero_grad(set_to_none=True)
+                model(input_ids, attention_mask=mask, labels=labels).loss.backward()
+
+            packed = measure(train_step, repeats, device)
+            model.model.packs_padding = lambda attention_mask: False  # the masked path, on the same kernels
+            masked = measure(train_step, repeats, device)
+            del model.model.packs_padding
+            real = mask.float().mean().item()
+            rows.append({"shape": (batch, length), "real": real, "packed": packed, "masked": masked})
+    finally:
+        if previous_backend is None:
+            del os.environ["MEMLM_KERNELS"]
+        else:
+            os.environ["MEMLM_KERNELS"] = previous_backend
+    return rows
+
+
 def print_table(title, header, rows):
     print(f"\n{title}")
     print(" | ".join(header))
@@ -187,6 +230,21 @@ def main(argv=None):
             heads=2 if smoke else 16,
             width=16 if smoke else 64,
         ),  # fmt: skip
+        "padded": padded_rows(
+            [(2, 24, 5)] if smoke else PADDED_BATCHES,
+            {
+                "vocab_size": 64,
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+            }
+            if smoke
+            else PADDED_MODEL,
+            device,
+            dtype,
+            repeats,
+        ),
     }
 
     def cell(measured, reference=None):
@@ -208,6 +266,10 @@ def main(argv=None):
                 ["T", "alive", "memlm", "SDPA + float bias", "causal SDPA"],
                 [[str(row["length"]), f"{row['alive']:.0%}", cell(row["memlm"]), cell(row["sdpa_bias"], row["memlm"]),
                   cell(row["causal"], row["memlm"])] for row in results["expire_span"]])  # fmt: skip
+    print_table("DeltaNet model on a right-padded batch, forward + backward (ratio: time / packed)",
+                ["(B, T)", "real tokens", "packed (cu_seqlens)", "masked"],
+                [[str(row["shape"]), f"{row['real']:.0%}", cell(row["packed"]), cell(row["masked"], row["packed"])]
+                 for row in results["padded"]])  # fmt: skip
     if arguments.json:
         with open(arguments.json, "w") as file:
             json.dump(results, file, indent=2)

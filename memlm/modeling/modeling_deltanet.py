@@ -103,7 +103,9 @@ class DeltaNetShortConvolution(nn.Module):
         )
         rows = torch.cat([tail.to(inputs.dtype).reshape(count * width, channels), inputs[0]])[source]
         slid = F.conv1d(rows.T[None], self.weight, groups=channels)[0].T  # window ending at row j + width
-        outputs = slid[torch.nonzero(~from_tail).squeeze(1) - width]
+        # Token p of sequence s sits at row p + (s + 1)·width; its window ends there.
+        token_sequence = torch.repeat_interleave(torch.arange(count, device=inputs.device), lengths, output_size=total)
+        outputs = slid[torch.arange(total, device=inputs.device) + token_sequence * width]
         new_tail = rows[block_ends[:, None] - width + torch.arange(width, device=inputs.device)]
         return outputs[None], new_tail
 

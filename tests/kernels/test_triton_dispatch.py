@@ -149,4 +149,7 @@ def test_the_kernel_benchmark_runs_end_to_end():
     specification.loader.exec_module(benchmark)
     results = benchmark.main(["--smoke"])
     assert len(results["delta_rule"]) == 1 and len(results["step"]) == 1 and len(results["expire_span"]) == 2
-    assert all(row["memlm"][0] > 0 for table in results.values() for row in table)
+    assert len(results["padded"]) == 1 and 0 < results["padded"][0]["real"] < 1
+    assert "MEMLM_KERNELS" not in os.environ  # the padded-batch table restores the backend it forced
+    assert all(row["memlm"][0] > 0 for name in ("delta_rule", "step", "expire_span") for row in results[name])
+    assert results["padded"][0]["packed"][0] > 0 and results["padded"][0]["masked"][0] > 0
