@@ -135,7 +135,9 @@ class _Tape:
     """The memory in training: one slot per step (after a prefix carried from the cache), written once, never
     overwritten, with gradient buffers that the reads fill and the writes hand back to autograd."""
 
-    def __init__(self, cache_layers, steps: int, config, like: torch.Tensor):
+    def __init__(self, cache_layers, steps: int, config, like: torch.Tensor, padding_steps: int = 0):
+        """`padding_steps`: the most padding steps of a row (all before its real tokens), which the windows widen by
+        so that every row still sees its last τ real memories."""
         first = cache_layers[0]
         groups = len(cache_layers)
         batch_size, num_heads, head_dim = like.shape[0], config.num_attention_heads, config.head_dim
@@ -158,6 +160,7 @@ class _Tape:
         size = prefix + steps
         self.prefix = prefix
         self.memory_span = memory_span
+        self.reach = memory_span + padding_steps
         self.keys = torch.zeros(groups, batch_size, num_heads, size, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         gather = order[:, None, :, None].expand(batch_size, num_heads, prefix, head_dim)
@@ -180,9 +183,10 @@ class _Tape:
 
     def bounds(self, step: int) -> tuple[int, int]:
         """The tape slice that step `step` may read: the prefix (in no particular order) while it is within τ, then
-        the last τ steps. Visibility is decided by positions, so a wider slice is harmless."""
+        the last τ steps (τ + the padding steps, when rows are padded). Visibility is decided by positions, so a wider
+        slice is harmless."""
         end = self.prefix + step
-        return (0, end) if step < self.memory_span else (end - self.memory_span, end)
+        return (0, end) if step < self.reach else (end - self.reach, end)
 
     def window(self, group: int, step: int):
         start, end = self.bounds(step)
@@ -850,8 +854,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast | tuple:
         r"""
-        attention_mask: (B, T) or (B, past + T) padding mask; padding may only come first in a row (left padding),
-            writes nothing into the memory and does not advance the positions.
+        attention_mask: (B, T) or (B, past + T) padding mask. Padding may sit anywhere in a row: it writes nothing
+            into the memory and does not advance the positions, so each row's real tokens give what they give alone.
+            (Rows run with their padding moved first, a stable reordering undone on the outputs.)
         position_ids: accepted for 🤗 `generate`; positions are counted from each row's first real token.
         past_key_values: a `FeedbackCache` with the keys and values of the last τ memories.
         """
@@ -879,11 +884,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if valid is None:
             valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         valid = valid.to(device)
-        if length > 1 and bool((valid[:, 1:].long() < valid[:, :-1].long()).any()):
-            raise ValueError(
-                "The Feedback Transformer supports left padding only: in each row of attention_mask the zeros must "
-                "come before the ones (a memory of padding would break its step-by-step recurrence)."
-            )
+        order, padding_steps = None, 0
+        if not bool(valid.all()):
+            # Padding first, real tokens after it in their order: steps then count memories as positions do.
+            order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices
+            inputs_embeds = inputs_embeds.gather(1, order[..., None].expand_as(inputs_embeds))
+            valid = valid.gather(1, order)
+            padding_steps = int((~valid).sum(1).max())
         if cache.next_positions is None:
             cache.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
@@ -893,7 +900,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in self.parameters())
         )
         store = (
-            _Tape(cache.layers, length, config, inputs_embeds)
+            _Tape(cache.layers, length, config, inputs_embeds, padding_steps)
             if training_graph
             else _RingStore(cache.layers, cache.next_positions, config, inputs_embeds)
         )
@@ -927,11 +934,17 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         for layer in cache.layers:
             layer.seen_tokens += length
 
-        hidden_states = self.norm(top)
+        def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order
+            if order is None:
+                return states
+            return states.new_empty(states.shape).scatter(1, order[..., None].expand_as(states), states)
+
+        hidden_states = restored(self.norm(top))
         hidden_states_out = None
         if output_hidden_states:
             hidden_states_out = tuple(
-                torch.stack([states[index] for states in all_states], dim=1) for index in range(len(self.layers))
+                restored(torch.stack([states[index] for states in all_states], dim=1))
+                for index in range(len(self.layers))
             ) + (hidden_states,)
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,

@@ -132,27 +132,70 @@ def test_training_forward_carries_its_memory_into_the_cache():
     torch.testing.assert_close(with_cache, expected, atol=1e-4, rtol=0)
 
 
-def test_left_padding_equals_each_row_alone():
+def _padding_mask(layout: str, width: int = 12) -> torch.Tensor:
+    """(3, width) padding masks: real tokens on the left, on the right, scattered, or a row with none."""
+    lengths = (9, 0, 3) if layout == "empty_row" else (9, 5, 3)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    generator = torch.Generator().manual_seed(3)
+    for row, length in enumerate(lengths):
+        if layout == "right":
+            mask[row, :length] = 1
+        elif layout == "between":
+            mask[row, torch.randperm(width, generator=generator)[:length]] = 1
+        else:
+            mask[row, width - length :] = 1
+    return mask
+
+
+@pytest.mark.parametrize("layout", ["left", "right", "between", "empty_row"])
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_padding_anywhere_gives_each_row_alone(layout, mode):
+    """After an unpadded prefix, a padded chunk and a continuation: the logits at real tokens and the continuation
+    equal each row alone. Training runs the tape (and carries its window); inference the ring. τ = 5 < the padding,
+    so a window counted in steps rather than positions would lose memories."""
     model = _model("unshared_rotary")
-    rows = [torch.randint(0, 256, (n,)) for n in (9, 4, 2)]
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((3, width), 257)
-    attention_mask = torch.zeros(3, width, dtype=torch.long)
-    for index, row in enumerate(rows):
-        input_ids[index, width - len(row) :] = row
-        attention_mask[index, width - len(row) :] = 1
-    following = torch.randint(0, 256, (3, 3))
+    if mode == "training":
+        model.train()  # no dropout in TINY: the same numbers, through the training path
+    mask = _padding_mask(layout)
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 256, (3, 6), generator=generator)
+    tokens = torch.randint(0, 256, mask.shape, generator=generator).masked_fill(mask == 0, 257)
+    following = torch.randint(0, 256, (3, 3), generator=generator)
+    full_mask = torch.cat([torch.ones_like(prefix), mask], 1)
+    grad = torch.enable_grad() if mode == "training" else torch.no_grad()
+    with grad:
+        cache = model(prefix, use_cache=True).past_key_values
+        padded = model(tokens, attention_mask=full_mask, past_key_values=cache, use_cache=True)
+        continued = model(following, attention_mask=torch.cat([full_mask, torch.ones_like(following)], 1),
+                          past_key_values=padded.past_key_values)  # fmt: skip
+        for row in range(3):
+            alone = model(prefix[row : row + 1], use_cache=True)
+            real = tokens[row, mask[row].bool()][None]
+            if real.shape[1]:
+                alone = model(real, past_key_values=alone.past_key_values, use_cache=True)
+                torch.testing.assert_close(padded.logits[row, mask[row].bool()], alone.logits[0], atol=1e-4, rtol=0)
+            alone_next = model(following[row : row + 1], past_key_values=alone.past_key_values)
+            torch.testing.assert_close(continued.logits[row], alone_next.logits[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
+def test_padded_training_gradients_equal_autograd_through_the_steps(variant, monkeypatch):
+    """Right padding and holes, after a carried memory: the hand-written backward equals autograd (float64)."""
+    monkeypatch.setattr(modeling_feedback_transformer._TapeGradients, "most_block_steps", 3)
+    model = _model(variant, memory_span=3).train().double()
+    mask = torch.cat([_padding_mask("right")[:2], _padding_mask("between")[2:]])
+    input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, 257)
     with torch.no_grad():
-        batch = model(input_ids, attention_mask=attention_mask, use_cache=True)
-        mask = torch.cat([attention_mask, torch.ones(3, 3, dtype=torch.long)], 1)
-        continued = model(following, attention_mask=mask, past_key_values=batch.past_key_values)
-        for index, row in enumerate(rows):
-            alone = model(row[None], use_cache=True)
-            torch.testing.assert_close(batch.logits[index, width - len(row) :], alone.logits[0], atol=1e-4, rtol=0)
-            alone_next = model(following[index : index + 1], past_key_values=alone.past_key_values)
-            torch.testing.assert_close(continued.logits[index], alone_next.logits[0], atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="left padding only"):
-        model(input_ids, attention_mask=torch.tensor([[1, 0, 1] + [1] * (width - 3)] * 3))
+        carried = model(torch.randint(0, 256, (3, 4)), use_cache=True).past_key_values
+    results = {}
+    for backend in ("torch", "reference"):
+        inputs = {"input_ids": input_ids, "attention_mask": torch.cat([torch.ones(3, 4, dtype=torch.long), mask], 1),
+                  "labels": input_ids.masked_fill(mask == 0, -100), "past_key_values": copy.deepcopy(carried)}  # fmt: skip
+        results[backend] = _loss_and_gradients(model, backend, monkeypatch, **inputs)
+    (loss, gradients), (expected_loss, expected) = results["torch"], results["reference"]
+    torch.testing.assert_close(loss, expected_loss, atol=1e-12, rtol=1e-12)
+    for name, reference in expected.items():
+        assert (gradients[name] - reference).norm() <= 1e-10 * reference.norm(), name
 
 
 def test_the_top_layer_at_t_minus_1_reaches_the_first_layer_at_t():
