@@ -14,13 +14,12 @@ Batches are padded on the left (every memlm model and 🤗 Llama accept that), w
 on the padding.
 """
 
-import math
 import random
 from collections.abc import Callable, Iterable
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, get_cosine_schedule_with_warmup
 
 PADDING = "<pad>"
 IGNORE = -100
@@ -147,9 +146,9 @@ def train_on_task(
     callback: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Trains `model` for `steps` optimizer steps on batches drawn from `dataset` (shuffled, reshuffled at each
-    epoch) with AdamW, linear warm-up then cosine decay, and gradient clipping. The loss is 🤗's causal-LM loss on the
-    scored positions plus whatever the model adds (Expire-Span's span loss). Returns the loss of every step;
-    `callback(step, loss)` is called after each."""
+    epoch) with AdamW, 🤗's linear warm-up (from 0) then cosine decay, and gradient clipping. The loss is 🤗's
+    causal-LM loss on the scored positions plus whatever the model adds (Expire-Span's span loss). Returns the loss
+    of every step; `callback(step, loss)` is called after each."""
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}.")
     rows = dataset_rows(dataset)
@@ -158,13 +157,7 @@ def train_on_task(
     order_generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
 
-    def schedule(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, steps)  # as `memlm train` (warm-up from 0)
     model.train()
     order: list[int] = []
     losses = []
