@@ -115,3 +115,14 @@ def test_train_task_and_make_dataset_pass_their_options_on(tmp_path):
     assert losses() == baseline
     for options in (["--learning-rate", "0.03"], ["--warmup-steps", "2"], ["--batch-size", "8"], ["--seed", "1"]):
         assert losses(*options) != baseline, options
+
+
+def test_across_seeds_summarises_and_formats():
+    from memlm.training.tasks.common import across_seeds, format_across_seeds
+
+    summary = across_seeds([0.5, 1.0, 0.75])
+    assert summary == {"mean": 0.75, "low": 0.5, "high": 1.0, "values": [0.5, 1.0, 0.75]}
+    assert format_across_seeds(summary, ".1%") == "75.0% (50.0%–100.0%)"
+    assert format_across_seeds(across_seeds([0.25])) == "0.250"
+    with pytest.raises(ValueError, match="at least one value"):
+        across_seeds([])

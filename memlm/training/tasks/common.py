@@ -177,3 +177,19 @@ def train_on_task(
         if callback is not None:
             callback(step, losses[-1])
     return losses
+
+
+def across_seeds(values: Iterable[float]) -> dict:
+    """The mean, lowest and highest of one measurement repeated over seeds, with the values themselves."""
+    values = [float(value) for value in values]
+    if not values:
+        raise ValueError("across_seeds needs at least one value (one per seed).")
+    return {"mean": sum(values) / len(values), "low": min(values), "high": max(values), "values": values}
+
+
+def format_across_seeds(summary: dict, format_spec: str = ".3f") -> str:
+    """'mean (low–high)', or just the value when there was one seed: e.g. '0.951 (0.930–0.972)'."""
+    mean = format(summary["mean"], format_spec)
+    if len(summary["values"]) == 1:
+        return mean
+    return f"{mean} ({format(summary['low'], format_spec)}–{format(summary['high'], format_spec)})"
