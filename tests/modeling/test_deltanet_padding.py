@@ -11,6 +11,7 @@ from memlm import DeltaNetForCausalLM
 from memlm.kernels import triton_available
 from memlm.modeling.modeling_deltanet import DeltaNetShortConvolution
 from tests.conftest import DELTANET_VARIANTS
+from tests.modeling.padding import LAYOUTS, check_rows_alone, padding_mask
 
 TRITON_RUNS = triton_available() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton"))]
@@ -27,18 +28,7 @@ def _randomised(model):
 
 
 def _mask(layout: str) -> torch.Tensor:
-    """(3, WIDTH) padding masks: real tokens on the left, on the right, scattered, or a row with none."""
-    lengths = (9, 0, 3) if layout == "empty_row" else (9, 5, 3)
-    mask = torch.zeros(3, WIDTH, dtype=torch.long)
-    generator = torch.Generator().manual_seed(3)
-    for row, length in enumerate(lengths):
-        if layout == "right":
-            mask[row, :length] = 1
-        elif layout == "between":
-            mask[row, torch.randperm(WIDTH, generator=generator)[:length]] = 1
-        else:  # left padding, as generate uses
-            mask[row, WIDTH - length :] = 1
-    return mask
+    return padding_mask(layout, (9, 5, 3), WIDTH)
 
 
 def _record_packed_calls(monkeypatch) -> list:
@@ -56,40 +46,27 @@ def _record_packed_calls(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", ["left", "right", "between", "empty_row"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", ["fla", "favor_conv_gate", "sum_rule_normalised"])
 def test_padding_anywhere_gives_each_row_alone(variant, layout, backend, monkeypatch):
-    """After an unpadded prefix, a padded chunk and then a continuation: the logits at real tokens, the memory (fast
-    weights and convolution tails) and the continuation equal each row run alone."""
+    """Logits, continuation and memory (fast weights, convolution tails) of each row equal the row alone, which
+    runs on the (separately tested) PyTorch path."""
     monkeypatch.setenv("MEMLM_KERNELS", backend)
     calls = _record_packed_calls(monkeypatch) if backend == "triton" else []
     config = DELTANET_VARIANTS[variant]()
     model = _randomised(DeltaNetForCausalLM(config).eval())
     mask = _mask(layout)
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 256, (3, PREFIX), generator=generator)
-    tokens = torch.randint(0, 256, (3, WIDTH), generator=generator).masked_fill(mask == 0, config.pad_token_id)
-    following = torch.randint(0, 256, (3, 3), generator=generator)
-    full_mask = torch.cat([torch.ones(3, PREFIX, dtype=torch.long), mask], 1)
-    with torch.no_grad():
-        cache = model(prefix, use_cache=True).past_key_values
-        padded = model(tokens, attention_mask=full_mask, past_key_values=cache, use_cache=True)
-        continued = model(following, attention_mask=torch.cat([full_mask, torch.ones_like(following)], 1),
-                          past_key_values=padded.past_key_values, use_cache=True)  # fmt: skip
-        monkeypatch.setenv("MEMLM_KERNELS", "torch")  # the rows alone, on the (separately tested) PyTorch path
-        for row in range(3):
-            alone = model(prefix[row : row + 1], use_cache=True)
-            real = tokens[row, mask[row].bool()][None]
-            if real.shape[1]:
-                alone = model(real, past_key_values=alone.past_key_values, use_cache=True)
-                torch.testing.assert_close(padded.logits[row, mask[row].bool()], alone.logits[0], atol=1e-4, rtol=0)
-            alone_cache = alone.past_key_values
-            alone_next = model(following[row : row + 1], past_key_values=alone_cache, use_cache=True)
-            torch.testing.assert_close(continued.logits[row], alone_next.logits[0], atol=1e-4, rtol=0)
-            for layer, alone_layer in zip(padded.past_key_values.layers, alone_cache.layers):
-                torch.testing.assert_close(layer.fast_weights[row], alone_layer.fast_weights[0], atol=1e-5, rtol=0)
-                if config.short_convolution:
-                    torch.testing.assert_close(layer.convolution_tail[row], alone_layer.convolution_tail[0])
+
+    def snapshot(cache):
+        return [(layer.fast_weights.clone(), layer.convolution_tail) for layer in cache.layers]  # replaced, not mutated
+
+    batch, rows = check_rows_alone(model, mask, config.pad_token_id, PREFIX, 3, snapshot=snapshot,
+                                   before_alone=lambda: monkeypatch.setenv("MEMLM_KERNELS", "torch"))  # fmt: skip
+    for row, alone in enumerate(rows):
+        for (fast_weights, tail), (alone_fast_weights, alone_tail) in zip(batch, alone):
+            torch.testing.assert_close(fast_weights[row], alone_fast_weights[0], atol=1e-5, rtol=0)
+            if config.short_convolution:
+                torch.testing.assert_close(tail[row], alone_tail[0])
     monkeypatch.setenv("MEMLM_KERNELS", backend)
     packs = backend == "triton" and config.update_rule == "delta"
     assert model.model.packs_padding(mask.bool()) == packs

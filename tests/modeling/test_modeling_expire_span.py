@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache, pipeline
 
 from memlm import ExpireSpanCache, ExpireSpanConfig, ExpireSpanForCausalLM
+from tests.modeling.padding import LAYOUTS, check_rows_alone, padding_mask
 
 TINY = {
     "vocab_size": 258,
@@ -78,49 +79,15 @@ def test_block_size_does_not_change_the_result():
         torch.testing.assert_close(other, logits[0], atol=1e-5, rtol=0)
 
 
-def _padding_mask(layout: str, width: int = 24) -> torch.Tensor:
-    """(3, width) padding masks: real tokens on the left, on the right, scattered, or a row with none."""
-    lengths = (21, 0, 4) if layout == "empty_row" else (21, 9, 4)
-    mask = torch.zeros(3, width, dtype=torch.long)
-    generator = torch.Generator().manual_seed(3)
-    for row, length in enumerate(lengths):
-        if layout == "right":
-            mask[row, :length] = 1
-        elif layout == "between":
-            mask[row, torch.randperm(width, generator=generator)[:length]] = 1
-        else:
-            mask[row, width - length :] = 1
-    return mask
-
-
-@pytest.mark.parametrize("layout", ["left", "right", "between", "empty_row"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["inference", "training"])
 def test_padding_anywhere_gives_each_row_alone(layout, mode):
-    """After an unpadded prefix, a padded chunk (three blocks of 8) and a continuation: the logits at real tokens
-    and the continuation equal each row alone, in inference and through the training path (no dropout)."""
+    """The padded chunk spans three blocks of 8; training runs the training path (no dropout in TINY)."""
     model = _model()
     if mode == "training":
         model.train()
-    mask = _padding_mask(layout)
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 256, (3, 5), generator=generator)
-    tokens = torch.randint(0, 256, mask.shape, generator=generator).masked_fill(mask == 0, 257)
-    following = torch.randint(0, 256, (3, 6), generator=generator)
-    full_mask = torch.cat([torch.ones_like(prefix), mask], 1)
-    grad = torch.enable_grad() if mode == "training" else torch.no_grad()
-    with grad:
-        cache = model(prefix, use_cache=True).past_key_values
-        padded = model(tokens, attention_mask=full_mask, past_key_values=cache, use_cache=True)
-        continued = model(following, attention_mask=torch.cat([full_mask, torch.ones_like(following)], 1),
-                          past_key_values=padded.past_key_values, use_cache=True)  # fmt: skip
-        for row in range(3):
-            alone = model(prefix[row : row + 1], use_cache=True)
-            real = tokens[row, mask[row].bool()][None]
-            if real.shape[1]:
-                alone = model(real, past_key_values=alone.past_key_values, use_cache=True)
-                torch.testing.assert_close(padded.logits[row, mask[row].bool()], alone.logits[0], atol=1e-4, rtol=0)
-            alone_next = model(following[row : row + 1], past_key_values=alone.past_key_values, use_cache=True)
-            torch.testing.assert_close(continued.logits[row], alone_next.logits[0], atol=1e-4, rtol=0)
+    check_rows_alone(model, padding_mask(layout, (21, 9, 4), width=24), model.config.pad_token_id, prefix_length=5,
+                     following_length=6, training=mode == "training")  # fmt: skip
 
 
 def test_backends_agree_at_model_level(monkeypatch):

@@ -11,6 +11,7 @@ from transformers import AutoConfig, DynamicCache, pipeline
 
 from memlm import FeedbackCache, FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.modeling import modeling_feedback_transformer
+from tests.modeling.padding import LAYOUTS, check_rows_alone, padding_mask
 
 TINY = {
     "vocab_size": 258,
@@ -132,50 +133,20 @@ def test_training_forward_carries_its_memory_into_the_cache():
     torch.testing.assert_close(with_cache, expected, atol=1e-4, rtol=0)
 
 
-def _padding_mask(layout: str, width: int = 12) -> torch.Tensor:
-    """(3, width) padding masks: real tokens on the left, on the right, scattered, or a row with none."""
-    lengths = (9, 0, 3) if layout == "empty_row" else (9, 5, 3)
-    mask = torch.zeros(3, width, dtype=torch.long)
-    generator = torch.Generator().manual_seed(3)
-    for row, length in enumerate(lengths):
-        if layout == "right":
-            mask[row, :length] = 1
-        elif layout == "between":
-            mask[row, torch.randperm(width, generator=generator)[:length]] = 1
-        else:
-            mask[row, width - length :] = 1
-    return mask
+def _padding_mask(layout: str) -> torch.Tensor:
+    return padding_mask(layout, (9, 5, 3), width=12)
 
 
-@pytest.mark.parametrize("layout", ["left", "right", "between", "empty_row"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["inference", "training"])
 def test_padding_anywhere_gives_each_row_alone(layout, mode):
-    """After an unpadded prefix, a padded chunk and a continuation: the logits at real tokens and the continuation
-    equal each row alone. Training runs the tape (and carries its window); inference the ring. τ = 5 < the padding,
-    so a window counted in steps rather than positions would lose memories."""
+    """Training runs the tape (and carries its window), inference the ring. τ = 5 < the padding, so a window counted
+    in steps rather than positions would lose memories."""
     model = _model("unshared_rotary")
     if mode == "training":
         model.train()  # no dropout in TINY: the same numbers, through the training path
-    mask = _padding_mask(layout)
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 256, (3, 6), generator=generator)
-    tokens = torch.randint(0, 256, mask.shape, generator=generator).masked_fill(mask == 0, 257)
-    following = torch.randint(0, 256, (3, 3), generator=generator)
-    full_mask = torch.cat([torch.ones_like(prefix), mask], 1)
-    grad = torch.enable_grad() if mode == "training" else torch.no_grad()
-    with grad:
-        cache = model(prefix, use_cache=True).past_key_values
-        padded = model(tokens, attention_mask=full_mask, past_key_values=cache, use_cache=True)
-        continued = model(following, attention_mask=torch.cat([full_mask, torch.ones_like(following)], 1),
-                          past_key_values=padded.past_key_values)  # fmt: skip
-        for row in range(3):
-            alone = model(prefix[row : row + 1], use_cache=True)
-            real = tokens[row, mask[row].bool()][None]
-            if real.shape[1]:
-                alone = model(real, past_key_values=alone.past_key_values, use_cache=True)
-                torch.testing.assert_close(padded.logits[row, mask[row].bool()], alone.logits[0], atol=1e-4, rtol=0)
-            alone_next = model(following[row : row + 1], past_key_values=alone.past_key_values)
-            torch.testing.assert_close(continued.logits[row], alone_next.logits[0], atol=1e-4, rtol=0)
+    check_rows_alone(model, _padding_mask(layout), 257, prefix_length=6, following_length=3,
+                     training=mode == "training")  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
