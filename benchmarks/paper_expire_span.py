@@ -12,21 +12,28 @@ same seed and on the same data (`memlm.training.tasks.corridor` and `.far_copy`)
   shortest S whose mean memory size is at least the Expire-Span model's measured one, then `--fixed-spans` (default
   L/4, L/2 and L) to draw the accuracy-against-memory curve of Fig. 4.
 
+All of this runs once per seed of `--seeds` (default 0 1 2; smoke 0 1): the seed s draws the training examples (and
+s + 1 the held-out ones), initialises the models and orders the training batches. A model is the same row in every
+seed's run ("fixed span, matched memory", "fixed span, S = 0.5 L", ...) although its span S may differ: the matched
+span follows that seed's Expire-Span memory, and L that seed's longest example.
+
 It reports, on held-out examples, the accuracy of the answer tokens (and of whole answers), the mean memory size
-(`memory_size`: memories each query attends to, averaged over all queries and layers, as in Fig. 4) and, per layer,
-how many memories the query that starts the answer can read and how far back the oldest of them lies. Tiny models
-(2 layers, hidden 32, ramp R = 4), each sequence in one block so that the answer's gradient reaches the memory it
-reads. Two layers of span S reach 2S tokens back (a memory of layer 2 may itself have read S tokens back), so the
-matched fixed span is right on the shortest corridors/gaps and at chance beyond.
+(`memory_size`: memories each query attends to, averaged over all queries and layers, as in Fig. 4) and, per layer, how
+many memories the query that starts the answer can read and how far back the oldest of them lies; the tables show every
+number as the mean over the seeds with the lowest and highest in parentheses. Tiny models (2 layers, hidden 32, ramp
+R = 4), each sequence in one block so that the answer's gradient reaches the memory it reads. Two layers of span S reach
+2S tokens back (a memory of layer 2 may itself have read S tokens back), so the matched fixed span is right on the
+shortest corridors/gaps and at chance beyond.
 
 The spans start at half of L (`--initial-span-fraction 0.5`), not at the paper's "small initial spans" (0.1): with
 0.1 and this budget (300 steps) the span loss sometimes shrinks every memory before the task is learned (far copy,
 1 seed of 3 in our runs); starting long, the model first learns the task, then the span loss trims what is not read.
 
-    python benchmarks/paper_expire_span.py [--smoke] [--threads 2] [--json results.json] [--plot PATH]
+    python benchmarks/paper_expire_span.py [--smoke] [--seeds 0 1 2] [--threads 2] [--json results.json] [--plot PATH]
 
-writes `benchmarks/paper_expire_span.png` (accuracy against mean memory size, one panel per task) unless `--plot`
-says otherwise (`--plot ""`: no plot).
+writes `benchmarks/paper_expire_span.png` (accuracy against mean memory size, one panel per task: means over the
+seeds, shaded from the lowest to the highest) unless `--plot` says otherwise (`--plot ""`: no plot). `--json` writes
+every seed's rows and the summaries.
 """
 
 import argparse
@@ -39,11 +46,21 @@ import torch
 from tqdm.auto import tqdm
 
 from memlm import ExpireSpanConfig, ExpireSpanForCausalLM
-from memlm.training.tasks.common import IGNORE, collate, dataset_rows, evaluate_accuracy, train_on_task
+from memlm.training.tasks.common import (
+    IGNORE,
+    across_seeds,
+    collate,
+    dataset_rows,
+    evaluate_accuracy,
+    format_across_seeds,
+    train_on_task,
+)
 from memlm.training.tasks.corridor import corridor_dataset, corridor_symbols
 from memlm.training.tasks.far_copy import far_copy_dataset, far_copy_symbols
 
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_expire_span.png")
+# Measurements summarised across seeds (besides the per-layer lists `query_memories` and `query_oldest`).
+SUMMARISED = ("max_span", "memory_size", "accuracy", "sequence_accuracy", "final_train_loss", "train_seconds")
 
 
 def task_settings(smoke: bool) -> dict:
@@ -72,8 +89,10 @@ def task_settings(smoke: bool) -> dict:
     }
 
 
-def build_model(args, vocab_size: int, max_span: int, block_size: int, expire: bool) -> ExpireSpanForCausalLM:
-    torch.manual_seed(args.seed)
+def build_model(
+    args, seed: int, vocab_size: int, max_span: int, block_size: int, expire: bool
+) -> ExpireSpanForCausalLM:
+    torch.manual_seed(seed)
     config = ExpireSpanConfig(
         vocab_size=vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
         num_hidden_layers=args.layers, num_attention_heads=2, max_span=max_span, ramp=args.ramp,
@@ -126,13 +145,13 @@ def memory_statistics(model, dataset, batch_size: int = 64) -> dict:
     }
 
 
-def matched_span(args, setting: dict, test, longest: int, target: float) -> int:
+def matched_span(args, seed: int, setting: dict, test, longest: int, target: float) -> int:
     """The shortest fixed span S whose mean memory size on `test` is at least `target`. The memory size of a
     fixed-span model depends only on S and the lengths, and grows with S, so untrained models measure it and a
     bisection finds S."""
 
     def memory(span: int) -> float:
-        model = build_model(args, setting["vocab_size"], span, longest, expire=False)
+        model = build_model(args, seed, setting["vocab_size"], span, longest, expire=False)
         return memory_statistics(model, test)["memory_size"]
 
     low, high = 1, longest
@@ -145,8 +164,10 @@ def matched_span(args, setting: dict, test, longest: int, target: float) -> int:
     return low
 
 
-def train_and_measure(args, setting: dict, train, test, max_span: int, block_size: int, expire: bool) -> dict:
-    model = build_model(args, setting["vocab_size"], max_span, block_size, expire)
+def train_and_measure(
+    args, seed: int, setting: dict, train, test, max_span: int, block_size: int, expire: bool
+) -> dict:
+    model = build_model(args, seed, setting["vocab_size"], max_span, block_size, expire)
     label = f"{'Expire-Span' if expire else 'fixed span'} {max_span}"
     started = time.perf_counter()
     with tqdm(total=args.steps, desc=label, leave=False, disable=args.smoke) as progress:
@@ -157,11 +178,12 @@ def train_and_measure(args, setting: dict, train, test, max_span: int, block_siz
 
         losses = train_on_task(
             model, train, args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-            warmup_steps=min(20, args.steps // 10), seed=args.seed, callback=advance,
+            warmup_steps=min(20, args.steps // 10), seed=seed, callback=advance,
         )  # fmt: skip
     seconds = time.perf_counter() - started
     scores = evaluate_accuracy(model, test)
     return {
+        "seed": seed,
         "model": "Expire-Span" if expire else "fixed span",
         "max_span": max_span,
         "accuracy": scores["accuracy"],
@@ -172,65 +194,126 @@ def train_and_measure(args, setting: dict, train, test, max_span: int, block_siz
     }
 
 
-def run_task(args, name: str, setting: dict) -> list[dict]:
-    train = setting["build"](args.train_examples, args.seed)
-    test = setting["build"](args.test_examples, args.seed + 1)
+def run_task(args, name: str, setting: dict, seed: int) -> list[dict]:
+    """One seed's rows: the Expire-Span model, the fixed span matched to its memory, then one per `--fixed-spans`.
+    A span met twice (the matched one may equal L, say) is trained once and its row repeated, so that every seed has
+    the same rows in the same order."""
+    train = setting["build"](args.train_examples, seed)
+    test = setting["build"](args.test_examples, seed + 1)
     # L: the longest example, so the Expire-Span model and the full fixed span can reach anything they need.
     longest = max(len(row["input_ids"]) for row in dataset_rows(train) + dataset_rows(test))
-    rows = [train_and_measure(args, setting, train, test, longest, longest, expire=True)]
-    print(f"  {name}: Expire-Span trained in {rows[0]['train_seconds']:.0f} s", flush=True)
-    span = matched_span(args, setting, test, longest, rows[0]["memory_size"])
-    spans = [span] + sorted({max(1, round(fraction * longest)) for fraction in args.fixed_spans} - {span})
-    for index, fixed in enumerate(spans):
-        row = train_and_measure(args, setting, train, test, fixed, longest, expire=False)
-        row["matched"] = index == 0
-        rows.append(row)
-        print(f"  {name}: fixed span {fixed} trained in {row['train_seconds']:.0f} s", flush=True)
+    expire = train_and_measure(args, seed, setting, train, test, longest, longest, expire=True)
+    print(f"  {name}, seed {seed}: Expire-Span trained in {expire['train_seconds']:.0f} s", flush=True)
+    rows = [{**expire, "label": "Expire-Span", "fraction": None, "matched": False}]
+    matched = matched_span(args, seed, setting, test, longest, expire["memory_size"])
+    wanted = [("fixed span, matched memory", None, matched)]
+    for fraction in args.fixed_spans:
+        label = "fixed span, S = L" if fraction == 1 else f"fixed span, S = {fraction:g} L"
+        wanted.append((label, fraction, max(1, round(fraction * longest))))
+    trained = {}
+    for label, fraction, span in wanted:
+        if span in trained:
+            print(f"  {name}, seed {seed}: fixed span {span} already trained ({label})", flush=True)
+        else:
+            trained[span] = train_and_measure(args, seed, setting, train, test, span, longest, expire=False)
+            seconds = trained[span]["train_seconds"]
+            print(f"  {name}, seed {seed}: fixed span {span} trained in {seconds:.0f} s ({label})", flush=True)
+        rows.append({**trained[span], "label": label, "fraction": fraction, "matched": fraction is None})
     return rows
 
 
-def print_table(name: str, rows: list[dict], chance: float) -> None:
-    print(f"\n{name} (accuracy on held-out examples; a whole answer guessed without memory: {chance:.0%})")
-    print(
-        f"{'model':30}{'max span':>9}{'mean memory':>13}{'accuracy':>10}{'whole answer':>14}"
-        "   at the query, per layer: memories (oldest)"
-    )
-    for row in rows:
-        label = row["model"] + (" (matched memory)" if row.get("matched") else "")
-        at_query = " / ".join(
-            f"{count:.1f} ({oldest:.0f})" for count, oldest in zip(row["query_memories"], row["query_oldest"])
-        )
-        print(
-            f"{label:30}{row['max_span']:>9}{row['memory_size']:>13.1f}{row['accuracy']:>10.1%}"
-            f"{row['sequence_accuracy']:>14.1%}   {at_query}"
-        )
+def summarise(runs: list[list[dict]]) -> list[dict]:
+    """One row per model across seeds (`runs`: every seed's rows, which come in the same order): each measurement as
+    `across_seeds` gives it (mean, low, high, values), the per-layer ones layer by layer."""
+    summary = []
+    for rows in zip(*runs):
+        first = rows[0]
+        summary.append({
+            **{key: first[key] for key in ("label", "model", "fraction", "matched")},
+            **{key: across_seeds(row[key] for row in rows) for key in SUMMARISED},
+            **{key: [across_seeds(layer) for layer in zip(*(row[key] for row in rows))]
+               for key in ("query_memories", "query_oldest")},
+        })  # fmt: skip
+    return summary
 
 
-def plot(results: dict, settings: dict, path: str) -> None:
+def print_columns(lines: list[list[str]]) -> None:
+    """The first column left-aligned, the others right-aligned, each as wide as its widest cell."""
+    widths = [max(len(line[column]) for line in lines) for column in range(len(lines[0]))]
+    for line in lines:
+        print(line[0].ljust(widths[0]) + "".join(f"  {cell:>{width}}" for cell, width in zip(line[1:], widths[1:])))
+
+
+def print_table(name: str, summary: list[dict], chance: float, seeds: list[int]) -> None:
+    count = f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))})"
+    print(f"\n{name}: accuracy on held-out examples (a whole answer guessed without memory: {chance:.0%})")
+    print(f"mean (lowest–highest) over {count}; the matched fixed span is chosen per seed (the shortest with at least")
+    print("that seed's Expire-Span memory), so its max span is summarised too, as is L (the longest example).")
+    lines = [["model", "max span", "mean memory", "accuracy", "whole answer"]]
+    for row in summary:
+        lines.append([
+            row["label"], format_across_seeds(row["max_span"], ".4g"), format_across_seeds(row["memory_size"], ".1f"),
+            format_across_seeds(row["accuracy"], ".1%"), format_across_seeds(row["sequence_accuracy"], ".1%"),
+        ])  # fmt: skip
+    print_columns(lines)
+    print("\nat the query that starts the answer, per layer: how many memories it reads, how far back the oldest lies")
+    layers = range(1, len(summary[0]["query_memories"]) + 1)
+    lines = [["model"] + [f"layer {layer} {what}" for layer in layers for what in ("memories", "oldest")]]
+    for row in summary:
+        cells = [row["label"]]
+        for memories, oldest in zip(row["query_memories"], row["query_oldest"]):
+            cells += [format_across_seeds(memories, ".1f"), format_across_seeds(oldest, ".0f")]
+        lines.append(cells)
+    print_columns(lines)
+
+
+def spread(rows: list[dict], key: str) -> list[list[float]]:
+    """Error-bar lengths below and above each mean: down to the lowest seed, up to the highest."""
+    return [
+        [row[key]["mean"] - row[key]["low"] for row in rows],
+        [row[key]["high"] - row[key]["mean"] for row in rows],
+    ]
+
+
+def plot(summaries: dict, settings: dict, seeds: list[int], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
-    for axis, (name, rows) in zip(axes[0], results.items()):
-        fixed = sorted((row for row in rows if row["model"] == "fixed span"), key=lambda row: row["memory_size"])
-        expire = [row for row in rows if row["model"] == "Expire-Span"]
+    figure, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 4), squeeze=False)
+    for axis, (name, summary) in zip(axes[0], summaries.items()):
+        # A span trained twice in every seed (the matched one equal to L, say) is one point.
+        unique = {}
+        for row in summary:
+            if row["model"] == "fixed span":
+                unique.setdefault(tuple(row["max_span"]["values"]), row)
+        fixed = sorted(unique.values(), key=lambda row: row["memory_size"]["mean"])
+        expire = [row for row in summary if row["model"] == "Expire-Span"]
         # With one answer token (corridor) the two accuracies are the same; draw whole answers only when they differ.
         metrics = [("accuracy", "answer tokens", "-")]
-        if any(row["accuracy"] != row["sequence_accuracy"] for row in rows):
+        if any(row["accuracy"]["values"] != row["sequence_accuracy"]["values"] for row in summary):
             metrics.append(("sequence_accuracy", "whole answers", "--"))
+        memory = [row["memory_size"]["mean"] for row in fixed]
         for key, description, style in metrics:
-            axis.plot([row["memory_size"] for row in fixed], [row[key] for row in fixed], "o" + style, color="C0",
-                      mfc="C0" if style == "-" else "white", label=f"fixed span, {description}")  # fmt: skip
-            axis.plot([row["memory_size"] for row in expire], [row[key] for row in expire], "*", markersize=14,
-                      color="C1", mfc="C1" if style == "-" else "white", zorder=4 if style == "-" else 3,
-                      label=f"Expire-Span (L={expire[0]['max_span']}), {description}")  # fmt: skip
+            solid = style == "-"
+            axis.fill_between(memory, [row[key]["low"] for row in fixed], [row[key]["high"] for row in fixed],
+                              color="C0", alpha=0.2 if solid else 0.1, linewidth=0)  # fmt: skip
+            axis.errorbar(memory, [row[key]["mean"] for row in fixed], xerr=spread(fixed, "memory_size"),
+                          yerr=spread(fixed, key), fmt="o" + style, color="C0", mfc="C0" if solid else "white",
+                          capsize=2, label=f"fixed span, {description}")  # fmt: skip
+            axis.errorbar([row["memory_size"]["mean"] for row in expire], [row[key]["mean"] for row in expire],
+                          xerr=spread(expire, "memory_size"), yerr=spread(expire, key), fmt="*", markersize=14,
+                          color="C1", mfc="C1" if solid else "white", capsize=2, zorder=4 if solid else 3,
+                          label=f"Expire-Span (L={expire[0]['max_span']['mean']:.4g}), {description}")  # fmt: skip
         for row in fixed:
-            axis.annotate(f"S={row['max_span']}", (row["memory_size"], row["accuracy"]), textcoords="offset points",
-                          xytext=(4, 6), fontsize=8)  # fmt: skip
+            axis.annotate(f"S={row['max_span']['mean']:.4g}", (row["memory_size"]["mean"], row["accuracy"]["mean"]),
+                          textcoords="offset points", xytext=(4, 6), fontsize=8)  # fmt: skip
         axis.axhline(settings[name]["chance"], color="grey", linestyle=":", label="whole answer guessed")
-        axis.set_title(name.replace("_", " "))
+        title = name.replace("_", " ")
+        if len(seeds) > 1:
+            title += f": mean of {len(seeds)} seeds, lowest to highest shaded"
+        axis.set_title(title, fontsize=10)
         axis.set_xlabel("mean memory size (memories per query)")
         axis.set_ylabel("accuracy on held-out examples")
         axis.set_ylim(0, 1.05)
@@ -256,13 +339,15 @@ def main(argv=None):
     parser.add_argument("--initial-span-fraction", type=float, default=0.5)
     parser.add_argument("--fixed-spans", type=float, nargs="*", default=None,
                         help="further fixed spans as fractions of L (default 0.25 0.5 1; smoke 1)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="every model once per seed, which sets the data, initialisation and batch order "
+                        "(default 0 1 2, smoke 0 1)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=DEFAULT_PLOT)
     args = parser.parse_args(argv)
     defaults = {"steps": (300, 3), "batch_size": (32, 8), "train_examples": (2048, 32), "test_examples": (256, 8),
-                "fixed_spans": ([0.25, 0.5, 1.0], [1.0])}  # fmt: skip
+                "fixed_spans": ([0.25, 0.5, 1.0], [1.0]), "seeds": ([0, 1, 2], [0, 1])}  # fmt: skip
     for option, (full, smoke) in defaults.items():
         if getattr(args, option) is None:
             setattr(args, option, smoke if args.smoke else full)
@@ -271,18 +356,29 @@ def main(argv=None):
             raise ValueError(f"--{option.replace('_', '-')} must be a positive integer, got {getattr(args, option)}.")
     if any(not 0 < fraction <= 1 for fraction in args.fixed_spans):
         raise ValueError(f"--fixed-spans must be fractions of L in (0, 1], got {args.fixed_spans}.")
+    args.fixed_spans = sorted(set(args.fixed_spans))
+    repeated = sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1})
+    negative = [seed for seed in args.seeds if seed < 0]
+    if repeated or negative:
+        problems = ([f"repeated {repeated}"] if repeated else []) + ([f"negative {negative}"] if negative else [])
+        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds} ({', '.join(problems)})")
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}", flush=True)
 
     settings = task_settings(args.smoke)
     started = time.perf_counter()
-    results = {name: run_task(args, name, settings[name]) for name in args.tasks}
-    for name, rows in results.items():
-        print_table(name, rows, settings[name]["chance"])
+    per_seed = [
+        {"seed": seed, "tasks": {name: run_task(args, name, settings[name], seed) for name in args.tasks}}
+        for seed in args.seeds
+    ]
+    summaries = {name: summarise([run["tasks"][name] for run in per_seed]) for name in args.tasks}
+    for name, summary in summaries.items():
+        print_table(name, summary, settings[name]["chance"], args.seeds)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if args.plot:
-        plot(results, settings, args.plot)
+        plot(summaries, settings, args.seeds, args.plot)
         print(f"plot: {args.plot}")
+    results = {"seeds": args.seeds, "per_seed": per_seed, "summary": summaries}
     if args.json:
         tasks = {name: settings[name]["options"] for name in args.tasks}
         with open(args.json, "w") as file:

@@ -58,7 +58,9 @@ def test_padding_anywhere_gives_each_row_alone(variant, layout, backend, monkeyp
     mask = _mask(layout)
 
     def snapshot(cache):
-        return [(layer.fast_weights.clone(), layer.convolution_tail) for layer in cache.layers]  # replaced, not mutated
+        return [
+            (layer.fast_weights.clone(), layer.convolution_tail) for layer in cache.layers
+        ]  # replaced, not mutated
 
     batch, rows = check_rows_alone(model, mask, config.pad_token_id, PREFIX, 3, snapshot=snapshot,
                                    before_alone=lambda: monkeypatch.setenv("MEMLM_KERNELS", "torch"))  # fmt: skip

@@ -1,6 +1,7 @@
 """The associative-retrieval generator (DeltaNet Sec. 6.1) is deterministic, balanced and solvable, and its
-comparison script runs end to end on a tiny budget."""
+comparison script runs end to end on a tiny budget over two seeds and summarises them."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from memlm.training.tasks.associative_retrieval import (
 from memlm.training.tasks.common import IGNORE, solver_accuracy
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCHMARK = os.path.join(REPOSITORY, "benchmarks", "paper_deltanet.py")
 
 
 def rows(dataset):
@@ -139,23 +141,67 @@ def test_bad_solver_input_and_tokenizer_size_raise():
         associative_retrieval_tokenizer(0)
 
 
+def load_benchmark():
+    """The script `benchmarks/paper_deltanet.py` as a module (benchmarks/ is not a package)."""
+    specification = importlib.util.spec_from_file_location("paper_deltanet", BENCHMARK)
+    module = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(module)
+    return module
+
+
 def test_benchmark_smoke_run(tmp_path):
     output, image = tmp_path / "results.json", tmp_path / "plot.png"
-    script = os.path.join(REPOSITORY, "benchmarks", "paper_deltanet.py")
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     completed = subprocess.run(
-        [sys.executable, script, "--smoke", "--threads", "1", "--json", str(output), "--plot", str(image)],
+        [sys.executable, BENCHMARK, "--smoke", "--seeds", "0", "1", "--threads", "1", "--json", str(output),
+         "--plot", str(image)],
         cwd=REPOSITORY, env=environment, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "Update rules, setting 2" in completed.stdout and "Capacity, setting 1" in completed.stdout
+    assert "over 2 seeds (0 1)" in completed.stdout
     results = json.loads(output.read_text())
-    assert [row["update_rule"] for row in results["update_rules"]] == ["delta", "sum"]
-    assert {(row["model"], row["num_keys"]) for row in results["capacity"]} == {
-        (model, keys) for model in ("elu+1", "DPFP-1", "DPFP-2") for keys in (4, 8)
-    }
-    assert {row["model"]: row["feature_dim"] for row in results["capacity"]} == {"elu+1": 4, "DPFP-1": 8, "DPFP-2": 16}
-    for row in results["update_rules"] + results["capacity"]:
-        assert [point["step"] for point in row["curve"]] == [2, 4]
-        assert 0 <= row["final"]["accuracy"] <= 1 and row["best"]["loss"] <= row["final"]["loss"]
+    assert results["seeds"] == [0, 1] and [run["seed"] for run in results["per_seed"]] == [0, 1]
+    for run in results["per_seed"]:
+        assert [row["update_rule"] for row in run["update_rules"]] == ["delta", "sum"]
+        assert {(row["model"], row["num_keys"]) for row in run["capacity"]} == {
+            (model, keys) for model in ("elu+1", "DPFP-1", "DPFP-2") for keys in (4, 8)
+        }
+        assert {row["model"]: row["feature_dim"] for row in run["capacity"]} == {"elu+1": 4, "DPFP-1": 8, "DPFP-2": 16}
+        for row in run["update_rules"] + run["capacity"]:
+            assert [point["step"] for point in row["curve"]] == [2, 4]
+            assert 0 <= row["final"]["accuracy"] <= 1 and row["best"]["loss"] <= row["final"]["loss"]
+    # The seed reaches the data and the models: the two seeds' runs differ.
+    first, second = (
+        [point["loss"] for row in run["update_rules"] for point in row["curve"]] for run in results["per_seed"]
+    )
+    assert first != second
+    # Each summary cell is the mean, lowest and highest of the per-seed values, in seed order.
+    for comparison in ("update_rules", "capacity"):
+        summaries = results["summary"][comparison]
+        assert len(summaries) == len(results["per_seed"][0][comparison])
+        for index, summary in enumerate(summaries):
+            seed_rows = [run[comparison][index] for run in results["per_seed"]]
+            assert {summary["model"]} == {row["model"] for row in seed_rows}
+            cells = [(summary[moment][measure], [row[moment][measure] for row in seed_rows])
+                     for moment in ("final", "best") for measure in ("loss", "accuracy")]  # fmt: skip
+            cells += [(point["loss"], [row["curve"][step]["loss"] for row in seed_rows])
+                      for step, point in enumerate(summary["curve"])]  # fmt: skip
+            for cell, values in cells:
+                assert cell["values"] == values
+                assert cell["mean"] == pytest.approx(sum(values) / len(values))
+                assert (cell["low"], cell["high"]) == (min(values), max(values))
     assert image.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "seeds, problem",
+    [(["1", "1"], "repeated [1]"), (["0", "-3"], "negative [-3]"), (["-2", "5", "5"], "negative [-2], repeated [5]")],
+)
+def test_benchmark_rejects_bad_seeds(seeds, problem, capsys):
+    benchmark = load_benchmark()
+    with pytest.raises(SystemExit) as raised:
+        benchmark.main(["--smoke", "--threads", "1", "--plot", "", "--seeds", *seeds])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert "--seeds must be distinct non-negative integers" in error and problem in error

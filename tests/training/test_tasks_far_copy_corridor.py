@@ -1,5 +1,6 @@
 """The Expire-Span tasks (far copy, corridor): deterministic, balanced, solvable by brute force and not by a wrong
-solver, options validated, tokenizers round-trip; and `benchmarks/paper_expire_span.py --smoke` runs end to end."""
+solver, options validated, tokenizers round-trip; and `benchmarks/paper_expire_span.py --smoke` runs end to end over
+two seeds, its summaries being those seeds' values."""
 
 import importlib.util
 import json
@@ -176,29 +177,86 @@ def test_corridor_tokenizer_round_trip():
 # Benchmark -----------------------------------------------------------------------------------------------------------
 
 
-def test_paper_expire_span_benchmark_smoke_run(tmp_path):
-    output, image = tmp_path / "results.json", tmp_path / "plot.png"
+def run_paper_expire_span(directory: Path, *arguments: str) -> tuple[str, dict]:
+    """Runs the script's smoke configuration in a subprocess; its standard output and the results of its JSON file."""
+    output = directory / "results.json"
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     completed = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "paper_expire_span.py"), "--smoke", "--threads", "1",
-         "--json", str(output), "--plot", str(image)],
+         "--json", str(output), *arguments],
         env=environment, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr
-    assert "matched memory" in completed.stdout
-    results = json.loads(output.read_text())["results"]
-    assert set(results) == {"corridor", "far_copy"}
-    for rows in results.values():
-        expire, matched, *others = rows
-        assert expire["model"] == "Expire-Span"
-        assert matched["model"] == "fixed span" and matched["matched"]
-        # The matched fixed span is the shortest with at least the Expire-Span model's mean memory.
-        assert matched["memory_size"] >= expire["memory_size"] and matched["max_span"] <= expire["max_span"]
-        assert others and others[-1]["max_span"] == expire["max_span"]  # smoke: the full span L as well
-        for row in rows:
-            assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["sequence_accuracy"] <= 1.0
-            assert row["memory_size"] > 0
-            assert len(row["query_memories"]) == len(row["query_oldest"]) == 2  # per layer
+    return completed.stdout, json.loads(output.read_text())["results"]
+
+
+@pytest.fixture(scope="module")
+def two_seeds(tmp_path_factory):
+    """The smoke run with its default seeds (0 and 1): standard output, results and the plot's path."""
+    directory = tmp_path_factory.mktemp("two_seeds")
+    image = directory / "plot.png"
+    stdout, results = run_paper_expire_span(directory, "--plot", str(image))
+    return stdout, results, image
+
+
+def test_paper_expire_span_benchmark_smoke_run(two_seeds):
+    stdout, results, image = two_seeds
+    assert "fixed span, matched memory" in stdout and "over 2 seeds (0, 1)" in stdout
+    assert "corridor, seed 0: Expire-Span trained" in stdout and "far_copy, seed 1: Expire-Span trained" in stdout
+    assert results["seeds"] == [0, 1]
+    assert [run["seed"] for run in results["per_seed"]] == [0, 1]
+    for run in results["per_seed"]:
+        assert set(run["tasks"]) == {"corridor", "far_copy"}
+        for rows in run["tasks"].values():
+            expire, matched, *others = rows
+            assert expire["model"] == "Expire-Span"
+            assert matched["model"] == "fixed span" and matched["matched"]
+            # The matched fixed span is the shortest with at least the Expire-Span model's mean memory.
+            assert matched["memory_size"] >= expire["memory_size"] and matched["max_span"] <= expire["max_span"]
+            assert [row["label"] for row in others] == ["fixed span, S = L"]  # smoke: the full span L as well
+            assert others[0]["max_span"] == expire["max_span"]
+            for row in rows:
+                assert row["seed"] == run["seed"]
+                assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["sequence_accuracy"] <= 1.0
+                assert row["memory_size"] > 0
+                assert len(row["query_memories"]) == len(row["query_oldest"]) == 2  # per layer
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_paper_expire_span_benchmark_summaries_are_the_per_seed_values(two_seeds):
+    _, results, _ = two_seeds
+    assert set(results["summary"]) == {"corridor", "far_copy"}
+    spread = False
+    for name, summary in results["summary"].items():
+        runs = [run["tasks"][name] for run in results["per_seed"]]
+        assert (
+            [row["label"] for row in summary] == [row["label"] for row in runs[0]] == [row["label"] for row in runs[1]]
+        )
+        for index, row in enumerate(summary):
+            for key in ("max_span", "memory_size", "accuracy", "sequence_accuracy", "final_train_loss"):
+                values = [rows[index][key] for rows in runs]
+                assert row[key]["values"] == values
+                assert row[key]["mean"] == pytest.approx(sum(values) / len(values))
+                assert (row[key]["low"], row[key]["high"]) == (min(values), max(values))
+                spread = spread or row[key]["low"] < row[key]["high"]
+            for key in ("query_memories", "query_oldest"):
+                for layer, layer_summary in enumerate(row[key]):
+                    values = [rows[index][key][layer] for rows in runs]
+                    assert layer_summary["mean"] == pytest.approx(sum(values) / len(values))
+    assert spread  # the seeds change the data and the models, so some measurement differs between them
+
+
+def test_paper_expire_span_benchmark_one_seed_repeats_that_seed_of_a_longer_run(two_seeds, tmp_path):
+    _, two, _ = two_seeds
+    image = tmp_path / "plot.png"
+    stdout, one = run_paper_expire_span(tmp_path, "--seeds", "1", "--tasks", "corridor", "--plot", str(image))
+    assert "over 1 seed (1)" in stdout
+    assert one["seeds"] == [1] and [run["seed"] for run in one["per_seed"]] == [1]
+    rows, earlier = one["per_seed"][0]["tasks"]["corridor"], two["per_seed"][1]["tasks"]["corridor"]
+    for row, other in zip(rows, earlier, strict=True):
+        assert {**row, "train_seconds": None} == {**other, "train_seconds": None}  # the same models, trained alike
+    for row in one["summary"]["corridor"]:
+        assert row["accuracy"]["low"] == row["accuracy"]["mean"] == row["accuracy"]["high"]
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -218,3 +276,17 @@ def load_benchmark():
 def test_paper_expire_span_benchmark_rejects_bad_arguments(arguments, message):
     with pytest.raises(ValueError, match=message):
         load_benchmark().main(["--smoke", "--plot", "", *arguments])
+
+
+@pytest.mark.parametrize(
+    "seeds, problem",
+    [(["0", "0"], "repeated [0]"), (["-1"], "negative [-1]"), (["2", "-3", "2"], "repeated [2], negative [-3]")],
+)
+def test_paper_expire_span_benchmark_rejects_bad_seeds(seeds, problem, capsys):
+    with pytest.raises(SystemExit) as error:
+        load_benchmark().main(["--smoke", "--plot", "", "--seeds", *seeds])
+    assert error.value.code == 2
+    assert (
+        f"--seeds must be distinct non-negative integers, got [{', '.join(seeds)}] ({problem})"
+        in capsys.readouterr().err
+    )

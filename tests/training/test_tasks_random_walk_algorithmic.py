@@ -290,18 +290,44 @@ def test_paper_feedback_benchmark_smoke(tmp_path):
                "--tasks", "random_walk,algorithmic3", "--json", str(json_path), "--plot", str(plot_path)]  # fmt: skip
     completed = subprocess.run(command, cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
-    assert "Feedback layer weights" in completed.stdout and "random_walk" in completed.stdout
+    assert "Feedback layer weights" in completed.stdout and "seed 1  random_walk" in completed.stdout
     report = json.loads(json_path.read_text())
-    assert set(report["results"]) == {"random_walk", "algorithmic3"}
-    for result in report["results"].values():
+    assert report["seeds"] == [0, 1]  # the --smoke default
+    assert set(report["per_seed"]) == set(report["summary"]) == {"random_walk", "algorithmic3"}
+    for task, runs in report["per_seed"].items():
+        assert [run["seed"] for run in runs] == [0, 1]
+        for result in runs:
+            for name in ("llama", "feedback"):
+                model = result[name]
+                assert 0 <= model["accuracy"] <= 1 and model["seconds"] > 0
+                assert [point["step"] for point in model["curve"]] == [0, 1, 2]
+            assert result["feedback"]["memory_span"] == 3
+            weights = result["feedback"]["layer_weights"]
+            assert len(weights) == 2 and abs(sum(weights) - 1) < 1e-5
+            assert result["llama"]["parameters"] == pytest.approx(result["feedback"]["parameters"], rel=0.2)
+        # The seed changes the data and the initialisation, so the two runs train differently.
+        assert runs[0]["llama"]["curve"][1]["train_loss"] != runs[1]["llama"]["curve"][1]["train_loss"]
+
+        summary = report["summary"][task]
         for name in ("llama", "feedback"):
-            model = result[name]
-            assert 0 <= model["accuracy"] <= 1 and model["seconds"] > 0
-            assert [point["step"] for point in model["curve"]] == [0, 1, 2]
-        assert result["feedback"]["memory_span"] == 3
-        weights = result["feedback"]["layer_weights"]
-        assert len(weights) == 2 and abs(sum(weights) - 1) < 1e-5
-        assert result["llama"]["parameters"] == pytest.approx(result["feedback"]["parameters"], rel=0.2)
+            for key in ("accuracy", "sequence_accuracy", "seconds"):
+                values = [run[name][key] for run in runs]
+                assert summary[name][key]["values"] == values
+                assert summary[name][key]["mean"] == pytest.approx(sum(values) / 2)
+                assert (summary[name][key]["low"], summary[name][key]["high"]) == (min(values), max(values))
+            for index, point in enumerate(summary[name]["curve"]):
+                values = [run[name]["curve"][index]["accuracy"] for run in runs]
+                assert point["step"] == index and point["accuracy"]["mean"] == pytest.approx(sum(values) / 2)
+        weights = [run["feedback"]["layer_weights"][0] for run in runs]
+        assert summary["feedback"]["layer_weights"][0]["mean"] == pytest.approx(sum(weights) / 2)
+        winners = [
+            "tie" if run["llama"]["accuracy"] == run["feedback"]["accuracy"]
+            else "feedback" if run["feedback"]["accuracy"] > run["llama"]["accuracy"] else "llama"
+            for run in runs
+        ]  # fmt: skip
+        assert summary["winners"] == winners and summary["feedback_wins"] == winners.count("feedback")
+        assert f"{task}: Feedback beat Llama in {winners.count('feedback')} of 2 seeds" in completed.stdout
+    assert "mean (low–high) over 2 seeds" in completed.stdout
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot_path.stat().st_size > 10_000
 
 
@@ -317,11 +343,27 @@ def load_benchmark():
 def test_paper_feedback_benchmark_arguments():
     benchmark = load_benchmark()
     args = benchmark.parse_arguments(["--tasks", "algorithmic5", "--num-statements", "6", "--train-examples", "4"])
-    assert args.tasks == ["algorithmic5"] and args.plot == benchmark.DEFAULT_PLOT
-    train, held_out, vocabulary = benchmark.task_data("algorithmic5", args)
+    assert args.tasks == ["algorithmic5"] and args.plot == benchmark.DEFAULT_PLOT and args.seeds == [0, 1, 2]
+    train, held_out, vocabulary = benchmark.task_data("algorithmic5", args, 0)
     assert len(train) == 4 and len(held_out) == args.eval_examples and vocabulary == len(algorithmic_symbols()) + 1
     assert train["input_ids"] != held_out["input_ids"][:4]
-    assert benchmark.parse_arguments(["--smoke"]).plot is None
-    for bad in (["--tasks", "copy"], ["--steps", "0"]):
+    assert benchmark.task_data("algorithmic5", args, 1)[0]["input_ids"] != train["input_ids"]
+    smoke = benchmark.parse_arguments(["--smoke"])
+    assert smoke.plot is None and smoke.seeds == [0, 1]
+    assert benchmark.parse_arguments(["--smoke", "--seeds", "7", "3"]).seeds == [7, 3]
+    for bad in (["--tasks", "copy"], ["--steps", "0"], ["--seeds"], ["--seeds", "one"]):
         with pytest.raises(SystemExit):
             benchmark.parse_arguments(bad)
+
+
+@pytest.mark.parametrize(
+    "seeds, message",
+    [
+        (["0", "1", "0"], "--seeds: each seed at most once, got [0]"),
+        (["2", "-1", "-3"], "--seeds must be non-negative, got [-1, -3]"),
+    ],
+)
+def test_paper_feedback_benchmark_rejects_bad_seeds(seeds, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        load_benchmark().parse_arguments(["--smoke", "--seeds", *seeds])
+    assert raised.value.code == 2 and message in capsys.readouterr().err
