@@ -252,7 +252,7 @@ def print_table(name: str, summary: list[dict], chance: float, seeds: list[int])
     lines = [["model", "max span", "mean memory", "accuracy", "whole answer"]]
     for row in summary:
         lines.append([
-            row["label"], format_across_seeds(row["max_span"], ".4g"), format_across_seeds(row["memory_size"], ".1f"),
+            row["label"], format_across_seeds(row["max_span"], ".1f"), format_across_seeds(row["memory_size"], ".1f"),
             format_across_seeds(row["accuracy"], ".1%"), format_across_seeds(row["sequence_accuracy"], ".1%"),
         ])  # fmt: skip
     print_columns(lines)
@@ -307,7 +307,7 @@ def plot(summaries: dict, settings: dict, seeds: list[int], path: str) -> None:
                           color="C1", mfc="C1" if solid else "white", capsize=2, zorder=4 if solid else 3,
                           label=f"Expire-Span (L={expire[0]['max_span']['mean']:.4g}), {description}")  # fmt: skip
         for row in fixed:
-            axis.annotate(f"S={row['max_span']['mean']:.4g}", (row["memory_size"]["mean"], row["accuracy"]["mean"]),
+            axis.annotate(f"S={row['max_span']['mean']:.3g}", (row["memory_size"]["mean"], row["accuracy"]["mean"]),
                           textcoords="offset points", xytext=(4, 6), fontsize=8)  # fmt: skip
         axis.axhline(settings[name]["chance"], color="grey", linestyle=":", label="whole answer guessed")
         title = name.replace("_", " ")
