@@ -97,6 +97,30 @@ def test_packed_training_gives_the_masked_gradients(monkeypatch):
     torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-5, rtol=0)
     for name, gradient in results["torch"][1].items():
         torch.testing.assert_close(results["triton"][1][name], gradient, atol=1e-5, rtol=1e-4, msg=name)
+    model.gradient_checkpointing_enable()  # the packed layout through recomputed layers
+    model.zero_grad(set_to_none=True)
+    model(input_ids, attention_mask=mask, labels=labels).loss.backward()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, results["triton"][1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton")
+def test_packed_hidden_states_come_back_in_the_callers_layout(monkeypatch):
+    config = DELTANET_VARIANTS["fla"]()
+    model = _randomised(DeltaNetForCausalLM(config).eval())
+    mask = _mask("between")
+    input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, config.pad_token_id)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("MEMLM_KERNELS", backend)
+        with torch.no_grad():
+            outputs[backend] = model(input_ids, attention_mask=mask, output_hidden_states=True)
+    real = mask.bool()
+    assert len(outputs["triton"].hidden_states) == config.num_hidden_layers + 1
+    for packed, masked in zip(outputs["triton"].hidden_states, outputs["torch"].hidden_states):
+        assert packed.shape == masked.shape == (*mask.shape, config.hidden_size)
+        torch.testing.assert_close(packed[real], masked[real], atol=1e-5, rtol=0)
+    assert torch.count_nonzero(outputs["triton"].hidden_states[-1][~real]) == 0  # nothing computed at padding
 
 
 @pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton")
