@@ -170,7 +170,7 @@ def train_and_measure(
     model = build_model(args, seed, setting["vocab_size"], max_span, block_size, expire)
     label = f"{'Expire-Span' if expire else 'fixed span'} {max_span}"
     started = time.perf_counter()
-    with tqdm(total=args.steps, desc=label, leave=False, disable=args.smoke) as progress:
+    with tqdm(total=args.steps, desc=label, leave=False, disable=True if args.smoke else None) as progress:
 
         def advance(step: int, loss: float) -> None:
             progress.set_postfix(loss=f"{loss:.3f}", refresh=False)

@@ -130,7 +130,7 @@ def train_task(argv=None) -> dict:
     torch.manual_seed(arguments.seed)
     model = build_model(arguments.model, len(tokenizer), overrides)
     before = evaluate_accuracy(model, splits["validation"])
-    progress = tqdm(total=arguments.steps, desc="training")
+    progress = tqdm(total=arguments.steps, desc="training", disable=None)  # no bar when not a terminal
 
     def report(step: int, loss: float) -> None:
         progress.update(1)
