@@ -72,3 +72,33 @@ def test_trainer_lowers_the_loss_and_saves(tmp_path, tokenizer, name):
     sample = torch.tensor([blocks[0]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(sample).logits, model.eval()(sample).logits)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_right_padded_collator_batches_train_like_each_row_alone(tmp_path, tokenizer, name):
+    """Examples of different lengths, padded on the right by the collator (the byte-level tokenizer's side): the
+    batch loss is the token-weighted mean of each row's loss alone, and the Trainer trains on such batches."""
+    assert tokenizer.padding_side == "right"
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    texts = ["fast weights remember", "a memory that expires", "feedback from the top layer to the first one"]
+    examples = [{"input_ids": tokenizer(text)["input_ids"]} for text in texts]
+    batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)(examples)
+    assert (batch["attention_mask"] == 0).any() and (batch["labels"] == -100).any()
+    with torch.no_grad():
+        loss = model(**batch).loss
+        total, count = 0.0, 0
+        for example in examples:
+            ids = torch.tensor([example["input_ids"]])
+            total += model(ids, labels=ids).loss * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    torch.testing.assert_close(loss, total / count, atol=1e-5, rtol=1e-5)
+
+    dataset = Dataset.from_dict({"input_ids": [example["input_ids"] for example in examples] * 8})
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=6, learning_rate=3e-3, max_steps=4,
+        save_strategy="no", report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model.train(), args=arguments, train_dataset=dataset,
+                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))  # fmt: skip
+    assert trainer.train().training_loss > 0
