@@ -183,3 +183,35 @@ class MemoryCache(Cache):
             raise ValueError(
                 f"The {type(self).__name__} holds a batch of {self.batch_size} rows but the input has {batch_size}."
             )
+
+
+def document_starts(position_ids, valid: torch.Tensor | None, batch_size: int, length: int) -> torch.Tensor | None:
+    """Where packed documents start: (B, T) True at each real token whose position does not exceed the previous real
+    token's in its row — the restarts of 🤗's `DataCollatorWithFlattening`, which puts examples back to back in one
+    row with position_ids counting from 0 in each. None without position_ids or when no row restarts."""
+    if position_ids is None or length < 2:
+        return None
+    if position_ids.dim() != 2 or position_ids.shape[-1] != length or position_ids.shape[0] not in (1, batch_size):
+        raise ValueError(
+            f"position_ids must have shape (batch={batch_size}, length={length}) or (1, {length}); got "
+            f"{tuple(position_ids.shape)}."
+        )
+    positions = position_ids.long().expand(batch_size, length)
+    if valid is None:
+        valid = torch.ones(batch_size, length, dtype=torch.bool, device=positions.device)
+    steps = torch.arange(length, device=positions.device).expand(batch_size, length)
+    last_real = torch.where(valid, steps, -1).cummax(1).values  # the latest real token at or before each step
+    previous = torch.cat([last_real.new_full((batch_size, 1), -1), last_real[:, :-1]], 1)
+    previous_position = positions.gather(1, previous.clamp_min(0))
+    starts = valid & (previous >= 0) & (positions <= previous_position)
+    return starts if bool(starts.any()) else None
+
+
+def refuse_packed_documents(position_ids, valid, batch_size: int, length: int, owner: str) -> None:
+    """Raise `ValueError` if position_ids restart inside a row (packed documents), which `owner` cannot keep apart."""
+    if document_starts(position_ids, valid, batch_size, length) is not None:
+        raise ValueError(
+            f"position_ids restart inside a row: documents packed back to back (as 🤗's DataCollatorWithFlattening "
+            f"builds them). {owner} cannot keep packed documents apart; give one document per row, padded "
+            "(e.g. DataCollatorForLanguageModeling), or a continuous stream without position_ids."
+        )

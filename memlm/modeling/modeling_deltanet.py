@@ -33,6 +33,7 @@ from .memory import (
     MemoryCacheLayer,
     check_extra_kwargs,
     current_padding_mask,
+    document_starts,
     embed_inputs,
 )
 
@@ -203,8 +204,8 @@ class DeltaNetAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """hidden_states (B, T, D); attention_mask (B, T), 1 for each row's real tokens, which come first, and 0 for
         the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32 and
-        convolution_tail (B, kernel-1, C) carried from earlier tokens. With cu_seqlens (delta rule only),
-        hidden_states (1, N, D) hold B sequences back to back (`DeltaNetPadding`) and nothing is padded."""
+        convolution_tail (B, kernel-1, C) carried from earlier tokens. With cu_seqlens (S + 1 offsets),
+        hidden_states (1, N, D) hold S sequences back to back (`DeltaNetPadding`) and nothing is padded."""
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
         projected = torch.cat(
@@ -239,16 +240,14 @@ class DeltaNetAttention(nn.Module):
                 chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens,
             )  # fmt: skip
         else:
-            if cu_seqlens is not None:
-                raise ValueError("packed sequences (cu_seqlens) run with the delta rule only; the sum rule is masked.")
             if beta is not None:
                 key = key * beta[..., None]  # with the sum rule, β scales each write
             if self.config.attention_normalizer:
                 # Appending a constant 1 to the values makes the last column of S the normaliser z_t = Σ k_τ.
                 value = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
             output, new_state = sum_rule(
-                query, key, value,
-                initial_state=fast_weights, output_final_state=return_state, chunk_size=self.config.chunk_size,
+                query, key, value, initial_state=fast_weights, output_final_state=return_state,
+                chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens,
             )  # fmt: skip
             if self.config.attention_normalizer:
                 output = output[..., :-1] / (output[..., -1:] + ATTENTION_NORMALIZER_EPS)
@@ -294,26 +293,43 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
 
 
 class DeltaNetPadding:
-    """How a padded batch runs. Padding is skipped: each row's real tokens give the outputs and the memory they give
-    alone, wherever the padding sits (left, right or between tokens).
+    """How a padded batch, or a row of packed documents, runs. Padding is skipped: each row's real tokens give the
+    outputs and the memory they give alone, wherever the padding sits (left, right or between tokens). Documents
+    packed into a row (position_ids restarting, as 🤗's DataCollatorWithFlattening builds them) each start from an
+    empty memory, and the row's memory afterwards is its last document's.
 
-    - Packed (the Triton delta rule): the real tokens of all rows go back to back into one row, with `cu_seqlens`
-      marking where each sequence starts, so the padding costs nothing; the outputs at padding are zeros.
+    - Packed (documents, or padding on the Triton delta rule): the real tokens of all rows go back to back into one
+      row, with `cu_seqlens` marking where each sequence (a row, or a document in it) starts, so the padding costs
+      nothing; the outputs at padding are zeros.
     - Otherwise each row's real tokens move, in order, to the front of the row (a stable reordering, undone at the
       end) and the padding behind them is masked: it writes nothing into the memory.
     """
 
-    def __init__(self, attention_mask: torch.Tensor, pack: bool):
+    def __init__(self, attention_mask: torch.Tensor, pack: bool, document_starts: torch.Tensor | None = None):
         self.shape = attention_mask.shape
         self.lengths = attention_mask.sum(1)
-        if pack:
-            self.indices = attention_mask.flatten().nonzero().squeeze(1)
-            self.cu_seqlens = F.pad(self.lengths.cumsum(0), (1, 0)).to(torch.int32)
+        self.last_sequences = None  # with documents: the index of each row's last sequence
+        if pack or document_starts is not None:
+            flat_mask = attention_mask.flatten()
+            self.indices = flat_mask.nonzero().squeeze(1)
+            row_offsets = F.pad(self.lengths.cumsum(0), (1, 0))
+            self.cu_seqlens = row_offsets.to(torch.int32)
+            if document_starts is not None:
+                packed_positions = flat_mask.long().cumsum(0) - 1
+                starts = torch.cat([row_offsets[:-1], packed_positions[document_starts.flatten()]]).sort().values
+                self.cu_seqlens = torch.cat([starts, row_offsets[-1:]]).to(torch.int32)
+                self.last_sequences = (1 + document_starts.sum(1)).cumsum(0) - 1  # a row's sequences are adjacent
             self.attention_mask = None
         else:
             self.order = torch.sort((~attention_mask).to(torch.uint8), dim=1, stable=True).indices
             self.attention_mask = torch.arange(self.shape[1], device=attention_mask.device) < self.lengths[:, None]
             self.cu_seqlens = None
+
+    def row_states(self, state: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-sequence memory (fast weights or convolution tails) → each row's: its last sequence's."""
+        if state is None or self.last_sequences is None:
+            return state
+        return state[self.last_sequences]
 
     def gather(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, T, D) in the caller's order → the layout the layers run on: (1, N, D) packed, else (B, T, D)."""
@@ -427,8 +443,9 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast | tuple:
         r"""
-        position_ids: accepted for compatibility with 🤗 `generate`; DeltaNet has no positional encoding (the order is
-            in the recurrence), so they are not used.
+        position_ids: DeltaNet has no positional encoding (the order is in the recurrence). Where they restart inside
+            a row (documents packed back to back, as 🤗's DataCollatorWithFlattening builds them), each document
+            starts from an empty memory; otherwise they are not used (🤗 `generate` passes them).
         past_key_values: a `DeltaNetCache` carrying each layer's fast weights from earlier tokens.
         attention_mask: (B, T) or (B, past + T); positions with 0 are padding, anywhere in a row: they are skipped
             (see `DeltaNetPadding`), so each row's real tokens give what they give alone.
@@ -455,9 +472,17 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             past_key_values.check_against(self.config, batch_size)
             past_length = past_key_values.get_seq_length()
         attention_mask = current_padding_mask(attention_mask, batch_size, length, past_length)
+        starts = document_starts(position_ids, attention_mask, batch_size, length)
+        if starts is not None and past_length > 0:
+            raise ValueError(
+                "position_ids restart inside a row: packed documents, which each start from an empty memory; they "
+                f"cannot continue a cache that has seen {past_length} tokens. Pass them without past_key_values."
+            )
         padding = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            padding = DeltaNetPadding(attention_mask, pack=self.packs_padding(attention_mask))
+        if starts is not None or (attention_mask is not None and not bool(attention_mask.all())):
+            if attention_mask is None:
+                attention_mask = torch.ones(batch_size, length, dtype=torch.bool, device=inputs_embeds.device)
+            padding = DeltaNetPadding(attention_mask, self.packs_padding(attention_mask), starts)
 
         if self.training:
             for layer in self.layers:
@@ -478,6 +503,11 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                 cu_seqlens=None if padding is None else padding.cu_seqlens,
             )
             if cache_layer is not None:
+                if padding is not None:  # packed documents: a row keeps its last document's memory
+                    fast_weights, convolution_tail = (
+                        padding.row_states(fast_weights),
+                        padding.row_states(convolution_tail),
+                    )
                 cache_layer.update(fast_weights, convolution_tail, length)
             if output_hidden_states:
                 all_hidden_states += (hidden_states if padding is None else padding.scatter(hidden_states),)

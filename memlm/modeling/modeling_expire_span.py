@@ -32,6 +32,7 @@ from .memory import (
     check_extra_kwargs,
     current_padding_mask,
     embed_inputs,
+    refuse_packed_documents,
 )
 
 logger = logging.get_logger(__name__)
@@ -369,6 +370,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             if position_ids.dim() != 2 or position_ids.shape[-1] != length:
                 raise ValueError(f"position_ids must have shape (batch, {length}), got {tuple(position_ids.shape)}.")
             positions = position_ids.to(device).long().expand(batch_size, length)
+            refuse_packed_documents(positions, token_valid, batch_size, length, "Expire-Span")
         positions = positions.masked_fill(~token_valid, -1)  # padding sees nothing and is seen by nothing
 
         # Paper "Memory shortening": per forward draw l ~ U(0, L) and hide memories older than l (training only).

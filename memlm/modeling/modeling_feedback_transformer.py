@@ -43,6 +43,7 @@ from .memory import (
     check_extra_kwargs,
     current_padding_mask,
     embed_inputs,
+    refuse_packed_documents,
 )
 
 
@@ -884,6 +885,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if valid is None:
             valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         valid = valid.to(device)
+        refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer")
         order, padding_steps = None, 0
         if not bool(valid.all()):
             # Padding first, real tokens after it in their order: steps then count memories as positions do.

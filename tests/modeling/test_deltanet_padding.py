@@ -172,3 +172,54 @@ def test_right_padded_rows_keep_the_tail_of_their_last_real_inputs():
     torch.testing.assert_close(tails[0], inputs[0, 3:])
     torch.testing.assert_close(tails[1], torch.cat([torch.zeros(1, 3), inputs[1, :2]]))
     torch.testing.assert_close(outputs, convolution(inputs, None)[0])
+
+
+def _document_rows(config):
+    """Two rows with padding and packed documents: [pad pad A(3) B(4)] and [C(5) pad D(2) pad]; position_ids count
+    from 0 in each document, as 🤗's DataCollatorWithFlattening lays them out."""
+    generator = torch.Generator().manual_seed(5)
+    documents = {name: torch.randint(0, 256, (length,), generator=generator)
+                 for name, length in (("A", 3), ("B", 4), ("C", 5), ("D", 2))}  # fmt: skip
+    pad = torch.tensor([config.pad_token_id])
+    rows = [[pad, pad, documents["A"], documents["B"]], [documents["C"], pad, documents["D"], pad]]
+    input_ids = torch.stack([torch.cat(row) for row in rows])
+    mask = (input_ids != config.pad_token_id).long()
+    position_ids = torch.stack([torch.cat([torch.arange(len(piece)) for piece in row]) for row in rows])
+    spans = {"A": (0, 2, 5), "B": (0, 5, 9), "C": (1, 0, 5), "D": (1, 6, 8)}  # row, start, end
+    return input_ids, mask, position_ids, documents, spans
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["fla", "paper", "sum_rule_normalised"])
+def test_packed_documents_each_start_from_an_empty_memory(variant, backend, monkeypatch):
+    monkeypatch.setenv("MEMLM_KERNELS", backend)
+    config = DELTANET_VARIANTS[variant]()
+    model = _randomised(DeltaNetForCausalLM(config).eval())
+    input_ids, mask, position_ids, documents, spans = _document_rows(config)
+    with torch.no_grad():
+        packed = model(input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+        alone = {name: model(ids[None], use_cache=True) for name, ids in documents.items()}
+    for name, (row, start, end) in spans.items():
+        torch.testing.assert_close(packed.logits[row, start:end], alone[name].logits[0], atol=1e-4, rtol=0)
+    for row, last in enumerate(("B", "D")):  # a row's memory afterwards is its last document's
+        for layer, alone_layer in zip(packed.past_key_values.layers, alone[last].past_key_values.layers):
+            torch.testing.assert_close(layer.fast_weights[row], alone_layer.fast_weights[0], atol=1e-5, rtol=0)
+            if config.short_convolution:
+                torch.testing.assert_close(layer.convolution_tail[row], alone_layer.convolution_tail[0])
+    # Without restarts position_ids change nothing.
+    with torch.no_grad():
+        counted = model(input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0)).logits
+        torch.testing.assert_close(counted, model(input_ids, attention_mask=mask).logits)
+
+
+def test_packed_documents_cannot_continue_a_cache():
+    config = DELTANET_VARIANTS["fla"]()
+    model = DeltaNetForCausalLM(config).eval()
+    input_ids, mask, position_ids, _, _ = _document_rows(config)
+    with torch.no_grad():
+        cache = model(input_ids[:, :2], use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="cannot continue a cache that has seen 2 tokens"):
+            model(input_ids, attention_mask=torch.cat([torch.ones(2, 2), mask], 1).long(), position_ids=position_ids,
+                  past_key_values=cache)  # fmt: skip
+        with pytest.raises(ValueError, match=r"position_ids must have shape \(batch=2, length=9\)"):
+            model(input_ids, attention_mask=mask, position_ids=position_ids[:, :5])

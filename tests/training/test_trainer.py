@@ -1,5 +1,7 @@
 """The 🤗 Trainer trains each memlm model from a real tokenizer and a `datasets` dataset, and saves it loadable."""
 
+import copy
+
 import pytest
 import torch
 from datasets import Dataset
@@ -76,9 +78,10 @@ def test_trainer_lowers_the_loss_and_saves(tmp_path, tokenizer, name):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_right_padded_collator_batches_train_like_each_row_alone(tmp_path, tokenizer, name):
-    """Examples of different lengths, padded on the right by the collator (the byte-level tokenizer's side): the
-    batch loss is the token-weighted mean of each row's loss alone, and the Trainer trains on such batches."""
-    assert tokenizer.padding_side == "right"
+    """Examples of different lengths, padded on the right by the collator (the byte-level tokenizer's default side):
+    the batch loss is the token-weighted mean of each row's loss alone, and the Trainer trains on such batches."""
+    tokenizer = copy.deepcopy(tokenizer)  # the fixture is shared: other tests pad on the left
+    tokenizer.padding_side = "right"
     torch.manual_seed(0)
     model = MODELS[name]().eval()
     texts = ["fast weights remember", "a memory that expires", "feedback from the top layer to the first one"]
@@ -101,4 +104,38 @@ def test_right_padded_collator_batches_train_like_each_row_alone(tmp_path, token
     )  # fmt: skip
     trainer = Trainer(model=model.train(), args=arguments, train_dataset=dataset,
                       data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))  # fmt: skip
+    assert trainer.train().training_loss > 0
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_flattened_documents_from_the_collator(tmp_path, tokenizer, name):
+    """🤗's DataCollatorWithFlattening packs examples into one row with position_ids restarting at 0: DeltaNet keeps
+    the documents apart (the loss equals each document alone), the other two models refuse them clearly."""
+    from transformers import DataCollatorWithFlattening
+
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    texts = ["fast weights remember", "a memory that expires", "feedback from the top layer to the first one"]
+    examples = [{"input_ids": tokenizer(text)["input_ids"]} for text in texts]
+    batch = DataCollatorWithFlattening()(examples)
+    assert batch["input_ids"].shape[0] == 1 and (batch["position_ids"] == 0).sum() == len(texts)
+    if not name.startswith("deltanet"):
+        with pytest.raises(ValueError, match="cannot keep packed documents apart"):
+            model(**batch)
+        return
+    with torch.no_grad():
+        loss = model(**batch).loss
+        total, count = 0.0, 0
+        for example in examples:
+            ids = torch.tensor([example["input_ids"]])
+            total += model(ids, labels=ids).loss * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    torch.testing.assert_close(loss, total / count, atol=1e-5, rtol=1e-5)
+    dataset = Dataset.from_dict({"input_ids": [example["input_ids"] for example in examples] * 8})
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=6, learning_rate=3e-3, max_steps=4,
+        save_strategy="no", report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model.train(), args=arguments, train_dataset=dataset,
+                      data_collator=DataCollatorWithFlattening())  # fmt: skip
     assert trainer.train().training_loss > 0

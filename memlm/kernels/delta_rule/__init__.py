@@ -177,19 +177,25 @@ def sum_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the sum rule (un-normalised causal linear attention) over a sequence (SPEC §1).
 
     Same arguments and returns as :func:`delta_rule`, without ``beta``. The Triton backend covers the one-token
-    step without gradients (the fused recurrent kernel); longer inputs run the torch chunkwise implementation.
+    step without gradients (the fused recurrent kernel); longer inputs run the torch chunkwise implementation, and
+    packed sequences (``cu_seqlens``) run one at a time.
     """
-    _check_inputs(query, key, value, None, initial_state, chunk_size)
+    _check_inputs(query, key, value, None, initial_state, chunk_size, cu_seqlens)
     backend = resolve_backend(backend, key.device)
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
             return sum_rule(query, key, value, initial_state=initial_state, output_final_state=output_final_state,
-                            chunk_size=chunk_size, backend=backend)  # fmt: skip
+                            chunk_size=chunk_size, cu_seqlens=cu_seqlens, backend=backend)  # fmt: skip
+    if cu_seqlens is not None:
+        return _per_sequence(cu_seqlens, output_final_state, query, key, value, None, initial_state,
+                             run=lambda *inputs: sum_rule(*inputs[:3], initial_state=inputs[4], chunk_size=chunk_size,
+                                                          output_final_state=output_final_state, backend=backend))  # fmt: skip
     if backend == "reference":
         return sum_rule_reference(query, key, value, initial_state, output_final_state)
     if backend == "triton" and key.shape[2] == 1 and not _needs_gradient(query, key, value, initial_state):
