@@ -76,6 +76,30 @@ def test_trainer_lowers_the_loss_and_saves(tmp_path, tokenizer, name):
         torch.testing.assert_close(loaded(sample).logits, model.eval()(sample).logits)
 
 
+TEXTS = ["fast weights remember", "a memory that expires", "feedback from the top layer to the first one"]
+
+
+def _loss_of_each_alone(model, examples) -> torch.Tensor:
+    """The token-weighted mean of each example's loss run alone: what a batch of them must give."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in examples:
+            ids = torch.tensor([example["input_ids"]])
+            total += model(ids, labels=ids).loss * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    return total / count
+
+
+def _train_a_few_steps(model, examples, collator, tmp_path) -> float:
+    dataset = Dataset.from_dict({"input_ids": [example["input_ids"] for example in examples] * 8})
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=6, learning_rate=3e-3, max_steps=4,
+        save_strategy="no", report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model.train(), args=arguments, train_dataset=dataset, data_collator=collator)
+    return trainer.train().training_loss
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_right_padded_collator_batches_train_like_each_row_alone(tmp_path, tokenizer, name):
     """Examples of different lengths, padded on the right by the collator (the byte-level tokenizer's default side):
@@ -84,27 +108,14 @@ def test_right_padded_collator_batches_train_like_each_row_alone(tmp_path, token
     tokenizer.padding_side = "right"
     torch.manual_seed(0)
     model = MODELS[name]().eval()
-    texts = ["fast weights remember", "a memory that expires", "feedback from the top layer to the first one"]
-    examples = [{"input_ids": tokenizer(text)["input_ids"]} for text in texts]
-    batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)(examples)
+    examples = [{"input_ids": tokenizer(text)["input_ids"]} for text in TEXTS]
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    batch = collator(examples)
     assert (batch["attention_mask"] == 0).any() and (batch["labels"] == -100).any()
     with torch.no_grad():
         loss = model(**batch).loss
-        total, count = 0.0, 0
-        for example in examples:
-            ids = torch.tensor([example["input_ids"]])
-            total += model(ids, labels=ids).loss * (ids.shape[1] - 1)
-            count += ids.shape[1] - 1
-    torch.testing.assert_close(loss, total / count, atol=1e-5, rtol=1e-5)
-
-    dataset = Dataset.from_dict({"input_ids": [example["input_ids"] for example in examples] * 8})
-    arguments = TrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=6, learning_rate=3e-3, max_steps=4,
-        save_strategy="no", report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
-    trainer = Trainer(model=model.train(), args=arguments, train_dataset=dataset,
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))  # fmt: skip
-    assert trainer.train().training_loss > 0
+    torch.testing.assert_close(loss, _loss_of_each_alone(model, examples), atol=1e-5, rtol=1e-5)
+    assert _train_a_few_steps(model, examples, collator, tmp_path) > 0
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -115,27 +126,14 @@ def test_flattened_documents_from_the_collator(tmp_path, tokenizer, name):
 
     torch.manual_seed(0)
     model = MODELS[name]().eval()
-    texts = ["fast weights remember", "a memory that expires", "feedback from the top layer to the first one"]
-    examples = [{"input_ids": tokenizer(text)["input_ids"]} for text in texts]
+    examples = [{"input_ids": tokenizer(text)["input_ids"]} for text in TEXTS]
     batch = DataCollatorWithFlattening()(examples)
-    assert batch["input_ids"].shape[0] == 1 and (batch["position_ids"] == 0).sum() == len(texts)
+    assert batch["input_ids"].shape[0] == 1 and (batch["position_ids"] == 0).sum() == len(TEXTS)
     if not name.startswith("deltanet"):
         with pytest.raises(ValueError, match="cannot keep packed documents apart"):
             model(**batch)
         return
     with torch.no_grad():
         loss = model(**batch).loss
-        total, count = 0.0, 0
-        for example in examples:
-            ids = torch.tensor([example["input_ids"]])
-            total += model(ids, labels=ids).loss * (ids.shape[1] - 1)
-            count += ids.shape[1] - 1
-    torch.testing.assert_close(loss, total / count, atol=1e-5, rtol=1e-5)
-    dataset = Dataset.from_dict({"input_ids": [example["input_ids"] for example in examples] * 8})
-    arguments = TrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=6, learning_rate=3e-3, max_steps=4,
-        save_strategy="no", report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
-    trainer = Trainer(model=model.train(), args=arguments, train_dataset=dataset,
-                      data_collator=DataCollatorWithFlattening())  # fmt: skip
-    assert trainer.train().training_loss > 0
+    torch.testing.assert_close(loss, _loss_of_each_alone(model, examples), atol=1e-5, rtol=1e-5)
+    assert _train_a_few_steps(model, examples, DataCollatorWithFlattening(), tmp_path) > 0
