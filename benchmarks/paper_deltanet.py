@@ -45,7 +45,13 @@ import torch
 
 from memlm import DeltaNetConfig, DeltaNetForCausalLM
 from memlm.training.tasks.associative_retrieval import associative_retrieval_dataset
-from memlm.training.tasks.common import across_seeds, evaluate_accuracy, format_across_seeds, train_on_task
+from memlm.training.tasks.common import (
+    across_seeds,
+    evaluate_accuracy,
+    format_across_seeds,
+    seeds_problem,
+    train_on_task,
+)
 
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_deltanet.png")
 # The feature maps of the capacity sweep: (name, feature_map, dpfp_nu); d_φ = d_key, 2 d_key, 4 d_key.
@@ -248,13 +254,8 @@ def main(argv=None):
             parser.error(f"--{option.replace('_', '-')} must be a positive integer, got {getattr(args, option)}")
     if any(num_keys < 1 for num_keys in args.capacity_keys):
         parser.error(f"--capacity-keys must be positive integers, got {args.capacity_keys}")
-    problems = []
-    if negative := sorted({seed for seed in args.seeds if seed < 0}):
-        problems.append(f"negative {negative}")
-    if repeated := sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1}):
-        problems.append(f"repeated {repeated}")
-    if problems:
-        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds} ({', '.join(problems)})")
+    if problem := seeds_problem(args.seeds):
+        parser.error(problem)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}", flush=True)
 

@@ -53,6 +53,7 @@ from memlm.training.tasks.common import (
     dataset_rows,
     evaluate_accuracy,
     format_across_seeds,
+    seeds_problem,
     train_on_task,
 )
 from memlm.training.tasks.corridor import corridor_dataset, corridor_symbols
@@ -357,11 +358,8 @@ def main(argv=None):
     if any(not 0 < fraction <= 1 for fraction in args.fixed_spans):
         raise ValueError(f"--fixed-spans must be fractions of L in (0, 1], got {args.fixed_spans}.")
     args.fixed_spans = sorted(set(args.fixed_spans))
-    repeated = sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1})
-    negative = [seed for seed in args.seeds if seed < 0]
-    if repeated or negative:
-        problems = ([f"repeated {repeated}"] if repeated else []) + ([f"negative {negative}"] if negative else [])
-        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds} ({', '.join(problems)})")
+    if problem := seeds_problem(args.seeds):
+        parser.error(problem)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}", flush=True)
 

@@ -43,7 +43,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.training.tasks.algorithmic import algorithmic_dataset, algorithmic_symbols
-from memlm.training.tasks.common import across_seeds, evaluate_accuracy, format_across_seeds, train_on_task
+from memlm.training.tasks.common import (
+    across_seeds,
+    evaluate_accuracy,
+    format_across_seeds,
+    seeds_problem,
+    train_on_task,
+)
 from memlm.training.tasks.random_walk import random_walk_dataset, random_walk_symbols
 
 DEFAULT_PLOT = "benchmarks/paper_feedback.png"
@@ -225,12 +231,8 @@ def parse_arguments(argv=None):
             parser.error(f"--tasks: unknown task {task!r}; choose from {TASKS}")
     if args.seeds is None:
         args.seeds = [0, 1] if args.smoke else [0, 1, 2]
-    repeated = sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1})
-    if repeated:
-        parser.error(f"--seeds: each seed at most once, got {repeated} more than once")
-    negative = [seed for seed in args.seeds if seed < 0]
-    if negative:
-        parser.error(f"--seeds must be non-negative, got {negative}")
+    if problem := seeds_problem(args.seeds):
+        parser.error(problem)
     for name in ("steps", "eval_every", "train_examples", "eval_examples", "batch_size", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

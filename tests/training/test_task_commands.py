@@ -126,3 +126,12 @@ def test_across_seeds_summarises_and_formats():
     assert format_across_seeds(across_seeds([0.25])) == "0.250"
     with pytest.raises(ValueError, match="at least one value"):
         across_seeds([])
+
+
+def test_seeds_problem_names_negative_and_repeated_seeds():
+    from memlm.training.tasks.common import seeds_problem
+
+    assert seeds_problem([0, 1, 2]) is None
+    assert seeds_problem([3, -1, 3]) == (
+        "--seeds must be distinct non-negative integers, got [3, -1, 3] (negative [-1], repeated [3])"
+    )

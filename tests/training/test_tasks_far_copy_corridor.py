@@ -280,7 +280,7 @@ def test_paper_expire_span_benchmark_rejects_bad_arguments(arguments, message):
 
 @pytest.mark.parametrize(
     "seeds, problem",
-    [(["0", "0"], "repeated [0]"), (["-1"], "negative [-1]"), (["2", "-3", "2"], "repeated [2], negative [-3]")],
+    [(["0", "0"], "repeated [0]"), (["-1"], "negative [-1]"), (["2", "-3", "2"], "negative [-3], repeated [2]")],
 )
 def test_paper_expire_span_benchmark_rejects_bad_seeds(seeds, problem, capsys):
     with pytest.raises(SystemExit) as error:

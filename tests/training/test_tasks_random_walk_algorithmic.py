@@ -359,8 +359,8 @@ def test_paper_feedback_benchmark_arguments():
 @pytest.mark.parametrize(
     "seeds, message",
     [
-        (["0", "1", "0"], "--seeds: each seed at most once, got [0]"),
-        (["2", "-1", "-3"], "--seeds must be non-negative, got [-1, -3]"),
+        (["0", "1", "0"], "--seeds must be distinct non-negative integers, got [0, 1, 0] (repeated [0])"),
+        (["2", "-1", "-3"], "--seeds must be distinct non-negative integers, got [2, -1, -3] (negative [-3, -1])"),
     ],
 )
 def test_paper_feedback_benchmark_rejects_bad_seeds(seeds, message, capsys):

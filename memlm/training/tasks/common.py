@@ -193,3 +193,15 @@ def format_across_seeds(summary: dict, format_spec: str = ".3f") -> str:
     if len(summary["values"]) == 1:
         return mean
     return f"{mean} ({format(summary['low'], format_spec)}–{format(summary['high'], format_spec)})"
+
+
+def seeds_problem(seeds: list[int]) -> str | None:
+    """What is wrong with a list of seeds for runs repeated over seeds (negative or repeated ones), or None."""
+    problems = []
+    if negative := sorted({seed for seed in seeds if seed < 0}):
+        problems.append(f"negative {negative}")
+    if repeated := sorted({seed for seed in seeds if seeds.count(seed) > 1}):
+        problems.append(f"repeated {repeated}")
+    if not problems:
+        return None
+    return f"--seeds must be distinct non-negative integers, got {seeds} ({', '.join(problems)})"
