@@ -423,7 +423,8 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
 
     def packs_padding(self, attention_mask: torch.Tensor) -> bool:
         """Whether a padded batch runs packed (`cu_seqlens`): with the delta rule on the Triton backend, and when some
-        token is real. The PyTorch backend masks instead, which is faster there: it runs all rows as one batch."""
+        token is real. The PyTorch backend masks instead, keeping all rows in one batched call (its packed path runs
+        the sequences one at a time)."""
         return (
             self.config.update_rule == "delta"
             and resolve_backend(None, attention_mask.device) == "triton"
