@@ -358,3 +358,16 @@ def test_loss_is_next_token_cross_entropy():
     output = model(input_ids, labels=input_ids)
     expected = F.cross_entropy(output.logits[:, :-1].reshape(-1, 258), input_ids[:, 1:].reshape(-1))
     torch.testing.assert_close(output.loss, expected)
+
+
+def test_dpfp1_keys_over_four_dimensions_switch_on_one_or_three_of_eight_features():
+    """The sparsity benchmarks/README.md cites for DPFP-1 at d_key = 4: each feature is the product of two
+    neighbouring rectified coordinates, so a key switches on exactly 1 or 3 of its 8 (about half of keys: 1)."""
+    from memlm.modeling.modeling_deltanet import DeltaNetFeatureMap
+
+    config = DeltaNetConfig.from_preset("paper", vocab_size=10, hidden_size=16, num_hidden_layers=1,
+                                        num_attention_heads=1, key_head_dim=4, query_key_normalization="none")  # fmt: skip
+    keys = torch.randn(100_000, 4, generator=torch.Generator().manual_seed(0))
+    active = (DeltaNetFeatureMap(config)(keys) > 0).sum(-1)
+    assert config.feature_dim == 8 and set(active.unique().tolist()) == {1, 3}
+    assert 0.45 < (active == 1).float().mean().item() < 0.55
