@@ -50,9 +50,11 @@ def fixed_batch() -> torch.Tensor:
 def test_fsdp_two_processes_give_the_gradients_of_one(tmp_path):
     output = tmp_path / "gradients.pt"
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
-                    str(ROOT / "tests" / "training" / "fsdp_worker.py"), str(output)], env=environment, check=True,
-                   capture_output=True)  # fmt: skip
+    # --standalone: the rendezvous takes a free port (a fixed one failed once when it was still held).
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "tests" / "training" / "fsdp_worker.py"), str(output)], env=environment,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
     sharded = torch.load(output)
     batch = fixed_batch()
     for name, model in build_models().items():
