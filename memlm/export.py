@@ -34,8 +34,15 @@ def flat_module_name(module_name: str) -> str:
 
 
 def _module_file(module_name: str) -> Path:
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    return Path(module.__file__)
+    """The source file of a memlm module, found without importing it: the Triton modules refuse to import where
+    Triton is missing, yet the bundle carries them so that a machine with Triton can run them."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return Path(module.__file__)
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"{module_name} is not a memlm module with a source file; the bundle takes memlm's modules.")
+    return Path(spec.origin)
 
 
 def _package_of(module_name: str, module_file: Path) -> str:

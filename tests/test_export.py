@@ -242,3 +242,63 @@ def test_feedback_card(tmp_path):
     card = ModelCard.load(directory / "README.md")
     assert {"memlm", "feedback-transformer"} <= set(card.data.tags) and card.data.pipeline_tag == "text-generation"
     assert "τ = 4" in card.text and "@inproceedings{fan2021addressing" in card.text
+
+
+def test_every_package_of_the_tree_is_in_setup_cfg():
+    """setup.cfg lists the packages by hand (hub_cards/ ships as memlm.hub_cards): a folder left out is missing
+    from the wheel, as memlm.training.tasks was."""
+    import configparser
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[1]
+    setup = configparser.ConfigParser()
+    setup.read(root / "setup.cfg", encoding="utf-8")
+    listed = set(setup["options"]["packages"].split())
+    assert listed == {*find_packages(root, include=["memlm", "memlm.*"]), "memlm.hub_cards"}
+
+
+SAVE_WITHOUT_TRITON = textwrap.dedent(
+    """
+    import sys
+    sys.modules["triton"] = None  # as on a machine without Triton (macOS, a plain CPU install): importing it fails
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("triton should not be importable")
+    import memlm
+    from tests.test_export import MODELS
+
+    model = MODELS[sys.argv[1]]()
+    model.save_pretrained(sys.argv[2])
+    print(sorted(name for name in sys.modules if name.startswith("memlm.") and "triton" in name))
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["fla", "expire_span", "feedback"])
+def test_save_pretrained_without_triton_writes_the_whole_bundle(tmp_path, name):
+    """Without Triton, saving still writes every file of the bundle, the Triton kernels included (they refuse to
+    import there, so the bundle is read from the source files, never imported)."""
+    directory = tmp_path / "checkpoint"
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "MEMLM_KERNELS": "torch"}
+    environment.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(
+        [sys.executable, "-c", SAVE_WITHOUT_TRITON, name, str(directory)],
+        cwd=Path(__file__).resolve().parents[1],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"  # no memlm Triton module was imported
+    model = MODELS[name]()
+    expected = bundle_sources([type(model).__module__, type(model.config).__module__])
+    written = {path.name: path.read_text(encoding="utf-8") for path in directory.glob("*.py")}
+    assert written == expected
+    assert GENERATED_CARD_MARK in (directory / "README.md").read_text(encoding="utf-8")
+    if name != "feedback":
+        assert any("triton" in file for file in written), sorted(written)
