@@ -6,8 +6,8 @@ from transformers.cache_utils import Cache
 
 # Keyword arguments that 🤗 `generate`, `Trainer` and the loss pass to `forward`; anything else is a mistake worth an
 # error rather than an option silently swallowed.
-ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "output_attentions")
-LOSS_KWARGS = ("num_items_in_batch", "ignore_index")
+ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels", "output_attentions")
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
 
 def check_extra_kwargs(kwargs: dict, owner: str):
@@ -16,6 +16,15 @@ def check_extra_kwargs(kwargs: dict, owner: str):
         raise TypeError(f"{owner}.forward() got unexpected keyword argument(s): {', '.join(unexpected)}.")
     if kwargs.get("output_attentions"):
         raise ValueError(f"{owner} does not return attention weights (output_attentions=True).")
+
+
+def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
+    """🤗's next-token loss (`model.loss_function`) from `labels` (shifted inside) or from `shift_labels` in `kwargs`
+    (already shifted, as context-parallel `Trainer` runs and some collators pass them); None without either."""
+    loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
+    if labels is None and loss_kwargs.get("shift_labels") is None:
+        return None
+    return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
 
 
 def embed_inputs(input_ids, inputs_embeds, embedding: torch.nn.Embedding) -> torch.Tensor:

@@ -28,9 +28,9 @@ from ..kernels import resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
 from .layers import GatedMLP, RMSNorm
 from .memory import (
-    LOSS_KWARGS,
     MemoryCache,
     MemoryCacheLayer,
+    causal_lm_loss,
     check_extra_kwargs,
     current_padding_mask,
     document_starts,
@@ -579,10 +579,7 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, GenerationMixin):
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
 
-        loss = None
-        if labels is not None:
-            loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        loss = causal_lm_loss(self, logits, labels, kwargs)
 
         output = CausalLMOutputWithPast(
             loss=loss,

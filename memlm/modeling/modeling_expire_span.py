@@ -26,9 +26,9 @@ from ..export import RemoteCodeMixin
 from ..kernels.expire_attention import expire_span_attention, expire_span_mask, memory_statistics, visible_keys
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
-    LOSS_KWARGS,
     MemoryCache,
     MemoryCacheLayer,
+    causal_lm_loss,
     check_extra_kwargs,
     current_padding_mask,
     embed_inputs,
@@ -484,13 +484,9 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, GenerationMixin):
         )  # fmt: skip
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
 
-        loss = lm_loss = None
-        if labels is not None:
-            loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
-            lm_loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
-            )
-            loss = lm_loss + outputs.span_loss.to(lm_loss.dtype) if self.training else lm_loss
+        loss = lm_loss = causal_lm_loss(self, logits, labels, kwargs)
+        if lm_loss is not None and self.training:
+            loss = lm_loss + outputs.span_loss.to(lm_loss.dtype)
         output = ExpireSpanCausalLMOutput(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
             spans=outputs.spans, lm_loss=lm_loss, span_loss=outputs.span_loss, memory_size=outputs.memory_size,

@@ -37,9 +37,9 @@ from ..export import RemoteCodeMixin
 from ..kernels import resolve_backend
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
-    LOSS_KWARGS,
     MemoryCache,
     MemoryCacheLayer,
+    causal_lm_loss,
     check_extra_kwargs,
     current_padding_mask,
     embed_inputs,
@@ -991,10 +991,7 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, Generat
             output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
         )  # fmt: skip
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = None
-        if labels is not None:
-            loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        loss = causal_lm_loss(self, logits, labels, kwargs)
         output = CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )

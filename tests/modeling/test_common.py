@@ -160,3 +160,25 @@ def test_every_option_changes_the_output(name, option, value):
         with torch.no_grad():
             outputs.append(model(input_ids).logits)
     assert not torch.allclose(outputs[0], outputs[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_shift_labels_give_the_loss_of_labels(name):
+    """Pre-shifted labels (context-parallel Trainer runs, some collators) are taken as 🤗's loss takes them: the loss
+    from `shift_labels` alone, or with `labels` beside them, equals the loss from `labels`."""
+    model = _model(name)
+    input_ids = torch.randint(0, 256, (2, 9))
+    labels = input_ids.clone()
+    labels[0, :3] = -100
+    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    with torch.no_grad():
+        expected = model(input_ids, labels=labels).loss
+        alone = model(input_ids, shift_labels=shift_labels).loss
+        both = model(input_ids, labels=labels, shift_labels=shift_labels).loss
+        counted = model(input_ids, shift_labels=shift_labels, num_items_in_batch=torch.tensor(5)).loss
+        unlabelled = model(input_ids).loss
+    torch.testing.assert_close(alone, expected)
+    torch.testing.assert_close(both, expected)
+    assert unlabelled is None
+    # num_items_in_batch still divides the summed loss: 14 targets in the batch, their mean times 14 / 5.
+    torch.testing.assert_close(counted, expected * 14 / 5)
