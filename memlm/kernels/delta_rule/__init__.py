@@ -9,7 +9,9 @@ Per head and step t, with the memory ``S ∈ R^{d_k×d_v}``:
 :func:`delta_rule` and :func:`sum_rule` validate their inputs and dispatch on the backend (see
 :func:`memlm.kernels.resolve_backend`): ``"torch"`` runs the chunkwise implementation of ``chunk.py``
 (or, for a single token, the O(1) decoding step), ``"triton"`` the Triton kernels of ``triton_chunk.py`` and
-``triton_recurrent.py``, ``"reference"`` the recurrent loops of ``reference.py``. Queries are used as given: scaling is the caller's job.
+``triton_recurrent.py``, ``"fla"`` flash-linear-attention's kernels through ``flash_linear_attention.py`` (the delta
+rule only; the sum rule has no FLA kernel and runs as with ``"triton"``), ``"reference"`` the recurrent loops of
+``reference.py``. Queries are used as given: scaling and normalising them is the caller's job.
 """
 
 import torch
@@ -124,26 +126,38 @@ def delta_rule(
         beta: write strengths ``(B, H, T)``; ``None`` means β = 1.
         initial_state: memory entering the sequence, ``(B, H, d_k, d_v)`` (float32); ``None`` means zeros.
         output_final_state: also return the memory after the last token.
-        chunk_size: tokens per chunk of the chunkwise implementation (any T works; the last chunk is padded).
+        chunk_size: tokens per chunk of the chunkwise implementation (any T works; the last chunk is padded). It
+            does not change the result; FLA's kernels take 16, 32 or 64 and run other values with 64.
         cu_seqlens: variable-length sequences packed back to back in one row (batch size 1): the N + 1 offsets of
             their starts and end. Each sequence starts from its own initial state ``(N, H, d_k, d_v)`` (or zeros)
             and the final states are ``(N, H, d_k, d_v)``; no padding is computed.
-        backend: ``"torch"``, ``"triton"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS``, else picks
-            ``"triton"`` for CUDA tensors (when installed) and ``"torch"`` otherwise. With ``"triton"`` a single
-            token without gradients runs the fused recurrent step, anything else the chunkwise kernel; float64
-            runs the torch implementation.
+        backend: ``"torch"``, ``"triton"``, ``"fla"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS``, else
+            picks, for CUDA tensors, ``"fla"`` when flash-linear-attention ≥ 0.6 is installed or ``"triton"`` when
+            Triton is, and ``"torch"`` otherwise. With ``"triton"`` a single token without gradients runs the fused
+            recurrent step, anything else the chunkwise kernel. With ``"fla"`` a single token (without
+            ``cu_seqlens``) runs FLA's ``fused_recurrent_delta_rule`` and anything else its ``chunk_delta_rule``;
+            what those do not take runs as with ``"triton"``: query, key and value of different dtypes, float32
+            beyond one token (FLA's chunk kernel refuses float32) and key widths above 256. float64 runs the torch
+            implementation on either.
 
     Returns:
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
         float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``.
     """
     _check_inputs(query, key, value, beta, initial_state, chunk_size, cu_seqlens)
-    backend = resolve_backend(backend, key.device)
+    backend = resolve_backend(backend, key.device, operation="delta_rule")
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
             return delta_rule(query, key, value, beta, initial_state=initial_state,
                               output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                               backend=backend)  # fmt: skip
+    if backend == "fla" and key.dtype != torch.float64:
+        check_triton_device(key.device, backend)
+        from .flash_linear_attention import delta_rule_fla, fla_covers
+
+        if fla_covers(query, key, value, cu_seqlens):
+            return delta_rule_fla(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens)
+        backend = "triton"  # what FLA's kernels do not take runs memlm's
     if backend == "triton" and key.dtype != torch.float64:
         check_triton_device(key.device)
         if cu_seqlens is not None:
@@ -184,10 +198,11 @@ def sum_rule(
 
     Same arguments and returns as :func:`delta_rule`, without ``beta``. The Triton backend covers the one-token
     step without gradients (the fused recurrent kernel); longer inputs run the torch chunkwise implementation, and
-    packed sequences (``cu_seqlens``) run one at a time.
+    packed sequences (``cu_seqlens``) run one at a time. ``"fla"`` runs the same as ``"triton"``
+    (flash-linear-attention has no sum rule kernel).
     """
     _check_inputs(query, key, value, None, initial_state, chunk_size, cu_seqlens)
-    backend = resolve_backend(backend, key.device)
+    backend = resolve_backend(backend, key.device, operation="sum_rule")  # "fla" has no sum rule: it runs "triton"
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
             return sum_rule(query, key, value, initial_state=initial_state, output_final_state=output_final_state,
