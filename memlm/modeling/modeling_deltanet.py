@@ -511,7 +511,11 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                     )
                 cache_layer.update(fast_weights, convolution_tail, length)
             if output_hidden_states:
-                all_hidden_states += (hidden_states if padding is None else padding.scatter(hidden_states),)
+                if padding is not None:
+                    # The next layer runs on this very tensor (gathered back), so it lies on the path to the loss.
+                    scattered = padding.scatter(hidden_states)
+                    hidden_states = padding.gather(scattered)
+                all_hidden_states += (hidden_states if padding is None else scattered,)
 
         hidden_states = self.norm(hidden_states)
         if padding is not None:

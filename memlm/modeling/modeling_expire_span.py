@@ -384,21 +384,28 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             for index in range(config.num_hidden_layers)
         ]
         keep_span_inputs = self.training and torch.is_grad_enabled() and config.expire_memories
-        block_outputs, all_hidden_states, all_spans = [], [], [[] for _ in self.layers]
-        span_loss_sum = inputs_embeds.new_zeros((), dtype=torch.float32)
-        read_count = torch.zeros((), dtype=torch.long, device=device)
+        # What each block needs, the same in every layer: its slice, rotation and each row's first real query (rows
+        # without one delete nothing: -1).
+        blocks = []
         for start in range(0, length, config.block_size):
             block = slice(start, start + config.block_size)
-            hidden_states = inputs_embeds[:, block]
             block_positions, block_valid = positions[:, block], token_valid[:, block]
-            cos, sin = self.rotary_emb(block_positions)
-            # The first real query of each row in this block (rows without one delete nothing: -1).
             first_positions = torch.where(block_valid, block_positions, torch.iinfo(torch.long).max).amin(1)
             first_positions = first_positions.masked_fill(~block_valid.any(1), -1)
-            block_hidden_states = [hidden_states]
-            for index, decoder_layer in enumerate(self.layers):
-                hidden_states, new, spans, layer_span_loss, layer_read, memory = decoder_layer(
-                    hidden_states, block_positions, block_valid, cos, sin, memory=memories[index],
+            blocks.append((block, block_positions, block_valid, *self.rotary_emb(block_positions), first_positions))
+        # Layer by layer, each over the blocks in order: a layer's memories come from its own inputs of earlier blocks
+        # only, so this equals block by block, and each layer's whole output is the next layer's input (the hidden
+        # states returned lie on the path to the loss).
+        hidden_states = inputs_embeds
+        all_hidden_states = [hidden_states] if output_hidden_states else None
+        all_spans = []
+        span_loss_sum = inputs_embeds.new_zeros((), dtype=torch.float32)
+        read_count = torch.zeros((), dtype=torch.long, device=device)
+        for index, decoder_layer in enumerate(self.layers):
+            memory, block_outputs, layer_spans = memories[index], [], []
+            for block, block_positions, block_valid, cos, sin, first_positions in blocks:
+                block_output, new, spans, layer_span_loss, layer_read, memory = decoder_layer(
+                    hidden_states[:, block], block_positions, block_valid, cos, sin, memory=memory,
                     max_distance=max_distance, first_positions=first_positions,
                     delete_expired=self.prune_expired_memories,
                 )  # fmt: skip
@@ -411,20 +418,23 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                     span_inputs=new.span_inputs.detach() if keep_span_inputs else None,
                 )  # fmt: skip
                 # Appending drops span inputs unless both sides have them (a cache made in eval mode has none).
-                memories[index] = new if memory is None else memory.append(new)
-                block_hidden_states.append(hidden_states)
+                memory = new if memory is None else memory.append(new)
+                block_outputs.append(block_output)
                 if output_spans and spans is not None:
-                    all_spans[index].append(spans)
-            block_outputs.append(hidden_states)
-            all_hidden_states.append(block_hidden_states)
+                    layer_spans.append(spans)
+            memories[index] = memory
+            hidden_states = block_outputs[0] if len(block_outputs) == 1 else torch.cat(block_outputs, dim=1)
+            if output_hidden_states:
+                all_hidden_states.append(hidden_states)
+            if layer_spans:
+                all_spans.append(torch.cat(layer_spans, dim=1))
 
-        hidden_states = self.norm(torch.cat(block_outputs, dim=1))
+        hidden_states = self.norm(hidden_states)
         hidden_states_out = None
         if output_hidden_states:
-            hidden_states_out = tuple(
-                torch.cat([block[index] for block in all_hidden_states], dim=1) for index in range(len(self.layers))
-            ) + (hidden_states,)
-        spans_out = tuple(torch.cat(spans, dim=1) for spans in all_spans if spans) if output_spans else None
+            # As in 🤗 Llama: the last entry is the normed output.
+            hidden_states_out = tuple(all_hidden_states[:-1]) + (hidden_states,)
+        spans_out = tuple(all_spans) if output_spans else None
 
         queries = token_valid.sum().clamp_min(1)
         span_loss = config.span_loss_coefficient * span_loss_sum / queries

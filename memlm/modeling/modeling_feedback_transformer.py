@@ -24,6 +24,9 @@ The file reads top to bottom: attention over the memory → the two memory store
 decoder layer → cache → PreTrainedModel → FeedbackTransformerModel → FeedbackTransformerForCausalLM.
 """
 
+import functools
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -596,6 +599,36 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
     return torch.stack(grad_embeddings, dim=1), gradients
 
 
+class _StepGradients:
+    """The `.grad` of a layer's stacked outputs (B, T, D), returned with `output_hidden_states`. Step t's output is
+    consumed at step t, before the stack exists, so no gradient flows through the stack into the model; instead each
+    step's output hands its gradient (everything the loss owes it, later steps included) to a buffer, and once every
+    step has, the stack's `.grad` is set to it if `retain_grad()` was called on the stack."""
+
+    def __init__(self, stacked: torch.Tensor, steps: list[torch.Tensor], restored):
+        self.stacked = weakref.ref(stacked)  # the graph holds the hooks, the hooks must not hold the graph's output
+        self.restored = restored
+        self.buffer = None
+        self.pending = set()
+        for step, state in enumerate(steps):
+            if state.requires_grad:
+                self.pending.add(step)
+                state.register_hook(functools.partial(self.receive, step, len(steps)))
+        self.waiting = set(self.pending)
+
+    def receive(self, step: int, length: int, gradient: torch.Tensor):
+        stacked = self.stacked()
+        if stacked is None or not stacked.retains_grad:
+            return
+        if self.buffer is None:
+            self.buffer = gradient.new_zeros(gradient.shape[0], length, *gradient.shape[1:])
+        self.buffer[:, step] = gradient
+        self.waiting.discard(step)
+        if not self.waiting:  # the last step of this backward: hand the whole gradient over
+            stacked.grad = self.restored(self.buffer)
+            self.buffer, self.waiting = None, set(self.pending)
+
+
 class FeedbackDecoderLayer(nn.Module):
     """x = x + attention(norm(x), memory); x = x + mlp(norm(x)), for one step (run by `FeedbackTransformerModel.step`;
     the layer has no forward of its own, because a step interleaves all layers with the memory). With gradient
@@ -887,6 +920,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         valid = valid.to(device)
         refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer")
         order, padding_steps = None, 0
+        given_embeds = inputs_embeds
         if not bool(valid.all()):
             # Padding first, real tokens after it in their order: steps then count memories as positions do.
             order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices
@@ -944,10 +978,18 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         hidden_states = restored(self.norm(top))
         hidden_states_out = None
         if output_hidden_states:
-            hidden_states_out = tuple(
-                restored(torch.stack([states[index] for states in all_states], dim=1))
-                for index in range(len(self.layers))
-            ) + (hidden_states,)
+            # As in 🤗 Llama: the embeddings, each layer's output but the last, and the normed output. The embeddings
+            # and the normed output are the very tensors on the path to the loss; a layer's outputs exist step by
+            # step only (step t runs before step t + 1 exists), so their stack gets, after a backward, the gradient of
+            # each step's output as its `.grad` when `retain_grad()` was called (`_StepGradients`).
+            layer_states = []
+            for index in range(1, len(self.layers)):
+                steps = [states[index] for states in all_states]
+                stacked = restored(torch.stack(steps, dim=1))
+                if stacked.requires_grad:
+                    _StepGradients(stacked, steps, restored)
+                layer_states.append(stacked)
+            hidden_states_out = (given_embeds, *layer_states, hidden_states)
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=cache if use_cache else None,

@@ -182,3 +182,51 @@ def test_shift_labels_give_the_loss_of_labels(name):
     assert unlabelled is None
     # num_items_in_batch still divides the summed loss: 14 targets in the batch, their mean times 14 / 5.
     torch.testing.assert_close(counted, expected * 14 / 5)
+
+
+def _gradients_at_layer_outputs(model, input_ids, attention_mask=None):
+    """dL/d(output of every layer) computed without `output_hidden_states`: a hook adds a zero leaf to each layer's
+    MLP output (the last term of the layer's output, x + mlp(norm(x))), whose gradient is the layer output's."""
+    leaves, handles = [], []
+    for layer in model.model.layers:
+        leaf = torch.zeros(*input_ids.shape, model.config.hidden_size, dtype=torch.float64, requires_grad=True)
+        offset = [0]
+
+        def add_leaf(module, inputs, output, leaf=leaf, offset=offset):
+            if output.dim() == 2:  # the Feedback Transformer: one step (B, D)
+                added = output + leaf[:, offset[0]]
+                offset[0] += 1
+                return added
+            added = output + leaf[:, offset[0] : offset[0] + output.shape[1]]  # a block (B, K, D)
+            offset[0] += output.shape[1]
+            return added
+
+        leaves.append(leaf)
+        handles.append(layer.mlp.register_forward_hook(add_leaf))
+    model(input_ids, attention_mask=attention_mask).logits.pow(2).mean().backward()
+    for handle in handles:
+        handle.remove()
+    return [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_retained_hidden_states_get_the_gradient_of_the_loss(name):
+    """🤗's retain_grad check, for every entry of output_hidden_states: after retain_grad() and a backward, the
+    embeddings and every layer's output hold dL/d(that tensor), the gradient a hook at each layer's output gives."""
+    model = _model(name).double()
+    input_ids = torch.randint(0, 256, (2, 9))
+    output = model(input_ids, output_hidden_states=True)
+    for hidden_states in output.hidden_states:
+        hidden_states.retain_grad()
+    output.logits.pow(2).mean().backward()
+    grads = [hidden_states.grad for hidden_states in output.hidden_states]
+    assert all(grad is not None for grad in grads)
+    embeddings = model.get_input_embeddings().weight.grad.clone()
+    model.zero_grad()
+    expected = _gradients_at_layer_outputs(model, input_ids)
+    for layer_idx in range(model.config.num_hidden_layers - 1):  # the last layer's entry is the normed output
+        torch.testing.assert_close(grads[layer_idx + 1], expected[layer_idx])
+    # Entry 0 is the embedding output: its gradient, summed per token id, is the embedding table's.
+    table = torch.zeros_like(embeddings).index_add_(0, input_ids.flatten(), grads[0].flatten(0, 1))
+    torch.testing.assert_close(table, embeddings)
+    assert grads[-1].abs().sum() > 0

@@ -223,3 +223,21 @@ def test_packed_documents_cannot_continue_a_cache():
                   past_key_values=cache)  # fmt: skip
         with pytest.raises(ValueError, match=r"position_ids must have shape \(batch=2, length=9\)"):
             model(input_ids, attention_mask=mask, position_ids=position_ids[:, :5])
+
+
+@pytest.mark.parametrize("layout", ["left", "between"])
+def test_padded_hidden_states_lie_on_the_path_to_the_loss(layout):
+    """With padding the layers run on reordered rows; the hidden states returned are still the tensors the next
+    layer runs on, so retain_grad() gives each the gradient at its real tokens (and none at padding)."""
+    config = DELTANET_VARIANTS["fla"]()
+    model = _randomised(DeltaNetForCausalLM(config).eval())
+    mask = _mask(layout)
+    input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, config.pad_token_id)
+    output = model(input_ids, attention_mask=mask, output_hidden_states=True)
+    for hidden_states in output.hidden_states:
+        hidden_states.retain_grad()
+    output.logits[mask.bool()].pow(2).mean().backward()
+    for hidden_states in output.hidden_states:
+        assert hidden_states.grad is not None
+        assert (hidden_states.grad.abs().sum(-1) > 0)[mask.bool()].all()
+        assert (hidden_states.grad[~mask.bool()] == 0).all()
