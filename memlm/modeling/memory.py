@@ -31,6 +31,11 @@ def embed_inputs(input_ids, inputs_embeds, embedding: torch.nn.Embedding) -> tor
     """The (B, T, D) input embeddings, after checking that exactly one of ids and embeddings is given and is valid."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+    given, name = (input_ids, "input_ids") if input_ids is not None else (inputs_embeds, "inputs_embeds")
+    if given.dim() >= 2 and given.shape[0] * given.shape[1] == 0:
+        raise ValueError(
+            f"{name} holds no tokens (shape {tuple(given.shape)}); give at least one row of at least one token."
+        )
     if inputs_embeds is not None:
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != embedding.embedding_dim:
             raise ValueError(

@@ -230,3 +230,17 @@ def test_retained_hidden_states_get_the_gradient_of_the_loss(name):
     table = torch.zeros_like(embeddings).index_add_(0, input_ids.flatten(), grads[0].flatten(0, 1))
     torch.testing.assert_close(table, embeddings)
     assert grads[-1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_empty_input_is_refused_clearly(name):
+    """A (B, 0) input (an empty prompt) raises one clear ValueError naming the shape, from forward and generate."""
+    model = _model(name)
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids holds no tokens \(shape \(2, 0\)\)"):
+        model(empty)
+    with pytest.raises(ValueError, match=r"inputs_embeds holds no tokens \(shape \(2, 0, 32\)\)"):
+        model(inputs_embeds=torch.zeros(2, 0, 32))
+    # generate with one row reaches forward (with more rows 🤗's own right-padding check fails first, IndexError).
+    with pytest.raises(ValueError, match=r"input_ids holds no tokens \(shape \(1, 0\)\)"):
+        model.generate(empty[:1], max_new_tokens=2, do_sample=False)
