@@ -56,6 +56,14 @@ def embed_inputs(input_ids, inputs_embeds, embedding: torch.nn.Embedding) -> tor
     return embedding(input_ids)
 
 
+def zero_padding(inputs_embeds: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The embeddings with zeros at padding (`valid` False): padding is skipped, but a NaN or inf there would still
+    reach the real tokens through a product with a zero weight (0 · NaN = NaN) in a recurrence or a masked softmax."""
+    if valid is None:
+        return inputs_embeds
+    return inputs_embeds.masked_fill(~valid[..., None], 0.0)
+
+
 def current_padding_mask(attention_mask, batch_size: int, length: int, past_length: int) -> torch.Tensor | None:
     """The (B, T) boolean part of a 2-D padding mask that covers the current tokens (None without a mask)."""
     if attention_mask is None:

@@ -35,6 +35,7 @@ from .memory import (
     current_padding_mask,
     document_starts,
     embed_inputs,
+    zero_padding,
 )
 
 logger = logging.get_logger(__name__)
@@ -484,6 +485,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             if attention_mask is None:
                 attention_mask = torch.ones(batch_size, length, dtype=torch.bool, device=inputs_embeds.device)
             padding = DeltaNetPadding(attention_mask, self.packs_padding(attention_mask), starts)
+            inputs_embeds = zero_padding(inputs_embeds, attention_mask)
 
         if self.training:
             for layer in self.layers:

@@ -33,6 +33,7 @@ from .memory import (
     current_padding_mask,
     embed_inputs,
     refuse_packed_documents,
+    zero_padding,
 )
 
 logger = logging.get_logger(__name__)
@@ -360,6 +361,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         token_valid = current_padding_mask(attention_mask, batch_size, length, past_length)
         if token_valid is None:
             token_valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
+        else:
+            inputs_embeds = zero_padding(inputs_embeds, token_valid)
 
         start_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         if past_key_values is not None and past_key_values.next_positions is not None:

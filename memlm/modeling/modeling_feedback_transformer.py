@@ -47,6 +47,7 @@ from .memory import (
     current_padding_mask,
     embed_inputs,
     refuse_packed_documents,
+    zero_padding,
 )
 
 
@@ -917,6 +918,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         valid = current_padding_mask(attention_mask, batch_size, length, past_length)
         if valid is None:
             valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
+        else:
+            inputs_embeds = zero_padding(inputs_embeds, valid.to(device))
         valid = valid.to(device)
         refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer")
         order, padding_steps = None, 0

@@ -8,6 +8,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import memlm
 from tests.conftest import DELTANET_VARIANTS
+from tests.modeling.padding import padding_mask
 
 TINY = {"vocab_size": 258, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "pad_token_id": 257}  # fmt: skip
@@ -244,3 +245,28 @@ def test_empty_input_is_refused_clearly(name):
     # generate with one row reaches forward (with more rows 🤗's own right-padding check fails first, IndexError).
     with pytest.raises(ValueError, match=r"input_ids holds no tokens \(shape \(1, 0\)\)"):
         model.generate(empty[:1], max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("layout", ["left", "right", "between"])
+def test_non_finite_embeddings_at_padding_do_not_reach_real_tokens(name, layout):
+    """Padding is skipped, also when its embeddings are NaN or inf: the real tokens' logits are finite and equal those
+    with ordinary padding embeddings, without and with gradients (the training paths), and the gradients are finite."""
+    model = _model(name)
+    mask = padding_mask(layout, (9, 5, 3), 10)
+    input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, model.config.pad_token_id)
+    clean = model.get_input_embeddings()(input_ids).detach()
+    poisoned = clean.clone()
+    padding = (mask == 0).nonzero()
+    poisoned[padding[::2, 0], padding[::2, 1]] = float("nan")
+    poisoned[padding[1::2, 0], padding[1::2, 1]] = float("inf")
+    real = mask.bool()
+    with torch.no_grad():
+        expected = model(inputs_embeds=clean, attention_mask=mask).logits[real]
+        logits = model(inputs_embeds=poisoned, attention_mask=mask).logits[real]
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, expected)
+    trained = model(inputs_embeds=poisoned, attention_mask=mask).logits[real]
+    torch.testing.assert_close(trained, expected, atol=1e-5, rtol=1e-5)
+    trained.pow(2).mean().backward()
+    assert all(torch.isfinite(parameter.grad).all() for parameter in model.parameters() if parameter.grad is not None)
