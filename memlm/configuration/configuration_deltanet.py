@@ -6,6 +6,7 @@ from transformers import PreTrainedConfig
 
 from .validation import (
     check_bools,
+    check_buildable_size,
     check_choice,
     check_number,
     check_positive_ints,
@@ -176,6 +177,20 @@ class DeltaNetConfig(PreTrainedConfig):
             return self.favor_features
         return self.key_head_dim
 
+    def estimated_parameters(self) -> int:
+        """The number of parameters of a `DeltaNetForCausalLM` built from this config (tied embeddings counted once),
+        from the sizes alone: nothing is built. The FAVOR+ projection is a buffer, not a parameter."""
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        key_width, value_width = heads * self.key_head_dim, heads * self.value_head_dim
+        attention = (2 * key_width + 2 * value_width) * hidden  # q, k, v and o projections
+        attention += heads * hidden if self.use_beta else 0
+        attention += (2 * key_width + value_width) * self.convolution_size if self.short_convolution else 0
+        attention += value_width * hidden if self.output_gate else 0
+        attention += self.value_head_dim if self.output_norm else 0
+        layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden  # gated MLP and the two RMSNorms
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embeddings + hidden  # + the final RMSNorm
+
     def describe(self) -> list[str]:
         """The configuration in words, one line per aspect (used by the model card)."""
         feature = {
@@ -256,6 +271,7 @@ class DeltaNetConfig(PreTrainedConfig):
                 f"({', '.join(NONNEGATIVE_FEATURE_MAPS)}); got feature_map={self.feature_map!r}."
             )
         check_token_ids(self)
+        check_buildable_size(self)
 
 
 __all__ = ["DeltaNetConfig"]

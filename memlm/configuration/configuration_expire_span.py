@@ -7,6 +7,7 @@ from transformers import PreTrainedConfig
 
 from .validation import (
     check_bools,
+    check_buildable_size,
     check_choice,
     check_number,
     check_positive_ints,
@@ -101,6 +102,15 @@ class ExpireSpanConfig(PreTrainedConfig):
         """logit(initial_span_fraction): the span predictor's starting bias."""
         return math.log(self.initial_span_fraction / (1 - self.initial_span_fraction))
 
+    def estimated_parameters(self) -> int:
+        """The number of parameters of an `ExpireSpanForCausalLM` built from this config (tied embeddings counted
+        once), from the sizes alone: nothing is built."""
+        hidden = self.hidden_size
+        attention = 4 * hidden * hidden + (hidden + 1 if self.expire_memories else 0)  # q, k, v, o; span predictor
+        layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden  # gated MLP and the two RMSNorms
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embeddings + hidden  # + the final RMSNorm
+
     def describe(self) -> list[str]:
         """The configuration in words, one line per aspect (used by the model card)."""
         lines = [
@@ -148,6 +158,7 @@ class ExpireSpanConfig(PreTrainedConfig):
         check_bools(self, "memory_shortening", "expire_memories", "use_cache", "tie_word_embeddings")
         check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
         check_token_ids(self)
+        check_buildable_size(self)
 
 
 __all__ = ["ExpireSpanConfig"]

@@ -5,6 +5,7 @@ from transformers import PreTrainedConfig
 
 from .validation import (
     check_bools,
+    check_buildable_size,
     check_choice,
     check_number,
     check_positive_ints,
@@ -85,6 +86,18 @@ class FeedbackTransformerConfig(PreTrainedConfig):
         """How many key/value sets the memory holds: 1 when shared by the layers, else one per layer."""
         return 1 if self.share_key_value else self.num_hidden_layers
 
+    def estimated_parameters(self) -> int:
+        """The number of parameters of a `FeedbackTransformerForCausalLM` built from this config (tied embeddings
+        counted once), from the sizes alone: nothing is built."""
+        hidden, layers = self.hidden_size, self.num_hidden_layers
+        key_value = 2 * hidden * hidden  # the memory's key and value projections: once, or in every layer
+        attention = 2 * hidden * hidden + (0 if self.share_key_value else key_value)  # q and o (+ k and v)
+        attention += self.num_attention_heads * self.memory_span if self.position_encoding == "relative_bias" else 0
+        layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden  # gated MLP and the two RMSNorms
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        shared = (key_value if self.share_key_value else 0) + (layers + 1) + 2 * hidden  # w of Eq. 1, two RMSNorms
+        return layers * layer + embeddings + shared
+
     def describe(self) -> list[str]:
         """The configuration in words, one line per aspect (used by the model card)."""
         position = (
@@ -128,6 +141,7 @@ class FeedbackTransformerConfig(PreTrainedConfig):
         check_bools(self, "share_key_value", "use_cache", "tie_word_embeddings")
         check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
         check_token_ids(self)
+        check_buildable_size(self)
 
 
 __all__ = ["FeedbackTransformerConfig"]

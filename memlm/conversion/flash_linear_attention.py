@@ -11,6 +11,7 @@ Command line:  python -m memlm.conversion.flash_linear_attention FLA_DIRECTORY O
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -200,17 +201,46 @@ def _is_tied(name: str, config: DeltaNetConfig) -> bool:
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
-def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description="Convert a flash-linear-attention DeltaNet checkpoint to memlm.")
-    parser.add_argument("source", type=Path, help="FLA checkpoint directory (config.json + *.safetensors)")
-    parser.add_argument("destination", type=Path, help="where to write the memlm checkpoint")
-    arguments = parser.parse_args(argv)
-    model = load_fla_deltanet(arguments.source)
-    model.save_pretrained(arguments.destination)
-    for extra in arguments.source.iterdir():
+def check_destination(source: str | Path, destination: str | Path):
+    """Refuses a destination that is the source folder or inside it (symlinks resolved): writing there would replace
+    the FLA checkpoint's config.json and weights (and, for a sharded checkpoint, delete its shards while its
+    model.safetensors.index.json still names them)."""
+    source_folder, destination_folder = Path(source).resolve(), Path(destination).resolve()
+    if destination_folder == source_folder or source_folder in destination_folder.parents:
+        where = "is the source folder" if destination_folder == source_folder else "is inside the source folder"
+        raise ValueError(
+            f"the destination {str(destination)!r} {where} {str(source)!r} (resolved: {destination_folder}); "
+            "converting there would overwrite the FLA checkpoint. Choose a folder outside it."
+        )
+
+
+def convert(source: str | Path, destination: str | Path):
+    """Converts the FLA DeltaNet checkpoint folder `source` into a memlm checkpoint folder `destination`, with the
+    tokenizer and generation settings that came with it."""
+    source, destination = Path(source), Path(destination)
+    check_destination(source, destination)
+    model = load_fla_deltanet(source)
+    model.save_pretrained(destination)
+    for extra in source.iterdir():
         # Keep the tokenizer and generation settings that came with the checkpoint.
         if re.match(r"(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.model)$", extra.name):
-            (arguments.destination / extra.name).write_bytes(extra.read_bytes())
+            (destination / extra.name).write_bytes(extra.read_bytes())
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(
+        prog="python -m memlm.conversion.flash_linear_attention",
+        description="Convert a flash-linear-attention DeltaNet checkpoint to memlm.",
+    )
+    parser.add_argument("source", type=Path, help="FLA checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("destination", type=Path, help="where to write the memlm checkpoint (outside the source)")
+    arguments = parser.parse_args(argv)
+    try:
+        convert(arguments.source, arguments.destination)
+    except (ValueError, OSError) as error:
+        if os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0"):
+            raise
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 
 if __name__ == "__main__":
