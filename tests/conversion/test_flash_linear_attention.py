@@ -3,10 +3,14 @@
 The expected logits come from `fla_forward`, an independent reading of FLA's DeltaNet (fla/models/delta_net and
 fla/layers/delta_net.py) that works on the FLA state dict directly: per-projection short convolutions followed by
 SiLU, L2-normalised keys and queries, queries scaled by d_k^-1/2, the delta rule as FLA's naive recurrence, per-head
-RMSNorm (gated by silu(g) when use_gate), and a SwiGLU MLP.
+RMSNorm (gated by silu(g) when use_gate), and a SwiGLU MLP. With flash-linear-attention installed, a checkpoint that
+FLA's own DeltaNetForCausalLM wrote is also loaded and checked against that model's logits (its Triton kernels run in
+Triton's interpreter without a GPU).
 """
 
 import json
+import os
+import warnings
 
 import pytest
 import torch
@@ -255,3 +259,43 @@ def test_flash_linear_attention_and_memlm_coexist_in_one_process(tmp_path):
     torch.testing.assert_close(
         model.model.layers[1].attention.g_proj.weight, fla_model.state_dict()["model.layers.1.attn.g_proj.weight"]
     )
+
+
+@pytest.fixture
+def fla_models_running_here(monkeypatch):
+    """FLA's models, with its Triton kernels ready to run on this machine's tensors: on a GPU as they are, on CPU in
+    Triton's interpreter as tests/kernels/test_fla_backend.py explains (one configuration per autotuned kernel, and
+    int32 loop indices as compiled Triton has)."""
+    from memlm.kernels import flash_linear_attention_available
+
+    if not flash_linear_attention_available():
+        pytest.skip("flash-linear-attention >= 0.6 (pip install memlm[fla]) and triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("FLA's kernels need CUDA or Triton's interpreter")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # on CPU: "Triton is not supported on current platform"
+        import fla.models
+        from fla.ops.common import chunk_delta_h
+    if not torch.cuda.is_available():
+        from tests.kernels.test_fla_backend import _first_configuration_only, _interpreter_range
+
+        _first_configuration_only(monkeypatch)
+        monkeypatch.setattr(chunk_delta_h, "range", _interpreter_range, raising=False)
+    return fla.models
+
+
+def test_converted_checkpoint_gives_the_logits_of_flas_own_model(tmp_path, fla_models_running_here):
+    torch.manual_seed(0)
+    fla_config = fla_models_running_here.DeltaNetConfig(
+        hidden_size=64, num_heads=2, num_hidden_layers=2, vocab_size=100, use_gate=True
+    )
+    fla_model = fla_models_running_here.DeltaNetForCausalLM(fla_config).eval()
+    with torch.no_grad():  # away from the initialisation (unit norms, zero-initialised projections)
+        for parameter in fla_model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    fla_model.save_pretrained(tmp_path / "fla")
+    model = load_fla_deltanet(tmp_path / "fla")
+    input_ids = torch.randint(0, 100, (2, 13))
+    with torch.no_grad():
+        expected = fla_model(input_ids).logits  # FLA's layers and kernels (fused_recurrent_delta_rule at 13 tokens)
+        torch.testing.assert_close(model(input_ids).logits, expected, atol=1e-4, rtol=1e-4)
