@@ -15,13 +15,10 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from memlm.kernels.delta_rule import triton_recurrent  # noqa: E402
 from memlm.kernels.delta_rule.chunk import delta_rule_step, sum_rule_step  # noqa: E402
 from memlm.kernels.delta_rule.reference import delta_rule_reference, sum_rule_reference  # noqa: E402
-from memlm.kernels.delta_rule.triton_recurrent import (  # noqa: E402
-    MAX_KEY_DIM,
-    delta_rule_step_triton,
-    sum_rule_step_triton,
-)
+from memlm.kernels.delta_rule.triton_recurrent import delta_rule_step_triton, sum_rule_step_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (key width, value width): d_k ≠ d_v both ways, d_k = 2·d_v, and non-power-of-two widths.
@@ -185,6 +182,45 @@ def test_wide_keys_split_the_value_columns():
     assert relative_rms_error(final_state, expected_state) < 1e-5
 
 
+@pytest.mark.parametrize("rule", ["delta", "sum"])
+def test_keys_wider_than_the_register_tile(rule):
+    """d_k = 1100 (above MAX_REGISTER_KEY_DIM = 1024): the state stays in memory, in slices of 128 rows."""
+    tensors = make_inputs(batch_size=1, num_heads=1, length=2, key_dim=1100, value_dim=8)
+    run, reference = (
+        (delta_rule_step_triton, delta_rule_reference)
+        if rule == "delta"
+        else (sum_rule_step_triton, sum_rule_reference)
+    )
+    if rule == "sum":
+        tensors = without_beta(tensors)
+    output, final_state = run(**tensors, output_final_state=True)
+    expected_output, expected_state = reference(**tensors, output_final_state=True)
+    assert relative_rms_error(output, expected_output) < 1e-5
+    assert relative_rms_error(final_state, expected_state) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["final_state", "no_final_state", "in_place", "zero_state"])
+def test_state_in_memory_in_several_slices(monkeypatch, mode):
+    # Slices of 16 rows over d_k = 40 (the last one partly masked), and every way the state can come and go.
+    monkeypatch.setattr(triton_recurrent, "MAX_REGISTER_KEY_DIM", 16)
+    monkeypatch.setattr(triton_recurrent, "_WIDE_BLOCK_K", 16)
+    tensors = make_inputs(length=5, key_dim=40, value_dim=12, state=mode != "zero_state")
+    expected_output, expected_state = delta_rule_reference(**tensors, output_final_state=True)
+    saved = None if mode == "zero_state" else tensors["initial_state"].clone()
+    output, final_state = delta_rule_step_triton(
+        **tensors, output_final_state=mode != "no_final_state", in_place=mode == "in_place"
+    )
+    assert relative_rms_error(output, expected_output) < 1e-5
+    if mode == "no_final_state":
+        assert final_state is None
+    else:
+        assert relative_rms_error(final_state, expected_state) < 1e-5
+    if mode == "in_place":
+        assert final_state is tensors["initial_state"]
+    elif saved is not None:
+        assert torch.equal(tensors["initial_state"], saved)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs_compute_in_float32(dtype):
     tensors = make_inputs(length=4, key_dim=24, value_dim=12, dtype=dtype)
@@ -231,9 +267,6 @@ def test_rejects_inputs_that_do_not_fit():
         delta_rule_step_triton(**{**tensors, "beta": tensors["beta"][:, :1]})
     with pytest.raises(ValueError, match="initial_state must have shape"):
         delta_rule_step_triton(**{**tensors, "initial_state": tensors["initial_state"].mT})
-    wide = torch.zeros(1, 1, 1, MAX_KEY_DIM + 1, device=DEVICE)
-    with pytest.raises(ValueError, match=f"key widths up to {MAX_KEY_DIM}"):
-        sum_rule_step_triton(wide, wide, torch.zeros(1, 1, 1, 4, device=DEVICE))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled kernel runs on CPU tensors only without CUDA")

@@ -8,8 +8,10 @@ Per head, with the memory ``S ∈ R^{d_k×d_v}`` and for each token t in order:
 One kernel launch per call. Each program owns one (batch, head) and one block of value columns: the
 columns of ``S`` are independent of each other (``v̄``, the update and ``o`` all act column by column), so
 a program reads its ``d_k × BLOCK_V`` tile of the state once, keeps it in registers over all the tokens,
-and writes it once. For T = 1 this is the decoding step; for T > 1 it is a fused recurrent forward, for
-inference only (no autograd: training uses the chunkwise kernel).
+and writes it once. Keys wider than ``MAX_REGISTER_KEY_DIM`` keep the state in the final-state tensor instead
+and stream it in slices of rows for every token, so every key width runs. For T = 1 this is the decoding step;
+for T > 1 it is a fused recurrent forward, for inference only (no autograd: training uses the chunkwise kernel).
+Per-token pointers advance by one stride per token (64-bit), so long prefills cannot overflow an address.
 
 Same arguments, shapes and dtypes as ``delta_rule_step`` / ``sum_rule_step`` of ``chunk.py``: query/key
 ``(B, H, T, d_k)``, value ``(B, H, T, d_v)``, beta ``(B, H, T)`` or ``None`` (β = 1), state ``(B, H, d_k, d_v)``
@@ -30,13 +32,16 @@ import torch
 
 from .chunk import _compute_dtype
 
-__all__ = ["MAX_KEY_DIM", "delta_rule_step_triton", "sum_rule_step_triton"]
+__all__ = ["delta_rule_step_triton", "sum_rule_step_triton"]
 
-# Widest key supported: a program holds a whole column block of the state, d_k rows, in registers.
-MAX_KEY_DIM = 1024
+# Up to this key width a program holds its whole column block of the state, d_k rows, in registers; wider keys keep
+# the state in the output state tensor (global memory) and stream it BLOCK_K rows at a time for every token.
+MAX_REGISTER_KEY_DIM = 1024
 # Elements of the state tile one program holds (d_k rows × BLOCK_V columns), and its narrowest width.
 _TILE_ELEMENTS = 4096
 _MIN_BLOCK_V = 8
+# Rows of the state per slice when the state stays in global memory.
+_WIDE_BLOCK_K = 128
 
 
 @triton.jit
@@ -83,73 +88,133 @@ def _fused_recurrent_kernel(
     HAS_BETA: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
+    STATE_IN_REGISTERS: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # Program (batch·head, value block); 64-bit offsets so long prefills cannot overflow.
+    # Program (batch·head, value block). Offsets are 64-bit: the per-token pointers advance by one stride per
+    # token instead of multiplying the token index by the stride, so long prefills cannot overflow.
     batch_head = tl.program_id(0).to(tl.int64)
     batch = batch_head // num_heads
     head = batch_head % num_heads
-    rows = tl.arange(0, BLOCK_K)
     columns = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_mask = rows < key_dim
     column_mask = columns < value_dim
-    tile_mask = row_mask[:, None] & column_mask[None, :]
 
-    # The state tile S[:, columns], read once. Padded rows and columns load as zero and stay zero: their
-    # keys and values are masked to zero, so they neither write nor are read.
-    if HAS_INITIAL_STATE:
-        initial_state_tile = (
-            initial_state_ptr
-            + batch * initial_state_strides_b
-            + head * initial_state_strides_h
-            + rows[:, None] * initial_state_strides_k
-            + columns[None, :] * initial_state_strides_v
-        )
-        state = tl.load(initial_state_tile, mask=tile_mask, other=0.0).to(COMPUTE_DTYPE)
-    else:
-        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=COMPUTE_DTYPE)
-
-    query_row = query_ptr + batch * query_strides_b + head * query_strides_h + rows * query_strides_k
-    key_row = key_ptr + batch * key_strides_b + head * key_strides_h + rows * key_strides_k
+    initial_state_head = initial_state_ptr + batch * initial_state_strides_b + head * initial_state_strides_h
+    final_state_head = final_state_ptr + batch * final_state_strides_b + head * final_state_strides_h
+    query_token = query_ptr + batch * query_strides_b + head * query_strides_h
+    key_token = key_ptr + batch * key_strides_b + head * key_strides_h
     value_row = value_ptr + batch * value_strides_b + head * value_strides_h + columns * value_strides_v
     output_row = output_ptr + batch * output_strides_b + head * output_strides_h + columns * output_strides_v
     beta_token = beta_ptr + batch * beta_strides_b + head * beta_strides_h
 
-    for token in range(length):
-        key = tl.load(key_row + token * key_strides_t, mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
-        value = tl.load(value_row + token * value_strides_t, mask=column_mask, other=0.0).to(COMPUTE_DTYPE)
-        query = tl.load(query_row + token * query_strides_t, mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
-        if DELTA_RULE:
-            # v̄_t = Sᵀ k_t: what k_t currently retrieves, column by column.
-            retrieved = tl.sum(state * key[:, None], axis=0)
-            update = value - retrieved
-            if HAS_BETA:
-                update = update * tl.load(beta_token + token * beta_strides_t).to(COMPUTE_DTYPE)
-            # S ← S + β_t k_t (v_t − v̄_t)ᵀ
-            state += key[:, None] * update[None, :]
+    if STATE_IN_REGISTERS:
+        rows = tl.arange(0, BLOCK_K)
+        row_mask = rows < key_dim
+        tile_mask = row_mask[:, None] & column_mask[None, :]
+        # The state tile S[:, columns], read once. Padded rows and columns load as zero and stay zero: their
+        # keys and values are masked to zero, so they neither write nor are read.
+        if HAS_INITIAL_STATE:
+            initial_state_tile = (
+                initial_state_head
+                + rows[:, None] * initial_state_strides_k
+                + columns[None, :] * initial_state_strides_v
+            )
+            state = tl.load(initial_state_tile, mask=tile_mask, other=0.0).to(COMPUTE_DTYPE)
         else:
-            # S ← S + k_t v_tᵀ
-            state += key[:, None] * value[None, :]
-        # o_t = Sᵀ q_t with the updated state.
-        output = tl.sum(state * query[:, None], axis=0)
-        tl.store(
-            output_row + token * output_strides_t,
-            output.to(output_ptr.dtype.element_ty),
-            mask=column_mask,
-        )
-
-    # The new state, written once.
-    if STORE_FINAL_STATE:
-        final_state_tile = (
-            final_state_ptr
-            + batch * final_state_strides_b
-            + head * final_state_strides_h
-            + rows[:, None] * final_state_strides_k
-            + columns[None, :] * final_state_strides_v
-        )
-        tl.store(final_state_tile, state.to(final_state_ptr.dtype.element_ty), mask=tile_mask)
+            state = tl.zeros([BLOCK_K, BLOCK_V], dtype=COMPUTE_DTYPE)
+        for _ in range(length):
+            key = tl.load(key_token + rows * key_strides_k, mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
+            value = tl.load(value_row, mask=column_mask, other=0.0).to(COMPUTE_DTYPE)
+            query = tl.load(query_token + rows * query_strides_k, mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
+            if DELTA_RULE:
+                # v̄_t = Sᵀ k_t: what k_t currently retrieves, column by column.
+                retrieved = tl.sum(state * key[:, None], axis=0)
+                update = value - retrieved
+                if HAS_BETA:
+                    update = update * tl.load(beta_token).to(COMPUTE_DTYPE)
+                # S ← S + β_t k_t (v_t − v̄_t)ᵀ
+                state += key[:, None] * update[None, :]
+            else:
+                # S ← S + k_t v_tᵀ
+                state += key[:, None] * value[None, :]
+            # o_t = Sᵀ q_t with the updated state.
+            output = tl.sum(state * query[:, None], axis=0)
+            tl.store(output_row, output.to(output_ptr.dtype.element_ty), mask=column_mask)
+            query_token += query_strides_t
+            key_token += key_strides_t
+            value_row += value_strides_t
+            output_row += output_strides_t
+            beta_token += beta_strides_t
+        # The new state, written once.
+        if STORE_FINAL_STATE:
+            final_state_tile = (
+                final_state_head + rows[:, None] * final_state_strides_k + columns[None, :] * final_state_strides_v
+            )
+            tl.store(final_state_tile, state.to(final_state_ptr.dtype.element_ty), mask=tile_mask)
+    else:
+        # The state lives in the final state tensor (always given here), BLOCK_K rows at a time.
+        for row_start in range(0, key_dim, BLOCK_K):
+            rows = row_start + tl.arange(0, BLOCK_K)
+            tile_mask = (rows < key_dim)[:, None] & column_mask[None, :]
+            if HAS_INITIAL_STATE:
+                initial_state_tile = (
+                    initial_state_head
+                    + rows[:, None] * initial_state_strides_k
+                    + columns[None, :] * initial_state_strides_v
+                )
+                tile = tl.load(initial_state_tile, mask=tile_mask, other=0.0).to(COMPUTE_DTYPE)
+            else:
+                tile = tl.zeros([BLOCK_K, BLOCK_V], dtype=COMPUTE_DTYPE)
+            final_state_tile = (
+                final_state_head + rows[:, None] * final_state_strides_k + columns[None, :] * final_state_strides_v
+            )
+            tl.store(final_state_tile, tile.to(final_state_ptr.dtype.element_ty), mask=tile_mask)
+        tl.debug_barrier()  # the tiles are read back by other threads of the program
+        for _ in range(length):
+            value = tl.load(value_row, mask=column_mask, other=0.0).to(COMPUTE_DTYPE)
+            update = value
+            if DELTA_RULE:
+                # v̄_t = Sᵀ k_t, summed over slices of rows.
+                retrieved = tl.zeros([BLOCK_V], dtype=COMPUTE_DTYPE)
+                for row_start in range(0, key_dim, BLOCK_K):
+                    rows = row_start + tl.arange(0, BLOCK_K)
+                    row_mask = rows < key_dim
+                    tile_mask = row_mask[:, None] & column_mask[None, :]
+                    final_state_tile = (
+                        final_state_head
+                        + rows[:, None] * final_state_strides_k
+                        + columns[None, :] * final_state_strides_v
+                    )
+                    state = tl.load(final_state_tile, mask=tile_mask, other=0.0).to(COMPUTE_DTYPE)
+                    key = tl.load(key_token + rows * key_strides_k, mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
+                    retrieved += tl.sum(state * key[:, None], axis=0)
+                update = value - retrieved
+                if HAS_BETA:
+                    update = update * tl.load(beta_token).to(COMPUTE_DTYPE)
+            # S ← S + k_t uᵀ (u = β_t (v_t − v̄_t) or v_t) and o_t = Sᵀ q_t, slice by slice.
+            output = tl.zeros([BLOCK_V], dtype=COMPUTE_DTYPE)
+            for row_start in range(0, key_dim, BLOCK_K):
+                rows = row_start + tl.arange(0, BLOCK_K)
+                row_mask = rows < key_dim
+                tile_mask = row_mask[:, None] & column_mask[None, :]
+                final_state_tile = (
+                    final_state_head + rows[:, None] * final_state_strides_k + columns[None, :] * final_state_strides_v
+                )
+                state = tl.load(final_state_tile, mask=tile_mask, other=0.0).to(COMPUTE_DTYPE)
+                key = tl.load(key_token + rows * key_strides_k, mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
+                query = tl.load(query_token + rows * query_strides_k, mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
+                state += key[:, None] * update[None, :]
+                output += tl.sum(state * query[:, None], axis=0)
+                tl.store(final_state_tile, state.to(final_state_ptr.dtype.element_ty), mask=tile_mask)
+            tl.store(output_row, output.to(output_ptr.dtype.element_ty), mask=column_mask)
+            query_token += query_strides_t
+            key_token += key_strides_t
+            value_row += value_strides_t
+            output_row += output_strides_t
+            beta_token += beta_strides_t
+            tl.debug_barrier()
 
 
 def _check_inputs(
@@ -183,8 +248,6 @@ def _check_inputs(
     expected_state = (batch_size, num_heads, key_dim, value.shape[-1])
     if initial_state is not None and initial_state.shape != expected_state:
         raise ValueError(f"initial_state must have shape {expected_state}, got {tuple(initial_state.shape)}.")
-    if key_dim > MAX_KEY_DIM:
-        raise ValueError(f"the Triton kernel supports key widths up to {MAX_KEY_DIM}, got {key_dim}.")
     devices = {tensor.device for tensor in tensors.values() if tensor is not None}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(str(device) for device in devices)}.")
@@ -220,10 +283,13 @@ def _fused_recurrent(
     value_dim = value.shape[-1]
     compute_dtype = _compute_dtype(query, key, value, beta, initial_state)
     output = torch.empty(batch_size, num_heads, length, value_dim, dtype=value.dtype, device=value.device)
-    store_final_state = output_final_state or in_place
+    key_width = triton.next_power_of_2(max(key_dim, 1))
+    state_in_registers = key_width <= MAX_REGISTER_KEY_DIM
+    # A state too wide for registers is kept in the final state tensor during the call, asked for or not.
+    store_final_state = output_final_state or in_place or not state_in_registers
     if in_place:
         final_state = initial_state
-    elif output_final_state:
+    elif store_final_state:
         final_state = torch.empty(batch_size, num_heads, key_dim, value_dim, dtype=compute_dtype, device=key.device)
     else:
         final_state = None
@@ -231,7 +297,7 @@ def _fused_recurrent(
         return output, (final_state if output_final_state else None)
 
     # A d_k × BLOCK_V tile of about _TILE_ELEMENTS elements per program: narrower column blocks for wider keys.
-    block_k = triton.next_power_of_2(max(key_dim, 1))
+    block_k = key_width if state_in_registers else _WIDE_BLOCK_K
     block_v = min(triton.next_power_of_2(value_dim), max(_MIN_BLOCK_V, _TILE_ELEMENTS // block_k))
     grid = (batch_size * num_heads, triton.cdiv(value_dim, block_v))
     # Unused pointers get a real tensor and zero strides; their constexpr flag keeps the kernel from reading them.
@@ -261,6 +327,7 @@ def _fused_recurrent(
         HAS_BETA=beta is not None,
         HAS_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=store_final_state,
+        STATE_IN_REGISTERS=state_in_registers,
         COMPUTE_DTYPE=tl.float64 if compute_dtype == torch.float64 else tl.float32,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
@@ -282,7 +349,7 @@ def delta_rule_step_triton(
     """Delta rule over T ≥ 1 tokens in one fused kernel (T = 1: the decoding step). Inference only.
 
     Args:
-        query, key: ``(B, H, T, d_k)``, d_k ≤ :data:`MAX_KEY_DIM`.
+        query, key: ``(B, H, T, d_k)``, any d_k (above ``MAX_REGISTER_KEY_DIM`` the state stays in memory).
         value: ``(B, H, T, d_v)``.
         beta: ``(B, H, T)``; ``None`` means β = 1.
         initial_state: ``(B, H, d_k, d_v)``; ``None`` means zeros. Left unchanged unless ``in_place``.
@@ -297,7 +364,7 @@ def delta_rule_step_triton(
     Raises:
         RuntimeError: if grad mode is on and an input requires grad (use the chunkwise kernel to train), or
             the tensors are on CPU without the Triton interpreter.
-        ValueError: on shapes that do not fit together, a key wider than :data:`MAX_KEY_DIM`, mixed devices,
+        ValueError: on shapes that do not fit together, mixed devices,
             or ``in_place`` without a suitable ``initial_state``.
     """
     return _fused_recurrent(
