@@ -353,3 +353,48 @@ def test_deltanet_generation_with_fla_equals_torch(fla_kernels, monkeypatch):
     assert torch.equal(generated["fla"].sequences, generated["torch"].sequences)
     for logits, expected in zip(generated["fla"].logits, generated["torch"].logits):
         assert _relative_error(logits, expected) < FLOAT32_TOLERANCE
+
+
+def test_padded_batch_runs_packed_through_flas_varlen_kernel(fla_kernels, monkeypatch):
+    """A padded batch runs packed (`cu_seqlens`) on the fla backend, as on triton: each row's real tokens alone."""
+    calls = []
+    from memlm.kernels.delta_rule import flash_linear_attention as mapping
+
+    chunk = mapping.chunk_delta_rule
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("cu_seqlens"))
+        return chunk(*args, **kwargs)
+
+    monkeypatch.setattr(mapping, "chunk_delta_rule", counted)
+    model = _perturbed_model(torch.float16)
+    input_ids = torch.randint(0, 256, (2, 12))
+    attention_mask = torch.ones(2, 12, dtype=torch.long)
+    attention_mask[1, :5] = 0  # the second row: 5 padding tokens, then 7 real ones
+    with torch.no_grad():
+        monkeypatch.setenv("MEMLM_KERNELS", "fla")
+        logits = model(input_ids, attention_mask=attention_mask).logits
+        monkeypatch.setenv("MEMLM_KERNELS", "torch")
+        first_alone = model(input_ids[:1]).logits
+        second_alone = model(input_ids[1:, 5:]).logits
+    assert len(calls) == TINY["num_hidden_layers"] and all(offsets is not None for offsets in calls)
+    assert calls[0].tolist() == [0, 12, 19]  # the 12 + 7 real tokens back to back
+    assert _relative_error(logits[:1], first_alone) < FLOAT16_TOLERANCE
+    assert _relative_error(logits[1:, 5:], second_alone) < FLOAT16_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deltanet_on_gpu_in_bfloat16_fla_agrees_with_triton_and_torch(fla_kernels, monkeypatch):
+    sizes = {**TINY, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 512, "num_hidden_layers": 4}
+    torch.manual_seed(0)
+    model = DeltaNetForCausalLM(DeltaNetConfig.from_preset("fla", **{**sizes, "chunk_size": 64}))
+    model = model.to("cuda", torch.bfloat16).eval()
+    input_ids = torch.randint(0, 256, (4, 1024), device="cuda")
+    logits = {}
+    with torch.no_grad():
+        for backend in ("torch", "triton", "fla"):
+            monkeypatch.setenv("MEMLM_KERNELS", backend)
+            logits[backend] = model(input_ids).logits
+    assert _relative_error(logits["fla"], logits["torch"]) < 2e-2
+    assert _relative_error(logits["fla"], logits["triton"]) < 2e-2
