@@ -58,8 +58,9 @@ def flash_linear_attention_version() -> str | None:
     """The installed version of flash-linear-attention's kernels, or ``None`` if the ``fla`` package is not there.
 
     Read from the package metadata, without importing ``fla`` (which is slow and registers FLA's models with 🤗
-    Auto classes). Since 0.4 the kernels (``fla.ops``) ship in the ``fla-core`` distribution that
-    ``flash-linear-attention`` depends on; earlier releases shipped them in ``flash-linear-attention`` itself.
+    Auto classes). In 0.6 the kernels (``fla.ops``) ship in the ``fla-core`` distribution, which
+    ``flash-linear-attention`` pins to its own version; without ``fla-core`` the version of
+    ``flash-linear-attention`` is read.
     """
     if importlib.util.find_spec("fla") is None:
         return None
