@@ -156,7 +156,8 @@ def describe_backend(operation: str, device="cpu", dtype=None, backend: str | No
     Args:
         operation: ``"delta_rule"``, ``"sum_rule"`` or ``"expire_span_attention"``.
         device: a ``torch.device`` or its name (``"cuda"``, ``"cpu"``).
-        dtype: the inputs' dtype; ``None`` means float32.
+        dtype: the inputs' dtype, a ``torch.dtype`` or its name (``"bfloat16"``, as a config's ``dtype`` may
+            hold it); ``None`` means float32.
         backend: as the operation's ``backend=`` argument; ``None`` reads ``$MEMLM_KERNELS``, else the default.
 
     Returns:
@@ -164,7 +165,7 @@ def describe_backend(operation: str, device="cpu", dtype=None, backend: str | No
         prefill, fused_recurrent_delta_rule to decode"``.
 
     Raises:
-        ValueError: for an unknown operation, or as :func:`resolve_backend` for the backend.
+        ValueError: for an unknown operation or dtype name, or as :func:`resolve_backend` for the backend.
     """
     import torch
 
@@ -172,6 +173,11 @@ def describe_backend(operation: str, device="cpu", dtype=None, backend: str | No
         allowed = ", ".join(repr(name) for name in OPERATIONS)
         raise ValueError(f"operation={operation!r} is not a memlm kernel operation; allowed values are {allowed}.")
     device = torch.device(device)
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            raise ValueError(f"dtype={dtype!r} is not a torch dtype; e.g. 'float32', 'bfloat16', 'float16'.")
+        dtype = getattr(torch, name)
     dtype = torch.float32 if dtype is None else dtype
     resolved = resolve_backend(backend, device, operation)
     fla_chosen = operation not in FLA_OPERATIONS and resolve_backend(backend, device, "delta_rule") == "fla"

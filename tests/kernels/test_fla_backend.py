@@ -147,6 +147,12 @@ def test_describe_backend_says_what_runs(monkeypatch):
     assert describe_backend("delta_rule", "cpu").startswith("torch: memlm's PyTorch chunkwise implementation")
     assert describe_backend("delta_rule", "cuda", backend="triton").startswith("triton: memlm's Triton chunkwise")
     assert describe_backend("delta_rule", "cuda", backend="reference").startswith("reference:")
+    assert describe_backend("delta_rule", "cuda", "bfloat16") == describe_backend("delta_rule", "cuda", torch.bfloat16)
+    assert describe_backend("delta_rule", "cuda", "torch.float16") == describe_backend(
+        "delta_rule", "cuda", torch.float16
+    )
+    with pytest.raises(ValueError, match=r"dtype='brainfloat' is not a torch dtype"):
+        describe_backend("delta_rule", "cuda", "brainfloat")
     monkeypatch.setenv("MEMLM_KERNELS", "torch")
     assert describe_backend("delta_rule", "cuda", torch.bfloat16).startswith("torch:")
     with pytest.raises(ValueError, match=r"operation='attention' is not a memlm kernel operation; allowed values are "
