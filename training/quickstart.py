@@ -2,13 +2,13 @@
 
 The corpus is the source of the running Python's standard library, read at run time, so nothing is downloaded.
 Prints the held-out bits per byte before and after training, then streams a sample from the saved model through
-🤗 `pipeline("text-generation")`. Any earlier quickstart run in the same folder is replaced.
+🤗 `pipeline("text-generation")`. A finished earlier run in the same folder is replaced (`memlm train --overwrite`);
+an unfinished one with the same settings is resumed. No progress bar is drawn when the output is not a terminal.
 
     python training/quickstart.py [--preset tiny-deltanet] [--output-dir runs/quickstart] [--steps N] [--prompt TEXT]
 """
 
 import argparse
-import shutil
 import time
 from pathlib import Path
 
@@ -22,17 +22,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny-deltanet", help=", ".join(pretrain.available_presets()))
     parser.add_argument("--output-dir", type=Path, default=Path("runs/quickstart"))
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
-    parser.add_argument("--max-bytes", type=int, default=4_000_000, help="of the embedded corpus")
+    parser.add_argument("--steps", type=pretrain.number_option(int, 1), default=None,
+                        help="training steps (default: the preset's)")  # fmt: skip
+    parser.add_argument("--max-bytes", type=pretrain.number_option(int, 1), default=4_000_000,
+                        help="of the embedded corpus")  # fmt: skip
     parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=pretrain.number_option(int, 1), default=200)
+    parser.add_argument("--seed", type=pretrain.number_option(int, 0, maximum=2**32 - 1), default=0)
     arguments = parser.parse_args(argv)
 
-    if (arguments.output_dir / "metrics.json").is_file():  # a finished earlier quickstart: start over
-        shutil.rmtree(arguments.output_dir)
     training = ["--preset", arguments.preset, "--output-dir", str(arguments.output_dir), "--seed", str(arguments.seed),
                 "--max-bytes", str(arguments.max_bytes)]  # fmt: skip
+    if (arguments.output_dir / "metrics.json").is_file():  # a finished earlier quickstart: start over
+        training.append("--overwrite")
     if arguments.steps is not None:
         training += ["--steps", str(arguments.steps)]
     metrics = pretrain.main(training)

@@ -3,7 +3,7 @@
 Sources (`load_texts`):
 - nothing: the embedded default corpus, the source of the running Python's standard library, read at run time (no
   download, the same on every machine with the same Python);
-- plain text files (any extension but .json/.jsonl/.csv/.parquet), read whole;
+- plain text files (any extension but .json/.jsonl/.csv/.parquet), read whole; they must be UTF-8;
 - JSON lines / JSON / CSV / Parquet files, or a directory written by 🤗 `datasets` `save_to_disk`, read with 🤗
   `datasets` (the `text_column` holds the documents);
 - a dataset name already in the local 🤗 `datasets` cache (never downloaded here).
@@ -80,6 +80,20 @@ def _load_with_datasets(source: str, text_column: str) -> list[str]:
     return [text for text in dataset[text_column] if isinstance(text, str) and text]
 
 
+def read_text_file(path: Path) -> str:
+    """A text file's content. It must be UTF-8: the tokenizers read text, and replacing undecodable bytes (Latin-1
+    text, binary files) by U+FFFD would train on something else than the file without a word."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"The training data {str(path)!r} is not UTF-8 text: byte 0x{data[error.start]:02x} at offset "
+            f"{error.start} is not valid UTF-8. Convert it first (e.g. `iconv -f latin1 -t utf-8`), or give another "
+            "file."
+        ) from None
+
+
 def load_texts(sources: list[str] | None, text_column: str = "text", max_bytes: int = 8_000_000) -> list[str]:
     """The documents of the training data (see the module docstring). Raises FileNotFoundError for a path that
     does not exist and ValueError for data with no text."""
@@ -92,7 +106,7 @@ def load_texts(sources: list[str] | None, text_column: str = "text", max_bytes: 
         if looks_like_path and not path.exists():
             raise FileNotFoundError(f"The training data {source!r} does not exist.")
         if path.is_file() and path.suffix not in TABULAR_SUFFIXES:
-            documents.append(path.read_text(encoding="utf-8", errors="replace"))
+            documents.append(read_text_file(path))
         else:
             documents.extend(_load_with_datasets(source, text_column))
     documents = [document for document in documents if document.strip()]
@@ -132,7 +146,7 @@ def split_held_out(
                 f"The data has {len(tokens)} tokens: too few to hold out {eval_tokens} for evaluation and train on "
                 "the rest. Give more text or lower --eval-tokens."
             )
-        return tokens[:-eval_tokens], tokens[-eval_tokens:]
+        return tokens[: len(tokens) - eval_tokens], tokens[len(tokens) - eval_tokens :]
     chosen = set(held_out)
     kept = [document for index, document in enumerate(documents) if index not in chosen]
     order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -163,8 +177,11 @@ class TokenStream:
                     "give more text, fewer rows (--batch-size) or a shorter --length."
                 )
             self.streams = tokens[: rows * self.stream_length].view(rows, self.stream_length)
-        elif len(tokens) <= length + 1:
-            raise ValueError(f"{len(tokens)} training tokens are too few for windows of {length} + 1 tokens.")
+        elif len(tokens) < rows * (length + 1):
+            raise ValueError(
+                f"{len(tokens)} training tokens are fewer than one batch of {rows} windows of {length} + 1 tokens; "
+                "give more text, fewer rows (--batch-size) or a shorter --length."
+            )
 
     def starts_pass(self, step: int) -> bool:
         """Whether batch `step` begins a new pass over the streams (carried memory must then be reset)."""

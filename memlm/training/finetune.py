@@ -12,25 +12,42 @@ and card included) beside its tokenizer, with the evaluation in metrics.json; --
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
+from . import TrainingError
 
-def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+def parse_arguments(argv=None, prog: str = "memlm finetune") -> argparse.Namespace:
+    from .pretrain import number_option
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a folder written by save_pretrained")
-    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--output-dir", required=True, type=Path, help="where the tuned model goes (not --model)")
     parser.add_argument("--data", nargs="*", default=None)
     parser.add_argument("--text-column", default="text")
-    parser.add_argument("--max-bytes", type=int, default=2_000_000, help="of the embedded corpus")
-    parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--eval-blocks", type=int, default=16, help="blocks held out for evaluation")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-bytes", type=number_option(int, 1), default=2_000_000, help="of the embedded corpus")
+    parser.add_argument("--length", type=number_option(int, 1), default=128, help="tokens per block (≥ 1)")
+    parser.add_argument("--batch-size", type=number_option(int, 1), default=8, help="≥ 1")
+    parser.add_argument("--steps", type=number_option(int, 1), default=100, help="≥ 1")
+    parser.add_argument("--learning-rate", type=number_option(float, 0.0, inclusive=False), default=1e-3, help="> 0")
+    parser.add_argument("--warmup-steps", type=number_option(int, 0), default=10, help="≥ 0")
+    parser.add_argument("--eval-blocks", type=number_option(int, 1), default=16, help="blocks held out for evaluation")
+    parser.add_argument("--seed", type=number_option(int, 0, maximum=2**32 - 1), default=0)
     parser.add_argument("--push-to-hub", default=None, metavar="REPOSITORY")
     return parser.parse_args(argv)
+
+
+def check_output_folder(model: Path, output_dir: Path):
+    """Refuse an --output-dir that is the source model's folder or inside it: saving would overwrite the model
+    being fine-tuned (symbolic links resolved)."""
+    source, target = model.resolve(), output_dir.resolve()
+    if target == source or source in target.parents:
+        where = "is" if target == source else "is inside"
+        raise TrainingError(
+            f"--output-dir {str(output_dir)!r} {where} the model folder {str(model)!r}: fine-tuning would overwrite "
+            "the model it reads. Choose another --output-dir."
+        )
 
 
 def finetune(arguments: argparse.Namespace) -> dict:
@@ -43,6 +60,7 @@ def finetune(arguments: argparse.Namespace) -> dict:
 
     if not Path(arguments.model).is_dir():
         raise FileNotFoundError(f"--model {arguments.model!r} is not a folder written by save_pretrained.")
+    check_output_folder(Path(arguments.model), arguments.output_dir)
     model = AutoModelForCausalLM.from_pretrained(arguments.model)
     tokenizer = AutoTokenizer.from_pretrained(arguments.model)
     documents = Dataset.from_dict({"text": load_texts(arguments.data, arguments.text_column, arguments.max_bytes)})
@@ -70,6 +88,7 @@ def finetune(arguments: argparse.Namespace) -> dict:
         lr_scheduler_type="cosine", warmup_steps=arguments.warmup_steps, max_steps=arguments.steps,
         logging_steps=max(1, arguments.steps // 10), save_strategy="no", report_to=[], seed=arguments.seed,
         dataloader_num_workers=0, include_num_input_tokens_seen=True,
+        disable_tqdm=not sys.stderr.isatty(),  # no progress bar in logs
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_arguments, train_dataset=split["train"], eval_dataset=split["test"],
                       data_collator=default_data_collator)  # fmt: skip
