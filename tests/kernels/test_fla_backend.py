@@ -6,8 +6,8 @@ FLA's code, never what it computes:
 
 - FLA's autotuned kernels time their configurations on a GPU driver, which the interpreter has not ("RuntimeError:
   0 active drivers ([]). There should only be one."). The fixture keeps the first configuration of each autotuned
-  FLA kernel, so there is nothing to time. A configuration only picks tile sizes and GPU scheduling; every
-  configuration computes the same result.
+  FLA kernel, so there is nothing to time. A configuration only picks tile sizes and GPU scheduling: every
+  configuration computes the same math, up to the order of float additions.
 - In compiled Triton the index of a `for ... in range(n)` loop is an int32 tensor, in the interpreter a Python int,
   so FLA's `i_t.to(tl.int64)` in fla/ops/common/chunk_delta_h.py fails there ("InterpreterError:
   AttributeError("'int' object has no attribute 'to'")"). The fixture gives that module a `range` yielding the
@@ -15,9 +15,9 @@ FLA's code, never what it computes:
 
 What stays out of reach here: FLA's `chunk_delta_rule` refuses float32 ("ChunkDeltaRuleFunction does not support
 float32"), and in Triton 3.9's interpreter `tl.dot` on bfloat16 multiplies the raw bits (its bfloat16 is stored as
-uint16; a 16×16 product comes out ~1e10 off), so the chunk kernel is checked in float16 here, and bfloat16 only on
-a GPU. Tolerances are relative RMS errors against the float32 recurrent reference: 3e-3 in float16 (its rounding
-is 4.9e-4; measured ≈ 6e-4) and 1e-5 in float32.
+uint16; a 16×16 product comes out ~1e10 off; triton-lang/triton#11584, "not supported yet"), so the chunk kernel is
+checked in float16 here, and bfloat16 only on a GPU. Tolerances are relative RMS errors against the float32
+recurrent reference: 3e-3 in float16 (its rounding is 4.9e-4; measured ≈ 6e-4) and 1e-5 in float32.
 """
 
 import builtins
