@@ -14,13 +14,39 @@ Prints side-by-side tables measured in one run (medians of CUDA-event timings af
 
     python benchmarks/kernels.py [--json results.json]
     python benchmarks/kernels.py --smoke     # tiny shapes: checks the script end to end (CPU: Triton's interpreter)
+    python benchmarks/kernels.py --static    # no GPU needed: the static cost table below
 
 flash-linear-attention columns read "n/a" when the package (pip install flash-linear-attention) is not installed.
+
+``--static`` (no GPU, no timing) prints, for the chunkwise delta rule at B=8, T=2048, H=16, bf16, D=64 and D=128
+(keys L2-normalised, β in (0, 1), no initial or final state), one row per kernel launched in the forward and in the
+backward, memlm's kernels and flash-linear-attention's ``chunk_delta_rule`` side by side:
+
+- shared memory, registers and spilled bytes (ptxas ``-v`` stores / loads) of the kernel compiled for sm_90 (or
+  ``--target sm_80``), and whether its PTX holds tensor-core instructions (``mma`` / ``wgmma``). The launches are
+  recorded at the full shape (so that Triton specialises the integer arguments as it would) and compiled with
+  ``memlm.kernels.gpu_compile``, exactly as the CI check does;
+- global-memory bytes read and written: the elements that ``tl.load`` / ``tl.store`` (and atomics) touch, masked
+  elements excluded, counted by running the kernels in Triton's interpreter at B = H = 1 and scaled by B·H (exact
+  for unpacked batches: every (batch, head) pair does the same work). Cache hits are not modelled: every load
+  counts, as if it reached DRAM;
+- FLOPs of ``tl.dot`` (2·M·N·K per product on the full tiles, padding included), counted in the interpreter per
+  line of the kernel's body, and put on tensor cores or CUDA cores by what the compiler made of the dots of that
+  line: in the compiled TTGIR, ``warp_group_dot`` (wgmma) or a ``tt.dot`` with an MMA layout runs on tensor cores,
+  a ``tt.dot`` left in a blocked layout (e.g. exact fp32, ``input_precision="ieee"``) on CUDA cores. (The
+  interpreter's own view is not used for this: a kernel may take another path there.) Element-wise FLOPs (exp,
+  scaling, masks, reductions) are not counted.
+
+flash-linear-attention's kernels are autotuned: the first configuration of each (after its own pruning) is
+recorded, and its import-time hardware checks see no GPU (they pick their CPU / non-Hopper choices, e.g. exact
+fp32 dots in ``solve_tril`` where a GPU with TF32 would use TF32). The totals give the ratios issue 13 asks for:
+memlm's traffic over FLA's, forward and backward, and memlm's share of dot FLOPs on tensor cores.
 """
 
 # ruff: noqa: B023  (every closure below is measured at once, inside its own loop iteration)
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -198,6 +224,114 @@ def padded_rows(batches, sizes, device, dtype, repeats):
     return rows
 
 
+STATIC_SHAPE = (8, 2048, 16)  # (B, T, H) of the static cost table; D ∈ STATIC_WIDTHS
+STATIC_WIDTHS = (64, 128)
+
+
+def _static_inputs(batch, length, heads, width, heads_first):
+    """bf16 queries, L2-normalised keys, values and β in (0, 1): (B, H, T, D) for memlm, (B, T, H, D) for FLA."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (batch, heads, length, width) if heads_first else (batch, length, heads, width)
+    query, key, value = (torch.randn(*shape, generator=generator) for _ in range(3))
+    key = F.normalize(key, dim=-1)
+    beta = torch.rand(*shape[:3], generator=generator)
+    return [tensor.to(torch.bfloat16).requires_grad_() for tensor in (query, key, value, beta)]
+
+
+def _record_delta_rule(library, batch, length, heads, width, count):
+    """The launches of one forward and one backward, labelled by phase; counted (and run) when `count`."""
+    from memlm.kernels.gpu_compile import backward, on_gpu, record_launches
+
+    if library == "memlm":
+        from memlm.kernels.delta_rule import delta_rule
+
+        def run(query, key, value, beta):
+            return delta_rule(query, key, value, beta, backend="triton")[0]
+    else:
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        def run(query, key, value, beta):
+            return chunk_delta_rule(query, key, value, beta)[0]
+
+    # FLA enters CUDA device contexts: its tensors stay plain CPU tensors (its tile choices do not read the device).
+    as_if_on_gpu = library == "memlm"
+    with record_launches(all_configs=False, count=count, execute=count, as_if_on_gpu=as_if_on_gpu) as recorder:
+        inputs = _static_inputs(batch, length, heads, width, heads_first=library == "memlm")
+        if as_if_on_gpu:
+            inputs = [on_gpu(tensor) for tensor in inputs]
+        recorder.phase = "forward"
+        output = run(*inputs)
+        recorder.phase = "backward"
+        backward(output.float().sum())
+    return recorder.launches
+
+
+def static_rows(widths, shape, target):
+    """One row per launched kernel (see the module docstring), for memlm and flash-linear-attention."""
+    from memlm.kernels.gpu_compile import compile_launches
+
+    batch, length, heads = shape
+    rows = []
+    for width in widths:
+        for library in ("memlm", "fla"):
+            full = _record_delta_rule(library, batch, length, heads, width, count=False)
+            counted = _record_delta_rule(library, 1, length, 1, width, count=True)
+            names = [(launch.phase, launch.name) for launch in full]
+            if names != [(launch.phase, launch.name) for launch in counted]:
+                raise RuntimeError(
+                    f"{library} launches different kernels at B = H = 1 than at B = {batch}, H = {heads}"
+                )
+            compiled = {result.launch.key: result for result in compile_launches(full, targets=(target,))}
+            for launch, count in zip(full, counted):
+                result = compiled[launch.key]
+                # The counted launch (B = H = 1) and the compiled one (full shape) are the same kernel code.
+                tensor_core, cuda_core = dataclasses.replace(result, launch=count).split_flops()
+                rows.append({
+                    "width": width, "library": library, "phase": launch.phase, "kernel": launch.name,
+                    "shared_memory": result.shared_memory, "registers": result.registers,
+                    "spill_stores": result.spill_stores, "spill_loads": result.spill_loads,
+                    "tensor_core_instructions": result.tensor_core_instructions, "error": result.error,
+                    "bytes_read": count.bytes_read * batch * heads, "bytes_written": count.bytes_written * batch * heads,
+                    "tensor_core_flops": tensor_core * batch * heads, "cuda_core_flops": cuda_core * batch * heads,
+                    "constants": launch.constants,
+                })  # fmt: skip
+    return rows
+
+
+def print_static(rows, shape, target):
+    batch, length, heads = shape
+    header = ["library", "phase", "kernel", "shared KB", "registers", "spills st/ld B", "mma in PTX", "read MB",
+              "written MB", "TC GFLOP", "CUDA-core GFLOP"]  # fmt: skip
+    for width in sorted({row["width"] for row in rows}):
+        selected = [row for row in rows if row["width"] == width]
+        table = []
+        for row in selected:
+            compiled = ["compile error", "", "", ""] if row["error"] else [
+                f"{row['shared_memory'] / 1024:.0f}", str(row["registers"]),
+                f"{row['spill_stores']}/{row['spill_loads']}", "yes" if row["tensor_core_instructions"] else "no"]  # fmt: skip
+            table.append([row["library"], row["phase"], row["kernel"], *compiled,
+                          f"{row['bytes_read'] / 1e6:.1f}", f"{row['bytes_written'] / 1e6:.1f}",
+                          f"{row['tensor_core_flops'] / 1e9:.2f}", f"{row['cuda_core_flops'] / 1e9:.2f}"])  # fmt: skip
+        print_table(f"Static cost, chunkwise delta rule, B={batch} T={length} H={heads} D={width} bf16, {target} "
+                    "(dot FLOPs only; element-wise FLOPs not counted)", header, table)  # fmt: skip
+        totals = {}
+        for row in selected:
+            total = totals.setdefault((row["library"], row["phase"]), [0, 0, 0])
+            total[0] += row["bytes_read"] + row["bytes_written"]
+            total[1] += row["tensor_core_flops"]
+            total[2] += row["cuda_core_flops"]
+        summary = []
+        for phase in ("forward", "backward"):
+            ours, theirs = totals.get(("memlm", phase), [0, 0, 0]), totals.get(("fla", phase), [0, 0, 0])
+            share = ours[1] / (ours[1] + ours[2]) if ours[1] + ours[2] else float("nan")
+            ratio = ours[0] / theirs[0] if theirs[0] else float("nan")
+            summary.append([phase, f"{ours[0] / 1e6:.1f}", f"{theirs[0] / 1e6:.1f}", f"{ratio:.2f}", f"{share:.0%}",
+                            f"{(ours[1] + ours[2]) / 1e9:.2f}", f"{(theirs[1] + theirs[2]) / 1e9:.2f}"])  # fmt: skip
+        print_table(f"Totals, D={width} (targets: traffic ratio ≤ 1, memlm tensor-core share ≥ 90 %)",
+                    ["phase", "memlm MB", "FLA MB", "memlm / FLA", "memlm on tensor cores", "memlm dot GFLOP",
+                     "FLA dot GFLOP"], summary)  # fmt: skip
+
+
 def print_table(title, header, rows):
     print(f"\n{title}")
     print(" | ".join(header))
@@ -209,8 +343,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU: interpreter)")
+    parser.add_argument("--static", action="store_true", help="the static cost table (no GPU needed)")
+    parser.add_argument("--target", default="sm_90", choices=["sm_80", "sm_90"], help="GPU target of --static")
     parser.add_argument("--json", default=None)
     arguments = parser.parse_args(argv)
+    if arguments.static:
+        # The launches are recorded and counted in Triton's interpreter, set before any kernel is imported.
+        os.environ["TRITON_INTERPRET"] = "1"
+        shape = (2, 128, 2) if arguments.smoke else STATIC_SHAPE
+        widths = (64,) if arguments.smoke else STATIC_WIDTHS
+        rows = static_rows(widths, shape, arguments.target)
+        print_static(rows, shape, arguments.target)
+        if arguments.json:
+            with open(arguments.json, "w") as file:
+                json.dump({"static": rows}, file, indent=2)
+        return {"static": rows}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("No GPU: run on a CUDA machine, or with --smoke and TRITON_INTERPRET=1 to check the script.")

@@ -1,0 +1,169 @@
+"""Every Triton kernel the dispatch launches compiles for sm_80 and sm_90, fits their shared memory and does not
+spill registers (memlm.kernels.gpu_compile; no GPU needed).
+
+Each scenario calls the public functions (delta rule, sum rule, Expire-Span attention, forward and backward) on small
+CPU tensors that report ``cuda``, records the launches in Triton's interpreter without running them, and compiles
+the distinct launches for both targets in subprocesses without the interpreter.
+
+The scenarios in ``CI_SCENARIOS`` run with the suite (a few minutes on 2 cores from an empty Triton cache; set
+``TRITON_CACHE_DIR`` to a kept folder to make reruns fast). The full set (every dtype and width, the extreme config
+values) is marked slow and runs only when asked for::
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -m slow tests/kernels/test_gpu_compile.py
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from memlm.kernels.delta_rule import delta_rule, sum_rule  # noqa: E402
+from memlm.kernels.expire_attention import expire_span_attention  # noqa: E402
+from memlm.kernels.gpu_compile import SHARED_MEMORY_LIMITS, backward, compile_launches, record_launches  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="recording the launches needs Triton's interpreter"
+)
+
+# Batch and heads of 2: a size of 1 would be specialised as a constant, which real batches are not.
+BATCH, HEADS = 2, 2
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _tensor(*shape, dtype, requires_grad=False):
+    return torch.randn(*shape, dtype=dtype, device="cuda").requires_grad_(requires_grad)
+
+
+def delta_rule_training(dtype, key_dim, value_dim, chunk_size=64, length=None, packed=False, beta=True):
+    """Forward and backward of the chunkwise delta rule, with initial and final state (packed: 3 sequences)."""
+    length = length or 2 * chunk_size + 16
+    batch = 1 if packed else BATCH
+    sequences = 3 if packed else batch
+    query, key = (_tensor(batch, HEADS, length, key_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    value = _tensor(batch, HEADS, length, value_dim, dtype=dtype, requires_grad=True)
+    strengths = torch.rand(batch, HEADS, length, dtype=dtype, device="cuda").requires_grad_() if beta else None
+    state = _tensor(sequences, HEADS, key_dim, value_dim, dtype=torch.float32, requires_grad=True)
+    cu_seqlens = torch.tensor([0, length // 3, length // 2, length]) if packed else None
+    output, final = delta_rule(query, key, value, strengths, initial_state=state, output_final_state=True,
+                               chunk_size=chunk_size, cu_seqlens=cu_seqlens, backend="triton")  # fmt: skip
+    backward(output.float().sum() + final.sum())
+
+
+def decoding_step(dtype, key_dim, value_dim):
+    """One token of the delta rule and of the sum rule without gradients (generation)."""
+    with torch.no_grad():
+        query, key = (_tensor(BATCH, HEADS, 1, key_dim, dtype=dtype) for _ in range(2))
+        value = _tensor(BATCH, HEADS, 1, value_dim, dtype=dtype)
+        state = _tensor(BATCH, HEADS, key_dim, value_dim, dtype=torch.float32)
+        strengths = torch.rand(BATCH, HEADS, 1, dtype=dtype, device="cuda")
+        delta_rule(query, key, value, strengths, initial_state=state, output_final_state=True, backend="triton")
+        sum_rule(query, key, value, initial_state=state, output_final_state=True, backend="triton")
+
+
+def expire_attention(dtype, dim, spans=True, max_distance=None, length=160, memories=96):
+    """Forward and backward of Expire-Span attention over memories and the current block."""
+    keys = memories + length
+    query = _tensor(BATCH, HEADS, length, dim, dtype=dtype, requires_grad=True)
+    key, value = (_tensor(BATCH, HEADS, keys, dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    span = (torch.rand(BATCH, keys, device="cuda") * 64).requires_grad_() if spans else None
+    positions = torch.arange(memories, memories + length, device="cuda").expand(BATCH, length)
+    key_positions = torch.arange(keys, device="cuda").expand(BATCH, keys)
+    output = expire_span_attention(query, key, value, span, positions, key_positions, ramp=16.0,
+                                   max_distance=max_distance, backend="triton")  # fmt: skip
+    backward(output.float().sum())
+
+
+def _scenarios():
+    scenarios = {}
+    for name, dtype in DTYPES.items():
+        for width in (64, 128):
+            scenarios[f"delta_rule-{name}-d{width}"] = (
+                delta_rule_training,
+                dict(dtype=dtype, key_dim=width, value_dim=width),
+            )
+            scenarios[f"decoding-{name}-d{width}"] = (decoding_step, dict(dtype=dtype, key_dim=width, value_dim=width))
+            scenarios[f"expire_attention-{name}-d{width}"] = (expire_attention, dict(dtype=dtype, dim=width))
+        # DeltaNet's widest memory: DPFP with ν = 3 at key_head_dim 128 gives d_k = 2·3·128 = 768.
+        scenarios[f"delta_rule-{name}-dpfp3-dk768"] = (
+            delta_rule_training,
+            dict(dtype=dtype, key_dim=768, value_dim=128),
+        )
+        scenarios[f"decoding-{name}-dpfp3-dk768"] = (decoding_step, dict(dtype=dtype, key_dim=768, value_dim=128))
+        # FAVOR+ with many random features (m = 256) and a narrow value.
+        scenarios[f"delta_rule-{name}-favor256"] = (delta_rule_training, dict(dtype=dtype, key_dim=256, value_dim=64))
+        scenarios[f"delta_rule-{name}-packed"] = (
+            delta_rule_training,
+            dict(dtype=dtype, key_dim=64, value_dim=64, packed=True),
+        )
+        scenarios[f"expire_attention-{name}-d96-no_spans-max_distance"] = (
+            expire_attention, dict(dtype=dtype, dim=96, spans=False, max_distance=40.0))  # fmt: skip
+    for chunk_size in (128, 1, 3, 7):
+        scenarios[f"delta_rule-bf16-chunk{chunk_size}"] = (
+            delta_rule_training, dict(dtype=torch.bfloat16, key_dim=64, value_dim=64, chunk_size=chunk_size, length=40 + chunk_size))  # fmt: skip
+    scenarios["delta_rule-bf16-no_beta-odd_length"] = (
+        delta_rule_training, dict(dtype=torch.bfloat16, key_dim=64, value_dim=64, beta=False, length=77))  # fmt: skip
+    return scenarios
+
+
+SCENARIOS = _scenarios()
+# One of each kind and the widest memory: what CI compiles on every run.
+CI_SCENARIOS = [
+    "delta_rule-bf16-d64",
+    "delta_rule-fp32-d128",
+    "delta_rule-bf16-dpfp3-dk768",
+    "delta_rule-bf16-packed",
+    "decoding-bf16-d128",
+    "expire_attention-bf16-d128",
+    "expire_attention-fp32-d64",
+]
+SLOW_SCENARIOS = [name for name in SCENARIOS if name not in CI_SCENARIOS]
+
+
+def _record(names):
+    launches = {}
+    for name in names:
+        function, arguments = SCENARIOS[name]
+        with record_launches(execute=False) as recorder:
+            function(**arguments)
+        launches[name] = recorder.launches
+    return launches
+
+
+def _compile(launches_by_scenario):
+    everything = [launch for launches in launches_by_scenario.values() for launch in launches]
+    results = compile_launches(everything, jobs=2)
+    return {name: [result for result in results if result.launch.key in {launch.key for launch in launches}]
+            for name, launches in launches_by_scenario.items()}  # fmt: skip
+
+
+def _check(name, results):
+    assert results, f"{name} launched no Triton kernel"
+    assert {result.target for result in results} == set(SHARED_MEMORY_LIMITS)
+    problems = [f"{result.launch.name} {result.launch.constants} on {result.target}: {problem}"
+                for result in results for problem in result.problems]  # fmt: skip
+    assert not problems, f"{name}:\n" + "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def ci_results():
+    return _compile(_record(CI_SCENARIOS))
+
+
+@pytest.fixture(scope="module")
+def slow_results(request):
+    return _compile(_record(SLOW_SCENARIOS))
+
+
+@pytest.mark.parametrize("name", CI_SCENARIOS)
+def test_kernels_compile_for_sm80_and_sm90_without_spills(name, ci_results):
+    _check(name, ci_results[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_SCENARIOS)
+def test_every_scenario_compiles_for_sm80_and_sm90_without_spills(name, request):
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the full set runs with -m slow (see the module docstring)")
+    _check(name, request.getfixturevalue("slow_results")[name])
