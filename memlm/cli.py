@@ -5,25 +5,101 @@ memlm finetune --model runs/tiny --output-dir runs/tuned ...    fine-tune with t
 memlm generate runs/tiny --prompt "def "                        stream text from a saved model
 memlm info runs/tiny                                            what a checkpoint is
 memlm plot-memory runs/tiny --text "..." --output memory.png     what an Expire-Span / Feedback model remembers
+
+A bad input ends with one line `memlm: error: ...` on stderr and exit status 1; `memlm --debug COMMAND ...` (or the
+environment variable MEMLM_DEBUG=1) shows the Python traceback instead.
 """
 
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
+
+from memlm.configuration.validation import CONVERTIBLE_MODEL_TYPES, MEMLM_MODEL_TYPES
+
+# Files any of which makes a folder hold a tokenizer AutoTokenizer can load without converting a slow one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    value = float(text)
+    if not value > 0 or value == math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def checkpoint_folder(path: str) -> tuple[Path, dict]:
+    """The folder of a saved model and its config.json, or a clear error: the folder does not exist, holds no
+    config.json, or names a model type neither memlm nor 🤗 Transformers knows (🤗 would otherwise ask to trust remote
+    code)."""
+    folder = Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(f"the folder {path!r} does not exist; give a folder written by save_pretrained.")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{path!r} is a file, not a folder written by save_pretrained.")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{path!r} holds no config.json: not a folder written by save_pretrained.")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{folder / 'config.json'} is not valid JSON ({error}).") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder / 'config.json'} holds {type(config).__name__}, not a JSON object.")
+    model_type = config.get("model_type")
+    if model_type in MEMLM_MODEL_TYPES:
+        return folder, config
+    if model_type in CONVERTIBLE_MODEL_TYPES:
+        raise ValueError(f"{path!r} is {CONVERTIBLE_MODEL_TYPES[model_type]}.")
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"unknown model type {model_type!r} in {folder / 'config.json'}; known: {', '.join(MEMLM_MODEL_TYPES)} "
+            "(memlm) and 🤗 Transformers' own model types."
+        )
+    return folder, config
+
+
+def check_tokenizer(folder: Path):
+    """A clear error when no tokenizer was saved beside the model (🤗 would ask for sentencepiece or tiktoken)."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer found in {str(folder)!r}: it needs tokenizer.json (or a sentencepiece tokenizer.model, or "
+            "vocab.json with merges.txt) beside the model; save one there with tokenizer.save_pretrained(folder)."
+        )
 
 
 def generate(argv) -> None:
     parser = argparse.ArgumentParser(prog="memlm generate", description="Stream text from a saved model.")
     parser.add_argument("model", help="a folder written by save_pretrained")
     parser.add_argument("--prompt", default="")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=200)
+    parser.add_argument("--temperature", type=positive_float, default=0.8)
+    parser.add_argument("--top-k", type=non_negative_int, default=20, help="0 samples from the whole vocabulary")
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     arguments = parser.parse_args(argv)
+    folder, _ = checkpoint_folder(arguments.model)
+    check_tokenizer(folder)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, pipeline
@@ -31,8 +107,8 @@ def generate(argv) -> None:
     import memlm  # noqa: F401
 
     torch.manual_seed(arguments.seed)
-    tokenizer = AutoTokenizer.from_pretrained(arguments.model)
-    model = AutoModelForCausalLM.from_pretrained(arguments.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     options = {"do_sample": False} if arguments.greedy else {
         "do_sample": True, "temperature": arguments.temperature, "top_k": arguments.top_k
@@ -42,40 +118,63 @@ def generate(argv) -> None:
 
 
 def describe(path: str) -> list[str]:
-    """What a checkpoint folder holds: model, size, memory settings, and the kernel backend it would run."""
+    """What a checkpoint folder holds: model, size, memory settings, and the kernel backend it would run. A weights or
+    metrics file that cannot be read is flagged on its line; the rest is still described."""
     import torch
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig
 
     import memlm  # noqa: F401
     from memlm.kernels import resolve_backend
 
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{path!r} holds no config.json: not a folder written by save_pretrained.")
+    folder, _ = checkpoint_folder(path)
     config = AutoConfig.from_pretrained(folder)
     lines = [f"{folder}: {type(config).__name__} (model_type {config.model_type})"]
     weights = sorted(folder.glob("*.safetensors"))
-    if weights:
-        from safetensors import safe_open
-
-        count = 0
-        for file in weights:
+    count, readable, unreadable = 0, [], []
+    for file in weights:
+        try:
             with safe_open(str(file), framework="pt") as handle:
                 count += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
-        lines.append(f"parameters: {count:,} in {', '.join(file.name for file in weights)}")
+            readable.append(file.name)
+        except (SafetensorError, OSError, ValueError) as error:
+            unreadable.append(f"{file.name} cannot be read ({_one_line(error)})")
+    if readable:
+        lines.append(f"parameters: {count:,} in {', '.join(readable)}")
+    lines += [f"weights: {entry}" for entry in unreadable]
     lines += [f"- {line}" for line in config.describe()] if hasattr(config, "describe") else []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lines.append(
         f"kernels: {resolve_backend(None, torch.device(device))} backend on {device} (MEMLM_KERNELS overrides)"
     )
     if (folder / "metrics.json").is_file():
-        metrics = json.loads((folder / "metrics.json").read_text())
-        after = metrics.get("eval_after")
-        if after:
-            lines.append(f"held-out bits per byte: {after['bits_per_byte']:.3f} after {metrics.get('steps')} steps")
+        try:
+            lines += _describe_metrics(json.loads((folder / "metrics.json").read_text()))
+        except (ValueError, OSError) as error:
+            lines.append(f"metrics.json: cannot be read, skipped ({_one_line(error)})")
     if (folder / "tokenizer.json").is_file():
         lines.append("tokenizer: saved beside the model")
     return lines
+
+
+def _describe_metrics(metrics) -> list[str]:
+    """The line `memlm info` shows from a training run's metrics.json, or a ValueError saying what is malformed."""
+    if not isinstance(metrics, dict):
+        raise ValueError(f"holds {type(metrics).__name__}, not a JSON object")
+    after = metrics.get("eval_after")
+    if not after:
+        return []
+    bits = after.get("bits_per_byte") if isinstance(after, dict) else None
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)):
+        raise ValueError(f"eval_after.bits_per_byte is {bits!r}, not a number")
+    return [f"held-out bits per byte: {bits:.3f} after {metrics.get('steps')} steps"]
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--text-file {path!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from error
 
 
 def plot_memory(argv) -> None:
@@ -89,49 +188,46 @@ def plot_memory(argv) -> None:
     text = parser.add_mutually_exclusive_group()
     text.add_argument("--text", help="Expire-Span: the text whose spans are drawn")
     text.add_argument("--text-file", help="Expire-Span: a file holding that text")
-    parser.add_argument("--width", type=int, default=64, help="Expire-Span: characters per line of the drawing")
+    parser.add_argument(
+        "--width", type=positive_int, default=64, help="Expire-Span: characters per line of the drawing"
+    )
     arguments = parser.parse_args(argv)
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import memlm  # noqa: F401
     from memlm.visualization import plot_expire_spans, plot_feedback_layer_weights
 
-    if not (Path(arguments.model) / "config.json").is_file():
-        raise SystemExit(
-            f"memlm plot-memory: {arguments.model!r} holds no config.json (not a save_pretrained folder)."
-        )
-    model_type = AutoConfig.from_pretrained(arguments.model).model_type
+    folder, config = checkpoint_folder(arguments.model)
+    model_type = config["model_type"]
     if model_type == "memlm_expire_span":
         if arguments.text is None and arguments.text_file is None:
-            raise SystemExit("memlm plot-memory: an Expire-Span model needs --text or --text-file.")
-        text = arguments.text if arguments.text is not None else Path(arguments.text_file).read_text()
-        model = AutoModelForCausalLM.from_pretrained(arguments.model)
-        tokenizer = AutoTokenizer.from_pretrained(arguments.model)
+            raise ValueError("memlm plot-memory: an Expire-Span model needs --text or --text-file.")
+        text = arguments.text if arguments.text is not None else _read_text(arguments.text_file)
+        check_tokenizer(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
         spans = plot_expire_spans(model, tokenizer, text, arguments.output, width=arguments.width)
         for layer, layer_spans in enumerate(spans, start=1):
             print(f"layer {layer}: mean span {float(layer_spans.mean()):.1f} tokens, "
                   f"longest {float(layer_spans.max()):.1f} (max_span {model.config.max_span})")  # fmt: skip
     elif model_type == "memlm_feedback_transformer":
-        weights = plot_feedback_layer_weights(AutoModelForCausalLM.from_pretrained(arguments.model), arguments.output)
+        weights = plot_feedback_layer_weights(AutoModelForCausalLM.from_pretrained(folder), arguments.output)
         print("memory weights softmax(w): " + ", ".join(f"{weight:.3f}" for weight in weights.tolist()))
     else:
-        raise SystemExit(
+        raise ValueError(
             f"memlm plot-memory: {model_type!r} models have no memory picture; it draws memlm_expire_span and "
             "memlm_feedback_transformer models."
         )
     print(f"wrote {arguments.output}")
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "finetune", "generate", "info", "plot-memory")
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(__doc__.strip())
-        if argv and argv[0] not in ("-h", "--help"):
-            raise SystemExit(f"memlm: unknown command {argv[0]!r}; choose one of {', '.join(commands)}.")
-        return
-    command, rest = argv[0], argv[1:]
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line (🤗 and others write some over several)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
+def run(command: str, rest: list[str]) -> None:
     if command == "train":
         from memlm.training.pretrain import main as train
 
@@ -148,6 +244,33 @@ def main(argv=None) -> None:
         parser = argparse.ArgumentParser(prog="memlm info", description="Describe a saved checkpoint.")
         parser.add_argument("model")
         print("\n".join(describe(parser.parse_args(rest).model)))
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0")
+    if argv and argv[0] == "--debug":
+        debug, argv = True, argv[1:]
+    commands = ("train", "finetune", "generate", "info", "plot-memory")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            raise SystemExit(f"memlm: unknown command {argv[0]!r}; choose one of {', '.join(commands)}.")
+        return
+    try:
+        run(argv[0], argv[1:])
+    except (ValueError, OSError) as error:
+        # The library's errors for bad input (ValueError and its subclasses, missing or unreadable files) are
+        # meant for the user: one line. Anything else is a bug and keeps its traceback.
+        if debug:
+            raise
+        print(f"memlm: error: {_one_line(error)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("memlm: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

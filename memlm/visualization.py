@@ -41,10 +41,16 @@ def _layout(cells: list[str], width: int) -> list[list[tuple[int, str]]]:
     return lines + ([line] if line else [])
 
 
+# Size of one character cell of the span picture, in inches, and the fewest columns a panel is drawn with (so that
+# its "layer N" title fits above a text of a few characters).
+CELL_WIDTH, CELL_HEIGHT, MINIMUM_COLUMNS = 0.16, 0.3, 5
+
+
 @torch.no_grad()
-def plot_expire_spans(model, tokenizer, text: str, path: str | Path, width: int = 64) -> list[torch.Tensor]:
-    """Runs an `ExpireSpanForCausalLM` on `text`, draws every layer's spans over the text into the PNG at `path`
-    and returns the spans (one (T,) tensor per layer)."""
+def expire_span_figure(model, tokenizer, text: str, width: int = 64):
+    """Runs an `ExpireSpanForCausalLM` on `text` and draws every layer's spans over the text: (the matplotlib figure,
+    the spans as one (T,) tensor per layer). One panel per layer, sized by the text; one colour bar beside them all,
+    its label above it so that it fits beside a single line of text."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,18 +61,24 @@ def plot_expire_spans(model, tokenizer, text: str, path: str | Path, width: int 
         raise ValueError(f"plot_expire_spans needs an Expire-Span model, got model_type {config.model_type!r}.")
     if not config.expire_memories:
         raise ValueError("This Expire-Span model has expire_memories=False: every memory lives max_span tokens.")
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ValueError(f"width (characters per line) must be a positive integer, got {width!r}.")
     input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     if input_ids.shape[1] == 0:
         raise ValueError("plot_expire_spans needs a non-empty text.")
     model.eval()
     spans = [layer[0].float() for layer in model(input_ids=input_ids, output_spans=True, use_cache=False).spans]
     lines = _layout(_token_cells(tokenizer, input_ids[0].tolist()), width)
-    width = max(len(line) for line in lines)
-    figure, axes = plt.subplots(len(spans), 1, figsize=(width * 0.16 + 1.5, len(spans) * (len(lines) * 0.3 + 0.6)))
-    axes = [axes] if len(spans) == 1 else list(axes)
+    columns = max(max(len(line) for line in lines), MINIMUM_COLUMNS)
+    panel_height = len(lines) * CELL_HEIGHT + 0.35  # the cells and the panel's title
+    figure, axes = plt.subplots(
+        len(spans), 1, squeeze=False, layout="constrained",
+        figsize=(columns * CELL_WIDTH + 1.2, len(spans) * panel_height + 0.6),  # + the colour bar and its label
+    )  # fmt: skip
+    axes = axes[:, 0].tolist()
     colour_map = matplotlib.colormaps["viridis"]
     for layer, (axis, layer_spans) in enumerate(zip(axes, spans)):
-        grid = torch.full((len(lines), width), float("nan"))
+        grid = torch.full((len(lines), columns), float("nan"))
         for row, line in enumerate(lines):
             for column, (index, _) in enumerate(line):
                 grid[row, column] = layer_spans[index]
@@ -78,10 +90,21 @@ def plot_expire_spans(model, tokenizer, text: str, path: str | Path, width: int 
                           color="black" if bright else "white")  # fmt: skip
         axis.set_xticks([])
         axis.set_yticks([])
-        axis.set_title(f"layer {layer + 1}: span e_i of each token's memory (max_span L = {config.max_span})")
-        figure.colorbar(image, ax=axis, fraction=0.02, pad=0.01, label="span (tokens)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+        axis.set_title(f"layer {layer + 1}", fontsize=9, loc="left")
+    colour_bar = figure.colorbar(image, ax=axes, location="right", aspect=max(4, 12 * len(spans)))
+    colour_bar.ax.tick_params(labelsize=8)
+    colour_bar.ax.set_title(f"span e_i\n(tokens,\nL = {config.max_span})", fontsize=8, loc="left")
+    return figure, spans
+
+
+def plot_expire_spans(model, tokenizer, text: str, path: str | Path, width: int = 64) -> list[torch.Tensor]:
+    """Runs an `ExpireSpanForCausalLM` on `text`, draws every layer's spans over the text into the PNG at `path`
+    (`width` characters per line) and returns the spans (one (T,) tensor per layer)."""
+    import matplotlib.pyplot as plt
+
+    figure, spans = expire_span_figure(model, tokenizer, text, width)
+    # "tight" grows the picture to whatever the colour bar's label needs beside a text of a few characters.
+    figure.savefig(path, dpi=110, bbox_inches="tight", pad_inches=0.05)
     plt.close(figure)
     return spans
 

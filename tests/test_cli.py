@@ -1,0 +1,182 @@
+"""The `memlm` command's errors: one line `memlm: error: ...` and exit status 1 for bad input (the traceback only with
+`--debug` or MEMLM_DEBUG=1), clear words for a missing folder, a missing tokenizer and an unknown model type, and
+`memlm info` describing what it can of a folder with a broken file. Checkpoints are real save_pretrained folders."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memlm import DeltaNetConfig, DeltaNetForCausalLM, ExpireSpanConfig, ExpireSpanForCausalLM
+from memlm.cli import main
+from memlm.tokenization import byte_level_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {
+    "vocab_size": 258,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Tiny saved models: DeltaNet and Expire-Span with a tokenizer beside them, and DeltaNet without one."""
+    folder = tmp_path_factory.mktemp("checkpoints")
+    torch.manual_seed(0)
+    deltanet = DeltaNetForCausalLM(DeltaNetConfig(chunk_size=8, **SIZES))
+    expire_span = ExpireSpanForCausalLM(ExpireSpanConfig(max_span=32, ramp=4, block_size=16, **SIZES))
+    for name, model in (("deltanet", deltanet), ("expire_span", expire_span), ("no_tokenizer", deltanet)):
+        model.save_pretrained(folder / name)
+        if name != "no_tokenizer":
+            byte_level_tokenizer().save_pretrained(folder / name)
+    return {name: folder / name for name in ("deltanet", "expire_span", "no_tokenizer")}
+
+
+def _error(capsys, *arguments, status: int = 1) -> str:
+    """Runs `memlm ARGUMENTS` in this process, expecting it to fail; returns stderr, which must be one line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(arguments))
+    assert exit_info.value.code == status
+    error = capsys.readouterr().err
+    assert len(error.strip().splitlines()) == 1 and "Traceback" not in error, error
+    return error.strip()
+
+
+def test_a_missing_folder_is_one_line_and_the_traceback_is_only_for_debugging(tmp_path, monkeypatch):
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    environment.pop("MEMLM_DEBUG", None)
+    command = [sys.executable, "-m", "memlm.cli", "generate", str(tmp_path / "nonexistent")]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"memlm: error: the folder {str(tmp_path / 'nonexistent')!r} does not exist; " \
+        "give a folder written by save_pretrained."  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main(["--debug", "info", str(tmp_path / "nonexistent")])
+    monkeypatch.setenv("MEMLM_DEBUG", "1")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main(["generate", str(tmp_path / "nonexistent")])
+
+
+def test_generate_names_the_missing_tokenizer_and_the_files_it_needs(checkpoints, capsys):
+    error = _error(capsys, "generate", str(checkpoints["no_tokenizer"]), "--max-new-tokens", "2")
+    assert error.startswith(f"memlm: error: no tokenizer found in {str(checkpoints['no_tokenizer'])!r}")
+    assert "tokenizer.json" in error and "tokenizer.save_pretrained" in error
+    assert "sentencepiece" not in error.replace("a sentencepiece tokenizer.model", "")
+
+
+@pytest.mark.parametrize("command", ["generate", "info", "plot-memory"])
+def test_an_unknown_model_type_lists_memlm_s_model_types(checkpoints, tmp_path, capsys, command):
+    # a real saved folder (with its code bundle and auto_map) whose model_type was edited
+    folder = tmp_path / "nonsense"
+    folder.mkdir()
+    for file in checkpoints["deltanet"].iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "memlm_nonsense"}))
+    extra = ["--output", str(tmp_path / "x.png")] if command == "plot-memory" else []
+    error = _error(capsys, command, str(folder), *extra)
+    assert error.startswith("memlm: error: unknown model type 'memlm_nonsense'")
+    assert "known: memlm_deltanet, memlm_expire_span, memlm_feedback_transformer" in error
+    assert "trust_remote_code" not in error and not (tmp_path / "x.png").exists()
+
+
+def test_a_flash_linear_attention_checkpoint_points_to_the_converter(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "delta_net", "hidden_size": 32}))
+    assert "python -m memlm.conversion.flash_linear_attention" in _error(capsys, "info", str(tmp_path))
+
+
+def test_a_file_or_a_broken_config_is_named(checkpoints, tmp_path, capsys):
+    error = _error(capsys, "info", str(checkpoints["deltanet"] / "config.json"))
+    assert "is a file, not a folder written by save_pretrained" in error
+    (tmp_path / "config.json").write_text("{broken")
+    assert f"{tmp_path / 'config.json'} is not valid JSON" in _error(capsys, "info", str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("contents", "problem"),
+    [
+        ("{broken", "Expecting property name"),
+        ("[1, 2]", "holds list, not a JSON object"),
+        ('{"eval_after": {"loss": 1.0}}', "eval_after.bits_per_byte is None, not a number"),
+    ],
+)
+def test_info_describes_the_rest_when_metrics_json_is_broken(checkpoints, tmp_path, capsys, contents, problem):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for file in checkpoints["expire_span"].iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    (folder / "metrics.json").write_text(contents)
+    main(["info", str(folder)])
+    output = capsys.readouterr().out
+    count = ExpireSpanConfig(max_span=32, ramp=4, block_size=16, **SIZES).estimated_parameters()
+    assert f"parameters: {count:,} in model.safetensors" in output
+    assert "ExpireSpanConfig" in output and "tokenizer: saved beside the model" in output
+    assert f"metrics.json: cannot be read, skipped ({problem}" in output
+    assert "held-out bits per byte" not in output
+    (folder / "metrics.json").write_text('{"eval_after": {"bits_per_byte": 2.5}, "steps": 7}')
+    main(["info", str(folder)])
+    assert "held-out bits per byte: 2.500 after 7 steps" in capsys.readouterr().out
+
+
+def test_info_flags_an_unreadable_weights_file(checkpoints, tmp_path, capsys):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for file in checkpoints["deltanet"].iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    (folder / "extra.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    main(["info", str(folder)])
+    output = capsys.readouterr().out
+    count = DeltaNetConfig(chunk_size=8, **SIZES).estimated_parameters()
+    assert f"parameters: {count:,} in model.safetensors\n" in output
+    assert "weights: extra.safetensors cannot be read (" in output and "DeltaNetConfig" in output
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["plot-memory", "MODEL", "--text", "x", "--width", "0", "--output", "OUT"],
+         "argument --width: must be a positive integer, got 0"),
+        (["generate", "MODEL", "--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive integer"),
+        (["generate", "MODEL", "--temperature", "0"], "argument --temperature: must be a number > 0, got 0"),
+        (["generate", "MODEL", "--top-k", "-1"], "argument --top-k: must be an integer >= 0, got -1"),
+    ],
+)  # fmt: skip
+def test_bad_numbers_are_refused_when_the_command_line_is_read(checkpoints, tmp_path, capsys, arguments, message):
+    arguments = [
+        {"MODEL": str(checkpoints["expire_span"]), "OUT": str(tmp_path / "x.png")}.get(item, item)
+        for item in arguments
+    ]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_errors_of_the_training_commands_and_of_text_files_are_one_line(checkpoints, tmp_path, capsys):
+    error = _error(capsys, "train", "--preset", "no-such-preset", "--output-dir", str(tmp_path / "run"))
+    assert error.startswith("memlm: error: Unknown preset 'no-such-preset'")
+    preset = tmp_path / "preset.json"
+    preset.write_text(json.dumps({"model": {"model_type": "memlm_deltanet", "num_heads": 4}}))
+    error = _error(capsys, "train", "--preset", str(preset), "--output-dir", str(tmp_path / "run"))
+    assert "unknown option 'num_heads'" in error and "did you mean 'num_attention_heads'" in error
+    (tmp_path / "text.bin").write_bytes(b"\xff\xfe\x00binary")
+    error = _error(capsys, "plot-memory", str(checkpoints["expire_span"]), "--text-file", str(tmp_path / "text.bin"),
+                   "--output", str(tmp_path / "x.png"))  # fmt: skip
+    assert f"--text-file {str(tmp_path / 'text.bin')!r} is not UTF-8 text" in error
+
+
+def test_plot_memory_errors_are_one_line(checkpoints, tmp_path, capsys):
+    error = _error(capsys, "plot-memory", str(checkpoints["deltanet"]), "--output", str(tmp_path / "x.png"))
+    assert error == (
+        "memlm: error: memlm plot-memory: 'memlm_deltanet' models have no memory picture; it draws memlm_expire_span "
+        "and memlm_feedback_transformer models."
+    )
