@@ -202,7 +202,7 @@ def plot_memory(argv) -> None:
     model_type = config["model_type"]
     if model_type == "memlm_expire_span":
         if arguments.text is None and arguments.text_file is None:
-            raise ValueError("memlm plot-memory: an Expire-Span model needs --text or --text-file.")
+            raise ValueError("plot-memory: an Expire-Span model needs --text or --text-file.")
         text = arguments.text if arguments.text is not None else _read_text(arguments.text_file)
         check_tokenizer(folder)
         model = AutoModelForCausalLM.from_pretrained(folder)
@@ -216,7 +216,7 @@ def plot_memory(argv) -> None:
         print("memory weights softmax(w): " + ", ".join(f"{weight:.3f}" for weight in weights.tolist()))
     else:
         raise ValueError(
-            f"memlm plot-memory: {model_type!r} models have no memory picture; it draws memlm_expire_span and "
+            f"plot-memory: {model_type!r} models have no memory picture; it draws memlm_expire_span and "
             "memlm_feedback_transformer models."
         )
     print(f"wrote {arguments.output}")

@@ -177,6 +177,6 @@ def test_errors_of_the_training_commands_and_of_text_files_are_one_line(checkpoi
 def test_plot_memory_errors_are_one_line(checkpoints, tmp_path, capsys):
     error = _error(capsys, "plot-memory", str(checkpoints["deltanet"]), "--output", str(tmp_path / "x.png"))
     assert error == (
-        "memlm: error: memlm plot-memory: 'memlm_deltanet' models have no memory picture; it draws memlm_expire_span "
+        "memlm: error: plot-memory: 'memlm_deltanet' models have no memory picture; it draws memlm_expire_span "
         "and memlm_feedback_transformer models."
     )

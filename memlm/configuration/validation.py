@@ -157,8 +157,9 @@ DERIVED_FIELDS = {
     "feature_dim": "the width of φ(k), set by feature_map, dpfp_nu, favor_features and key_head_dim",
 }
 
-# The largest model a memlm config may describe. A typo such as num_hidden_layers=10**7 would otherwise build layers
-# until memory runs out; 10^12 parameters are 4 TB of float32 weights before any gradient or optimizer state.
+# The largest model a memlm config may describe: 10^12 parameters, 4 TB of float32 weights before any gradient or
+# optimizer state. A slip such as num_hidden_layers=10**7 (7e13 parameters at the default width) would otherwise build
+# layers until memory runs out.
 MAX_PARAMETERS = 10**12
 
 
@@ -209,7 +210,9 @@ def check_buildable_size(config):
     if count > MAX_PARAMETERS:
         raise ValueError(
             f"{type(config).__name__} describes a model of about {count:.3g} parameters ({4 * count / 1e12:.3g} TB of "
-            f"float32 weights), above the {MAX_PARAMETERS:.0e} parameters memlm builds; check the sizes: vocab_size="
-            f"{config.vocab_size}, hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
-            f"num_hidden_layers={config.num_hidden_layers}, num_attention_heads={config.num_attention_heads}."
+            f"float32 weights); memlm refuses more than {MAX_PARAMETERS:.0e} parameters (4 TB of float32 weights before "
+            "gradients and optimizer state), so that a slip in a size fails here instead of building layers until "
+            f"memory runs out. The sizes: vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, "
+            f"intermediate_size={config.intermediate_size}, num_hidden_layers={config.num_hidden_layers}, "
+            f"num_attention_heads={config.num_attention_heads}."
         )
