@@ -6,7 +6,10 @@ from transformers.cache_utils import Cache
 
 # Keyword arguments that 🤗 `generate`, `Trainer` and the loss pass to `forward`; anything else is a mistake worth an
 # error rather than an option silently swallowed.
-ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels", "output_attentions")
+# What 🤗's DataCollatorWithFlattening emits beside position_ids with `return_seq_idx` / `return_flash_attn_kwargs`:
+# explicit marks of documents packed back to back in a row.
+PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels", "output_attentions", *PACKING_KWARGS)
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
 
@@ -207,33 +210,81 @@ class MemoryCache(Cache):
             )
 
 
-def document_starts(position_ids, valid: torch.Tensor | None, batch_size: int, length: int) -> torch.Tensor | None:
-    """Where packed documents start: (B, T) True at each real token whose position does not exceed the previous real
-    token's in its row — the restarts of 🤗's `DataCollatorWithFlattening`, which puts examples back to back in one
-    row with position_ids counting from 0 in each. None without position_ids or when no row restarts."""
-    if position_ids is None or length < 2:
-        return None
-    if position_ids.dim() != 2 or position_ids.shape[-1] != length or position_ids.shape[0] not in (1, batch_size):
+def document_starts(
+    position_ids, valid: torch.Tensor | None, batch_size: int, length: int, packing: dict | None = None
+) -> torch.Tensor | None:
+    """Where packed documents start: (B, T) True at the first real token of every document but a row's first. None
+    when no row holds more than one document. Only an explicit signal marks documents (🤗's DataCollatorWithFlattening
+    emits each): `seq_idx` (B, T), the document of each token; `cu_seq_lens_q` / `cu_seq_lens_k` (S + 1,), where the
+    S documents of a single row start; or position_ids that restart at exactly 0 after a non-zero position. A position
+    that repeats or falls to another value is not a start: 🤗 `generate` gives the tokens after a right-padded prompt
+    positions that repeat earlier ones."""
+    packing = packing or {}
+    if position_ids is not None and (
+        position_ids.dim() != 2 or position_ids.shape[-1] != length or position_ids.shape[0] not in (1, batch_size)
+    ):
         raise ValueError(
             f"position_ids must have shape (batch={batch_size}, length={length}) or (1, {length}); got "
             f"{tuple(position_ids.shape)}."
         )
-    positions = position_ids.long().expand(batch_size, length)
+    documents = _document_indices(packing, batch_size, length)
+    if (documents is None and position_ids is None) or length < 2:
+        return None
+    device = (documents if documents is not None else position_ids).device
     if valid is None:
-        valid = torch.ones(batch_size, length, dtype=torch.bool, device=positions.device)
-    steps = torch.arange(length, device=positions.device).expand(batch_size, length)
+        valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
+    steps = torch.arange(length, device=device).expand(batch_size, length)
     last_real = torch.where(valid, steps, -1).cummax(1).values  # the latest real token at or before each step
     previous = torch.cat([last_real.new_full((batch_size, 1), -1), last_real[:, :-1]], 1)
-    previous_position = positions.gather(1, previous.clamp_min(0))
-    starts = valid & (previous >= 0) & (positions <= previous_position)
+    if documents is not None:
+        changes = documents != documents.gather(1, previous.clamp_min(0))
+    else:
+        positions = position_ids.long().expand(batch_size, length)
+        changes = (positions == 0) & (positions.gather(1, previous.clamp_min(0)) != 0)
+    starts = valid & (previous >= 0) & changes
     return starts if bool(starts.any()) else None
 
 
-def refuse_packed_documents(position_ids, valid, batch_size: int, length: int, owner: str) -> None:
-    """Raise `ValueError` if position_ids restart inside a row (packed documents), which `owner` cannot keep apart."""
-    if document_starts(position_ids, valid, batch_size, length) is not None:
+def _document_indices(packing: dict, batch_size: int, length: int) -> torch.Tensor | None:
+    """(B, T) document index of each token from `seq_idx` or `cu_seq_lens_*`, or None without them."""
+    seq_idx = packing.get("seq_idx")
+    if seq_idx is not None:
+        if seq_idx.dim() != 2 or seq_idx.shape[-1] != length or seq_idx.shape[0] not in (1, batch_size):
+            raise ValueError(
+                f"seq_idx must have shape (batch={batch_size}, length={length}); got {tuple(seq_idx.shape)}."
+            )
+        return seq_idx.long().expand(batch_size, length)
+    offsets = packing.get("cu_seq_lens_q")
+    offsets = offsets if offsets is not None else packing.get("cu_seq_lens_k")
+    if offsets is None:
+        return None
+    if batch_size != 1 or offsets.dim() != 1 or offsets.numel() < 2:
         raise ValueError(
-            f"position_ids restart inside a row: documents packed back to back (as 🤗's DataCollatorWithFlattening "
-            f"builds them). {owner} cannot keep packed documents apart; give one document per row, padded "
-            "(e.g. DataCollatorForLanguageModeling), or a continuous stream without position_ids."
+            f"cu_seq_lens_q / cu_seq_lens_k must be the (documents + 1,) offsets of documents packed into one row "
+            f"(batch 1, as DataCollatorWithFlattening builds it); got offsets of shape {tuple(offsets.shape)} for a "
+            f"batch of {batch_size}."
         )
+    steps = torch.arange(length, device=offsets.device)
+    return torch.searchsorted(offsets[1:-1].long(), steps, right=True)[None]
+
+
+def refuse_packed_documents(position_ids, valid, batch_size: int, length: int, owner: str, packing: dict) -> None:
+    """Raise `ValueError` if a row holds packed documents (see `document_starts`), which `owner` cannot keep apart."""
+    if document_starts(position_ids, valid, batch_size, length, packing) is not None:
+        raise ValueError(
+            f"A row holds documents packed back to back (position_ids restarting at 0, seq_idx or cu_seq_lens, as "
+            f"🤗's DataCollatorWithFlattening builds them). {owner} cannot keep packed documents apart; give one "
+            "document per row, padded (e.g. DataCollatorForLanguageModeling), or a continuous stream without "
+            "position_ids."
+        )
+
+
+class CountsOwnPositions:
+    """For the ForCausalLM classes, before `GenerationMixin`: `generate` passes no position_ids. The models count
+    positions from the attention mask and their cache; 🤗's position_ids for the tokens after a right-padded prompt
+    repeat the prompt's positions."""
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        model_inputs.pop("position_ids", None)
+        return model_inputs

@@ -28,6 +28,7 @@ from ..kernels import resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
 from .layers import GatedMLP, RMSNorm
 from .memory import (
+    CountsOwnPositions,
     MemoryCache,
     MemoryCacheLayer,
     causal_lm_loss,
@@ -474,10 +475,11 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             past_key_values.check_against(self.config, batch_size)
             past_length = past_key_values.get_seq_length()
         attention_mask = current_padding_mask(attention_mask, batch_size, length, past_length)
-        starts = document_starts(position_ids, attention_mask, batch_size, length)
+        starts = document_starts(position_ids, attention_mask, batch_size, length, kwargs)
         if starts is not None and past_length > 0:
             raise ValueError(
-                "position_ids restart inside a row: packed documents, which each start from an empty memory; they "
+                "A row holds packed documents (position_ids restarting at 0, seq_idx or cu_seq_lens), which each "
+                "start from an empty memory; they "
                 f"cannot continue a cache that has seen {past_length} tokens. Pass them without past_key_values."
             )
         padding = None
@@ -533,7 +535,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-class DeltaNetForCausalLM(DeltaNetPreTrainedModel, GenerationMixin):
+class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: DeltaNetConfig):

@@ -26,6 +26,7 @@ from ..export import RemoteCodeMixin
 from ..kernels.expire_attention import expire_span_attention, expire_span_mask, memory_statistics, visible_keys
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
+    CountsOwnPositions,
     MemoryCache,
     MemoryCacheLayer,
     causal_lm_loss,
@@ -373,7 +374,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             if position_ids.dim() != 2 or position_ids.shape[-1] != length:
                 raise ValueError(f"position_ids must have shape (batch, {length}), got {tuple(position_ids.shape)}.")
             positions = position_ids.to(device).long().expand(batch_size, length)
-            refuse_packed_documents(positions, token_valid, batch_size, length, "Expire-Span")
+        refuse_packed_documents(position_ids, token_valid, batch_size, length, "Expire-Span", kwargs)
         positions = positions.masked_fill(~token_valid, -1)  # padding sees nothing and is seen by nothing
 
         # Paper "Memory shortening": per forward draw l ~ U(0, L) and hide memories older than l (training only).
@@ -459,7 +460,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, GenerationMixin):
+class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: ExpireSpanConfig):

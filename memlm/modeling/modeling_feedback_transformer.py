@@ -40,6 +40,7 @@ from ..export import RemoteCodeMixin
 from ..kernels import resolve_backend
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
+    CountsOwnPositions,
     MemoryCache,
     MemoryCacheLayer,
     causal_lm_loss,
@@ -921,7 +922,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         else:
             inputs_embeds = zero_padding(inputs_embeds, valid.to(device))
         valid = valid.to(device)
-        refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer")
+        refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer", kwargs)
         order, padding_steps = None, 0
         given_embeds = inputs_embeds
         if not bool(valid.all()):
@@ -1001,7 +1002,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, GenerationMixin):
+class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsOwnPositions, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: FeedbackTransformerConfig):

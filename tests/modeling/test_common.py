@@ -8,7 +8,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import memlm
 from tests.conftest import DELTANET_VARIANTS
-from tests.modeling.padding import padding_mask
+from tests.modeling.padding import LAYOUTS, padding_mask
 
 TINY = {"vocab_size": 258, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "pad_token_id": 257}  # fmt: skip
@@ -270,3 +270,43 @@ def test_non_finite_embeddings_at_padding_do_not_reach_real_tokens(name, layout)
     torch.testing.assert_close(trained, expected, atol=1e-5, rtol=1e-5)
     trained.pow(2).mean().backward()
     assert all(torch.isfinite(parameter.grad).all() for parameter in model.parameters() if parameter.grad is not None)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generation_with_and_without_cache_agree_on_every_padding_layout(name):
+    """Greedy tokens from a padded batch are the same with the cache (one token a step) and without it (the whole
+    sequence every step, where 🤗 gives the tokens after a right-padded prompt positions that repeat), and, where each
+    prompt ends with a real token, equal each row's tokens generated alone."""
+    model = _model(name)
+    pad = model.config.pad_token_id
+    for layout in LAYOUTS:
+        mask = padding_mask(layout, (6, 4, 2), 7)
+        input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, pad)
+        generated = [
+            model.generate(input_ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=use_cache,
+                           pad_token_id=pad)[:, -4:]
+            for use_cache in (True, False)
+        ]  # fmt: skip
+        torch.testing.assert_close(generated[0], generated[1], msg=f"{layout} padding")
+        for row in range(3):
+            real = input_ids[row, mask[row].bool()][None]
+            if real.shape[1] and mask[row, -1]:  # else generate's first token is read at padding
+                alone = model.generate(real, max_new_tokens=4, do_sample=False, pad_token_id=pad)[:, -4:]
+                torch.testing.assert_close(generated[0][row : row + 1], alone, msg=f"{layout} padding, row {row}")
+
+
+@pytest.mark.parametrize("name", ["expire_span", "feedback"])
+def test_packed_documents_are_refused_whatever_marks_them(name):
+    """Expire-Span and the Feedback Transformer cannot keep packed documents apart: position_ids restarting at 0,
+    seq_idx and cu_seq_lens are each refused; positions that only repeat (🤗 generate after right padding) are not."""
+    model = _model(name)
+    input_ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        for marks in (
+            {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])},
+            {"seq_idx": torch.tensor([[0, 0, 0, 1, 1, 1, 1]])},
+            {"cu_seq_lens_q": torch.tensor([0, 3, 7], dtype=torch.int32)},
+        ):
+            with pytest.raises(ValueError, match="cannot keep packed documents apart"):
+                model(input_ids, **marks)
+        assert torch.isfinite(model(input_ids, position_ids=torch.tensor([[0, 1, 2, 1, 2, 3, 4]])).logits).all()

@@ -212,6 +212,35 @@ def test_packed_documents_each_start_from_an_empty_memory(variant, backend, monk
         torch.testing.assert_close(counted, model(input_ids, attention_mask=mask).logits)
 
 
+def test_documents_are_marked_explicitly_never_by_a_repeated_position():
+    """seq_idx and cu_seq_lens (DataCollatorWithFlattening's return_seq_idx / return_flash_attn_kwargs) mark the same
+    documents as position_ids restarting at 0. Positions that repeat or fall to a non-zero value, as 🤗 generate
+    gives the tokens after a right-padded prompt, start no document: the logits equal those without position_ids."""
+    config = DELTANET_VARIANTS["fla"]()
+    model = _randomised(DeltaNetForCausalLM(config).eval())
+    input_ids, mask, position_ids, documents, _ = _document_rows(config)
+    seq_idx = (position_ids == 0).long().cumsum(1)
+    single = torch.cat([documents["A"], documents["B"], documents["C"]])[None]
+    offsets = torch.tensor([0, 3, 7, 12], dtype=torch.int32)
+    single_positions = torch.cat([torch.arange(3), torch.arange(4), torch.arange(5)])[None]
+    generated = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 3, 4, 5, 1, 2]])  # no restart at 0
+    with torch.no_grad():
+        by_positions = model(input_ids, attention_mask=mask, position_ids=position_ids).logits
+        torch.testing.assert_close(model(input_ids, attention_mask=mask, seq_idx=seq_idx).logits, by_positions)
+        single_by_positions = model(single, position_ids=single_positions).logits
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            torch.testing.assert_close(model(single, **{key: offsets}).logits, single_by_positions)
+        torch.testing.assert_close(single_by_positions[:, 3:7], model(documents["B"][None]).logits)
+        right_padded = torch.ones_like(generated)
+        right_padded[0, 3:5] = 0  # row 0 as generate leaves a right-padded prompt: padding at positions 0, then 1
+        unmarked = model(input_ids, attention_mask=right_padded).logits
+        torch.testing.assert_close(
+            model(input_ids, attention_mask=right_padded, position_ids=generated).logits, unmarked
+        )
+        with pytest.raises(ValueError, match=r"cu_seq_lens_q / cu_seq_lens_k must be .* for a batch of 2"):
+            model(input_ids, cu_seq_lens_q=offsets)
+
+
 def test_packed_documents_cannot_continue_a_cache():
     config = DELTANET_VARIANTS["fla"]()
     model = DeltaNetForCausalLM(config).eval()
