@@ -4,18 +4,34 @@ Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRI
 with 16 x 16 tiles, so that every shape below crosses tiles and has tails. The CUDA tests use realistic shapes.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from memlm.kernels.expire_attention import (  # noqa: E402
     expire_span_attention_reference,
     expire_span_mask,
     visible_keys,
 )
-from memlm.kernels.expire_attention.triton_attention import expire_span_attention_triton  # noqa: E402
+from memlm.kernels.expire_attention.triton_attention import (  # noqa: E402
+    _FAR,
+    _dot_precision,
+    _grid,
+    _kernel_positions,
+    _launch_configs,
+    _options,
+    _visible_key_tiles,
+    _visible_query_tiles,
+    expire_span_attention_triton,
+)
 
 RAMP = 4.0
 NAMES = ("query", "key", "value", "spans")
@@ -305,6 +321,246 @@ def test_rejects_what_the_kernel_does_not_support():
     elsewhere = dict(tensors, spans=torch.zeros(2, 5, device="meta"))
     with pytest.raises(ValueError, match=r"spans is on meta but query is on cpu"):
         expire_span_attention_triton(**elsewhere, **options)
+
+
+@triton.jit
+def _tile_ranges_kernel(
+    QueryPositions,
+    KeyPositions,
+    Spans,
+    KeyRanges,
+    QueryRanges,
+    num_queries,
+    num_keys,
+    max_distance,
+    ramp,
+    HAS_SPANS: tl.constexpr,
+    HAS_MAX_DISTANCE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Per row: the key-tile range of every query tile and the query-tile range of every key tile."""
+    row = tl.program_id(0)
+    QueryPositions += row * num_queries
+    KeyPositions += row * num_keys
+    if HAS_SPANS:
+        Spans += row * num_keys
+    num_query_tiles = tl.cdiv(num_queries, BLOCK_M)
+    num_key_tiles = tl.cdiv(num_keys, BLOCK_N)
+    for tile in range(0, num_query_tiles):
+        queries = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        query_in_range = queries < num_queries
+        query_positions = tl.load(QueryPositions + queries, mask=query_in_range, other=0)
+        first, end = _visible_key_tiles(
+            KeyPositions,
+            Spans,
+            query_positions,
+            query_in_range,
+            num_keys,
+            max_distance,
+            ramp,
+            HAS_SPANS,
+            HAS_MAX_DISTANCE,
+            BLOCK_N,
+        )
+        tl.store(KeyRanges + (row * num_query_tiles + tile) * 2, first)
+        tl.store(KeyRanges + (row * num_query_tiles + tile) * 2 + 1, end)
+    for tile in range(0, num_key_tiles):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_in_range = keys < num_keys
+        key_positions = tl.load(KeyPositions + keys, mask=key_in_range, other=_FAR)
+        spans = tl.zeros([BLOCK_N], tl.float32)
+        if HAS_SPANS:
+            spans = tl.load(Spans + keys, mask=key_in_range, other=0.0)
+        first, end = _visible_query_tiles(
+            QueryPositions, key_positions, spans, num_queries, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE, BLOCK_M
+        )
+        tl.store(QueryRanges + (row * num_key_tiles + tile) * 2, first)
+        tl.store(QueryRanges + (row * num_key_tiles + tile) * 2 + 1, end)
+
+
+def tile_visibility(query_positions, key_positions, spans, ramp, max_distance, block_m, block_n):
+    """Per (row, query tile, key tile), written out in torch from the kernel positions: whether some pair is
+    visible with m > 0 in the kernel's float32 arithmetic, and the per-tile bound a tile-skipping kernel used
+    (the earliest query against the latest valid key, the longest remaining life at the earliest query)."""
+    batch_size, num_queries = query_positions.shape
+    num_keys = key_positions.shape[1]
+    query_tiles, key_tiles = triton.cdiv(num_queries, block_m), triton.cdiv(num_keys, block_n)
+    pairs = torch.zeros(batch_size, query_tiles, key_tiles, dtype=torch.bool)
+    bound = torch.zeros(batch_size, query_tiles, key_tiles, dtype=torch.bool)
+    far = _FAR.value
+    for row in range(batch_size):
+        for query_tile in range(query_tiles):
+            queries = query_positions[row, query_tile * block_m : (query_tile + 1) * block_m]
+            for key_tile in range(key_tiles):
+                keys = key_positions[row, key_tile * block_n : (key_tile + 1) * block_n]
+                distance = queries[:, None] - keys[None, :]
+                visible = distance >= 0
+                if max_distance is not None:
+                    visible &= distance <= max_distance
+                valid = keys < far
+                tile_visible = bool(keys.min() <= queries.max())
+                if max_distance is not None:
+                    tile_visible &= bool(queries.min() - keys[valid].max() <= max_distance) if valid.any() else False
+                if spans is not None:
+                    tile_spans = spans[row, key_tile * block_n : (key_tile + 1) * block_n]
+                    remaining = tile_spans[None, :] - distance.float()  # float32, as the kernel computes r_ti
+                    visible &= remaining > -ramp
+                    earliest = tile_spans - (queries.min() - keys).float()
+                    tile_visible &= bool(earliest[valid].max() > -ramp) if valid.any() else False
+                pairs[row, query_tile, key_tile] = visible.any()
+                bound[row, query_tile, key_tile] = tile_visible
+    return pairs, bound
+
+
+def first_and_end(visible: torch.Tensor) -> torch.Tensor:
+    """[first, end) of the True entries along the last axis; [n, 0) when there is none."""
+    count = visible.shape[-1]
+    index = torch.arange(count)
+    first = torch.where(visible, index, count).amin(dim=-1)
+    end = torch.where(visible, index + 1, 0).amax(dim=-1)
+    return torch.stack([first, end], dim=-1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loop_bounds_cover_every_visible_tile(seed):
+    """The main loops run over [first, end) of the tiles a tile-skipping kernel kept, on random positions, holes
+    and spans: the range is exactly that of the per-tile bound, and no pair visible with m > 0 lies outside it."""
+    generator = torch.Generator().manual_seed(seed)
+    batch_size, num_queries, num_keys, ramp = 3, 37, 75, 4.0
+    block_m, block_n = [(16, 16), (16, 32), (32, 16), (8, 16)][seed]
+    max_distance = [None, 20, None, 35][seed]
+    # Row 0: in-order keys at 0..149 for queries at 60..96, so early tiles expire and late ones are in the future;
+    # row 1: shuffled keys with holes; row 2: queries at 0..36 before every key at 50.. (empty ranges).
+    query_positions = torch.tensor([[60], [int(torch.randint(0, 60, (), generator=generator))], [0]])
+    query_positions = query_positions + torch.arange(num_queries)
+    if seed % 2:  # queries need not be in order
+        query_positions = query_positions[:, torch.randperm(num_queries, generator=generator)]
+    key_positions = torch.randint(0, 150, (batch_size, num_keys), generator=generator)
+    key_positions[0] = key_positions[0].sort().values
+    key_positions[2] += 50
+    key_valid = torch.rand(batch_size, num_keys, generator=generator) > 0.3
+    key_valid[0] = True
+    spans = None if seed == 2 else torch.rand(batch_size, num_keys, generator=generator) ** 3 * 60
+    queries, keys = _kernel_positions(query_positions, key_positions, key_valid)
+    options = _options(ramp, max_distance, 1.0, spans is not None)
+    query_tiles, key_tiles = triton.cdiv(num_queries, block_m), triton.cdiv(num_keys, block_n)
+    key_ranges = torch.full((batch_size, query_tiles, 2), -1, dtype=torch.int32)
+    query_ranges = torch.full((batch_size, key_tiles, 2), -1, dtype=torch.int32)
+    _tile_ranges_kernel[(batch_size,)](
+        queries,
+        keys,
+        spans,
+        key_ranges,
+        query_ranges,
+        num_queries,
+        num_keys,
+        options["max_distance"],
+        options["ramp"],
+        HAS_SPANS=options["HAS_SPANS"],
+        HAS_MAX_DISTANCE=options["HAS_MAX_DISTANCE"],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
+    pairs, bound = tile_visibility(queries, keys, spans, ramp, max_distance, block_m, block_n)
+    assert torch.equal(key_ranges.long(), first_and_end(bound))
+    assert torch.equal(query_ranges.long(), first_and_end(bound.transpose(1, 2)))
+    inside = torch.arange(key_tiles)[None, None, :]
+    in_range = (inside >= key_ranges[..., :1]) & (inside < key_ranges[..., 1:])
+    assert not (pairs & ~in_range).any()  # no visible pair is skipped
+    assert (bound | ~pairs).all()  # the per-tile bound keeps every tile with a visible pair
+    # The inputs exercise every case: empty ranges, ranges that start after the first tile or end before the last.
+    assert (key_ranges[..., 0] >= key_ranges[..., 1]).any()
+    assert (key_ranges[..., 0] > 0).any() and (key_ranges[..., 1] < key_tiles).any()
+    assert pairs.any() and not pairs.all()
+
+
+def test_grid_launches_any_batch_times_heads():
+    """Batch × heads goes on the grid's first axis (2^31 − 1 blocks), not a second one (65 535): B·H = 2 × 40 000."""
+    grid = _grid(triton.cdiv(2048, 64), 2 * 40_000)
+    assert grid == (32 * 80_000,)
+    assert grid[0] <= 2**31 - 1 and all(size <= 65_535 for size in grid[1:])
+    with pytest.raises(ValueError, match=r"2147483648 programs, above the 2147483647 CUDA allows; split the batch"):
+        _grid(2**16, 2**15)
+
+
+def test_many_heads_in_one_grid_axis():
+    """Each program decodes its (tile, batch × head) from the one grid axis: 3 × 3 (batch, heads), tails."""
+    tensors, options, grad_output = make_inputs(length=17, memory=3, batch_size=3, num_heads=3, seed=3)
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output)
+    expected, expected_grads = run(expire_span_attention_reference, tensors, options, grad_output)
+    assert relative_error(output, expected) < 1e-5
+    for name in NAMES:
+        assert relative_error(grads[name], expected_grads[name]) < 1e-5, name
+
+
+ADDRESSES_PAST_TWO_TO_THE_31 = """
+import torch
+from memlm.kernels.expire_attention import expire_span_attention_reference
+from memlm.kernels.expire_attention.triton_attention import expire_span_attention_triton
+
+num_tokens, width, stride = 17, 16, 2**27 + 64
+assert (num_tokens - 1) * stride > 2**31
+buffer = torch.empty((num_tokens - 1) * stride + 3 * width, dtype=torch.float16)
+generator = torch.Generator().manual_seed(0)
+compact = torch.randn(3, 1, 1, num_tokens, width, generator=generator).half()
+views = [
+    buffer.as_strided((1, 1, num_tokens, width), (0, 0, stride, 1), storage_offset=index * width)
+    for index in range(3)
+]
+for view, values in zip(views, compact):
+    view.copy_(values)
+views = [view.requires_grad_() for view in views]
+spans = (torch.rand(1, num_tokens, generator=generator) * 12).requires_grad_()
+positions = torch.arange(num_tokens)[None]
+grad_output = torch.randn(1, 1, num_tokens, width, generator=generator)
+for function, inputs in (
+    (expire_span_attention_triton, views),
+    (expire_span_attention_reference, [view.detach().float().requires_grad_() for view in views]),
+):
+    output = function(*inputs, spans, positions, positions, ramp=4.0)
+    grads = torch.autograd.grad((output.float() * grad_output).sum(), [*inputs, spans])
+    torch.save([output.detach().float(), *[grad.float() for grad in grads]], f"{{directory}}/{function.__name__}.pt")
+"""
+
+
+def test_addresses_past_two_to_the_31(tmp_path):
+    """Token × stride products above 2^31 elements: query, key and value are views with a token stride of
+    2^27 + 64 elements into one float16 buffer (4 GiB of address space, of which a few pages are touched), so
+    the 17th token starts past element 2^31. An int32 product wraps and reads 4 GiB before the buffer (a
+    segmentation fault in the interpreter), hence a subprocess."""
+    script = ADDRESSES_PAST_TWO_TO_THE_31.replace("{{directory}}", str(tmp_path))
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}  # CPU tensors: Triton's interpreter
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, f"exit code {result.returncode}: {result.stderr[-2000:]}"
+    actual = torch.load(tmp_path / "expire_span_attention_triton.pt")
+    expected = torch.load(tmp_path / "expire_span_attention_reference.pt")
+    assert relative_error(actual[0], expected[0]) < 2e-3
+    for name, grad, expected_grad in zip(NAMES, actual[1:], expected[1:]):
+        assert relative_error(grad, expected_grad) < 3e-3, name
+
+
+def test_launch_configurations_and_dot_precision():
+    """Every head width the kernel takes (up to 128) has GPU tiles, default first, for every dtype and target;
+    float32 dots are exact unless PyTorch's float32 matmuls may use TF32."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for width in range(2, 129, 2):
+            for capability in (None, 80, 86, 90):
+                configs = _launch_configs(dtype, width, width, capability)
+                assert set(configs) == {"forward", "key", "query"}
+                for kernel, candidates in configs.items():
+                    assert candidates and candidates == _launch_configs(dtype, width, width, capability)[kernel]
+                    assert candidates[0]["BLOCK_D"] >= width and candidates[0]["num_stages"] >= 1
+    default = _launch_configs(torch.bfloat16, 64, 64)
+    assert all(config["num_stages"] >= 2 for configs in default.values() for config in configs)
+    assert _dot_precision(torch.bfloat16) == "ieee" and _dot_precision(torch.float32) == "ieee"
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert _dot_precision(torch.float32) == "tf32"
+        assert all(config["num_stages"] >= 2 for config in _launch_configs(torch.float32, 128, 128)["key"])
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

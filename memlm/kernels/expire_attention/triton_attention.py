@@ -8,9 +8,11 @@ masked, renormalised weights of Eq. 4 with the soft mask of Eq. 5::
 
 are computed tile by tile with an online softmax (Dao et al., FlashAttention-2): no (T, N) tensor is ever formed.
 The mask comes from the spans and positions inside the kernel, as a factor ``m`` on ``e^{s − max}`` (so no
-logarithm), and a key tile that no query of the tile can see — every key in the future, too far, an empty slot,
-or expired (``max_i r_ti ≤ −R`` at the tile's earliest query) — is skipped after reading only its positions and
-spans. The backward recomputes the weights from the saved log-sum-exp ``L_t = log Σ_j m_tj e^{s_tj}``:
+logarithm). A key tile that no query of the tile can see — every key in the future, too far, an empty slot, or
+expired (``max_i r_ti ≤ −R`` at the tile's earliest query) — is invisible; a first pass over the positions and
+spans alone finds the first and the last visible tile, and the main loop runs over exactly that range with
+unconditional loads, which the compiler can pipeline (invisible tiles inside the range are masked pair by pair).
+The backward recomputes the weights from the saved log-sum-exp ``L_t = log Σ_j m_tj e^{s_tj}``:
 
     dS_ti = m_ti e^{s_ti − L_t} (dP_ti − D_t),   dP = dO Vᵀ,   D_t = Σ dO_t · O_t
     de_i  = Σ_t dS_ti / (R m_ti) = Σ_t e^{s_ti − L_t} (dP_ti − D_t) / R   on the open ramp −R < r_ti < 0
@@ -22,6 +24,7 @@ than every query, which makes them invisible by causality alone. The readable de
 the tests check this file against it.
 """
 
+import functools
 import math
 
 import torch
@@ -101,6 +104,75 @@ def _soft_mask(
 
 
 @triton.jit
+def _visible_key_tiles(
+    KeyPositions,
+    Spans,
+    query_positions,
+    query_in_range,
+    num_keys,
+    max_distance,
+    ramp,
+    HAS_SPANS: tl.constexpr,
+    HAS_MAX_DISTANCE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The key tiles [first, end) some query of this query tile may see: from the first to the last tile that
+    _tile_is_visible keeps, found from the keys' positions and spans alone (first = end when there is none)."""
+    num_tiles = tl.cdiv(num_keys, BLOCK_N)
+    first = num_tiles
+    end = num_tiles * 0
+    for tile in range(0, num_tiles):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_in_range = keys < num_keys
+        key_positions = tl.load(KeyPositions + keys, mask=key_in_range, other=_FAR)
+        spans = tl.zeros([BLOCK_N], tl.float32)
+        if HAS_SPANS:
+            spans = tl.load(Spans + keys, mask=key_in_range, other=0.0)
+        visible = _tile_is_visible(
+            query_positions, query_in_range, key_positions, spans, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE
+        )
+        first = tl.where(visible, tl.minimum(first, tile), first)
+        end = tl.where(visible, tile + 1, end)
+    return first, end
+
+
+@triton.jit
+def _visible_query_tiles(
+    QueryPositions,
+    key_positions,
+    spans,
+    num_queries,
+    max_distance,
+    ramp,
+    HAS_SPANS: tl.constexpr,
+    HAS_MAX_DISTANCE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The query tiles [first, end) of which some query may see a key of this key tile (first = end: none)."""
+    num_tiles = tl.cdiv(num_queries, BLOCK_M)
+    first = num_tiles
+    end = num_tiles * 0
+    for tile in range(0, num_tiles):
+        queries = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        query_in_range = queries < num_queries
+        query_positions = tl.load(QueryPositions + queries, mask=query_in_range, other=0)
+        visible = _tile_is_visible(
+            query_positions, query_in_range, key_positions, spans, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE
+        )
+        first = tl.where(visible, tl.minimum(first, tile), first)
+        end = tl.where(visible, tile + 1, end)
+    return first, end
+
+
+@triton.jit
+def _program_tile(num_items, BLOCK: tl.constexpr):
+    """(tile, batch × head) of this program: the grid is one axis of tiles × (batch × head), heads outermost."""
+    num_tiles = tl.cdiv(num_items, BLOCK)
+    program = tl.program_id(0)
+    return program % num_tiles, program // num_tiles
+
+
+@triton.jit
 def _forward_kernel(
     Query,
     Key,
@@ -137,70 +209,88 @@ def _forward_kernel(
     max_distance,
     HAS_SPANS: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """One tile of BLOCK_M queries of one (batch, head) against every key tile, with an online softmax."""
-    batch_head = tl.program_id(1)
+    """One tile of BLOCK_M queries of one (batch, head) against its visible key tiles, with an online softmax."""
+    tile, batch_head = _program_tile(num_queries, BLOCK_M)
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
-    queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    queries = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     query_in_range = queries < num_queries
+    # Token × stride products are int64: (tokens · heads · width) passes 2^31 at a million tokens.
+    query_tokens = queries.to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
+    key_dim_offsets = dims.to(tl.int64) * key_stride_dim
+    value_dim_offsets = value_dims.to(tl.int64) * value_stride_dim
 
     query = tl.load(
         Query
         + batch * query_stride_batch
         + head * query_stride_head
-        + queries[:, None] * query_stride_token
-        + dims[None, :] * query_stride_dim,
+        + query_tokens[:, None] * query_stride_token
+        + dims.to(tl.int64)[None, :] * query_stride_dim,
         mask=query_in_range[:, None] & (dims[None, :] < key_dim),
         other=0.0,
     )
     query_positions = tl.load(QueryPositions + batch * num_queries + queries, mask=query_in_range, other=0)
+    KeyPositions += batch * num_keys
+    if HAS_SPANS:
+        Spans += batch * num_keys
     Key += batch * key_stride_batch + head * key_stride_head
     Value += batch * value_stride_batch + head * value_stride_head
+    first, end = _visible_key_tiles(
+        KeyPositions,
+        Spans,
+        query_positions,
+        query_in_range,
+        num_keys,
+        max_distance,
+        ramp,
+        HAS_SPANS,
+        HAS_MAX_DISTANCE,
+        BLOCK_N,
+    )
 
     row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)  # max of the visible scores seen so far
     row_sum = tl.zeros([BLOCK_M], tl.float32)  # Σ_j m_tj e^{s_tj − row_max}
     accumulator = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for key_start in range(0, num_keys, BLOCK_N):
+    for key_start in range(first * BLOCK_N, end * BLOCK_N, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
         key_in_range = keys < num_keys
-        key_positions = tl.load(KeyPositions + batch * num_keys + keys, mask=key_in_range, other=_FAR)
+        key_tokens = keys.to(tl.int64)
+        key_positions = tl.load(KeyPositions + keys, mask=key_in_range, other=_FAR)
         spans = tl.zeros([BLOCK_N], tl.float32)
         if HAS_SPANS:
-            spans = tl.load(Spans + batch * num_keys + keys, mask=key_in_range, other=0.0)
-        if _tile_is_visible(
-            query_positions, query_in_range, key_positions, spans, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE
-        ):
-            key = tl.load(
-                Key + keys[:, None] * key_stride_token + dims[None, :] * key_stride_dim,
-                mask=key_in_range[:, None] & (dims[None, :] < key_dim),
-                other=0.0,
-            )
-            value = tl.load(
-                Value + keys[:, None] * value_stride_token + value_dims[None, :] * value_stride_dim,
-                mask=key_in_range[:, None] & (value_dims[None, :] < value_dim),
-                other=0.0,
-            )
-            visible, mask, _ = _soft_mask(
-                query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
-            )
-            scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale  # s_ti
-            scores = tl.where(visible, scores, -float("inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-            shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a row that has seen no key yet stays at 0
-            weights = tl.exp(scores - shift[:, None]) * mask  # m_ti e^{s_ti − max}, Eq. 4
-            rescale = tl.exp(row_max - shift)
-            row_sum = row_sum * rescale + tl.sum(weights, axis=1)
-            accumulator = accumulator * rescale[:, None] + tl.dot(
-                weights.to(value.dtype), value, input_precision="ieee"
-            )
-            row_max = new_max
+            spans = tl.load(Spans + keys, mask=key_in_range, other=0.0)
+        key = tl.load(
+            Key + key_tokens[:, None] * key_stride_token + key_dim_offsets[None, :],
+            mask=key_in_range[:, None] & (dims[None, :] < key_dim),
+            other=0.0,
+        )
+        value = tl.load(
+            Value + key_tokens[:, None] * value_stride_token + value_dim_offsets[None, :],
+            mask=key_in_range[:, None] & (value_dims[None, :] < value_dim),
+            other=0.0,
+        )
+        visible, mask, _ = _soft_mask(
+            query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
+        )
+        scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale  # s_ti
+        scores = tl.where(visible, scores, -float("inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a row that has seen no key yet stays at 0
+        weights = tl.exp(scores - shift[:, None]) * mask  # m_ti e^{s_ti − max}, Eq. 4
+        rescale = tl.exp(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+        accumulator = accumulator * rescale[:, None] + tl.dot(
+            weights.to(value.dtype), value, input_precision=DOT_PRECISION
+        )
+        row_max = new_max
 
     # A query that sees no key with m > 0 outputs zeros, and L = +inf gives it zero weights in the backward.
     has_key = row_sum > 0
@@ -211,8 +301,8 @@ def _forward_kernel(
         Output
         + batch * output_stride_batch
         + head * output_stride_head
-        + queries[:, None] * output_stride_token
-        + value_dims[None, :] * output_stride_dim,
+        + query_tokens[:, None] * output_stride_token
+        + value_dims.to(tl.int64)[None, :] * output_stride_dim,
         output.to(Output.dtype.element_ty),
         mask=query_in_range[:, None] & (value_dims[None, :] < value_dim),
     )
@@ -261,19 +351,23 @@ def _backward_key_kernel(
     HAS_SPANS: tl.constexpr,
     SPANS_NEED_GRAD: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
     """Gradients of one tile of BLOCK_N keys of one (batch, head): key, value, and the span per head."""
-    batch_head = tl.program_id(1)
+    tile, batch_head = _program_tile(num_keys, BLOCK_N)
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
-    keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     key_in_range = keys < num_keys
+    key_tokens = keys.to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
+    query_dim_offsets = dims.to(tl.int64) * query_stride_dim
+    grad_output_dim_offsets = value_dims.to(tl.int64) * grad_output_stride_dim
     key_mask = key_in_range[:, None] & (dims[None, :] < key_dim)
     value_mask = key_in_range[:, None] & (value_dims[None, :] < value_dim)
 
@@ -281,8 +375,8 @@ def _backward_key_kernel(
         Key
         + batch * key_stride_batch
         + head * key_stride_head
-        + keys[:, None] * key_stride_token
-        + dims[None, :] * key_stride_dim,
+        + key_tokens[:, None] * key_stride_token
+        + dims.to(tl.int64)[None, :] * key_stride_dim,
         mask=key_mask,
         other=0.0,
     )
@@ -290,8 +384,8 @@ def _backward_key_kernel(
         Value
         + batch * value_stride_batch
         + head * value_stride_head
-        + keys[:, None] * value_stride_token
-        + value_dims[None, :] * value_stride_dim,
+        + key_tokens[:, None] * value_stride_token
+        + value_dims.to(tl.int64)[None, :] * value_stride_dim,
         mask=value_mask,
         other=0.0,
     )
@@ -299,59 +393,59 @@ def _backward_key_kernel(
     spans = tl.zeros([BLOCK_N], tl.float32)
     if HAS_SPANS:
         spans = tl.load(Spans + batch * num_keys + keys, mask=key_in_range, other=0.0)
+    QueryPositions += batch * num_queries
     Query += batch * query_stride_batch + head * query_stride_head
     GradOutput += batch * grad_output_stride_batch + head * grad_output_stride_head
     LogSumExp += batch_head.to(tl.int64) * num_queries
     Delta += batch_head.to(tl.int64) * num_queries
+    first, end = _visible_query_tiles(
+        QueryPositions, key_positions, spans, num_queries, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE, BLOCK_M
+    )
 
     grad_key = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_value = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     grad_spans = tl.zeros([BLOCK_N], tl.float32)
-    for query_start in range(0, num_queries, BLOCK_M):
+    for query_start in range(first * BLOCK_M, end * BLOCK_M, BLOCK_M):
         queries = query_start + tl.arange(0, BLOCK_M)
         query_in_range = queries < num_queries
-        query_positions = tl.load(QueryPositions + batch * num_queries + queries, mask=query_in_range, other=0)
-        if _tile_is_visible(
-            query_positions, query_in_range, key_positions, spans, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE
-        ):
-            query = tl.load(
-                Query + queries[:, None] * query_stride_token + dims[None, :] * query_stride_dim,
-                mask=query_in_range[:, None] & (dims[None, :] < key_dim),
-                other=0.0,
-            )
-            grad_output = tl.load(
-                GradOutput
-                + queries[:, None] * grad_output_stride_token
-                + value_dims[None, :] * grad_output_stride_dim,
-                mask=query_in_range[:, None] & (value_dims[None, :] < value_dim),
-                other=0.0,
-            )
-            log_sum_exp = tl.load(LogSumExp + queries, mask=query_in_range, other=float("inf"))
-            delta = tl.load(Delta + queries, mask=query_in_range, other=0.0)
-            visible, mask, on_ramp = _soft_mask(
-                query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
-            )
-            scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale
-            # a'_ti / m_ti = e^{s_ti − L_t}, bounded by 1 / m_ti; 0 for an invisible pair or a query with no key.
-            unmasked = tl.exp(tl.where(visible, scores, -float("inf")) - log_sum_exp[:, None])
-            weights = unmasked * mask  # a'_ti
-            grad_value += tl.dot(tl.trans(weights.to(grad_output.dtype)), grad_output, input_precision="ieee")
-            grad_weights = tl.dot(grad_output, tl.trans(value), input_precision="ieee")  # dP
-            grad_unmasked = unmasked * (grad_weights - delta[:, None])  # dS / m
-            grad_scores = grad_unmasked * mask  # dS, the gradient of s + log m
-            grad_key += tl.dot(tl.trans(grad_scores.to(query.dtype)), query, input_precision="ieee")
-            if SPANS_NEED_GRAD:
-                # ∂ log m / ∂e = 1 / (R m) on the open ramp (Eq. 5), 0 elsewhere.
-                grad_spans += tl.sum(tl.where(on_ramp, grad_unmasked, 0.0), axis=0)
+        query_tokens = queries.to(tl.int64)
+        query_positions = tl.load(QueryPositions + queries, mask=query_in_range, other=0)
+        query = tl.load(
+            Query + query_tokens[:, None] * query_stride_token + query_dim_offsets[None, :],
+            mask=query_in_range[:, None] & (dims[None, :] < key_dim),
+            other=0.0,
+        )
+        grad_output = tl.load(
+            GradOutput + query_tokens[:, None] * grad_output_stride_token + grad_output_dim_offsets[None, :],
+            mask=query_in_range[:, None] & (value_dims[None, :] < value_dim),
+            other=0.0,
+        )
+        log_sum_exp = tl.load(LogSumExp + queries, mask=query_in_range, other=float("inf"))
+        delta = tl.load(Delta + queries, mask=query_in_range, other=0.0)
+        visible, mask, on_ramp = _soft_mask(
+            query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
+        )
+        scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale
+        # a'_ti / m_ti = e^{s_ti − L_t}, bounded by 1 / m_ti; 0 for an invisible pair or a query with no key.
+        unmasked = tl.exp(tl.where(visible, scores, -float("inf")) - log_sum_exp[:, None])
+        weights = unmasked * mask  # a'_ti
+        grad_value += tl.dot(tl.trans(weights.to(grad_output.dtype)), grad_output, input_precision=DOT_PRECISION)
+        grad_weights = tl.dot(grad_output, tl.trans(value), input_precision=DOT_PRECISION)  # dP
+        grad_unmasked = unmasked * (grad_weights - delta[:, None])  # dS / m
+        grad_scores = grad_unmasked * mask  # dS, the gradient of s + log m
+        grad_key += tl.dot(tl.trans(grad_scores.to(query.dtype)), query, input_precision=DOT_PRECISION)
+        if SPANS_NEED_GRAD:
+            # ∂ log m / ∂e = 1 / (R m) on the open ramp (Eq. 5), 0 elsewhere.
+            grad_spans += tl.sum(tl.where(on_ramp, grad_unmasked, 0.0), axis=0)
 
     # Gradients are stored contiguously in (batch, head, key, width) / (batch, head, key).
     tl.store(
-        GradKey + (batch_head.to(tl.int64) * num_keys + keys[:, None]) * key_dim + dims[None, :],
+        GradKey + (batch_head.to(tl.int64) * num_keys + key_tokens[:, None]) * key_dim + dims[None, :],
         (grad_key * scale).to(GradKey.dtype.element_ty),
         mask=key_mask,
     )
     tl.store(
-        GradValue + (batch_head.to(tl.int64) * num_keys + keys[:, None]) * value_dim + value_dims[None, :],
+        GradValue + (batch_head.to(tl.int64) * num_keys + key_tokens[:, None]) * value_dim + value_dims[None, :],
         grad_value.to(GradValue.dtype.element_ty),
         mask=value_mask,
     )
@@ -398,27 +492,31 @@ def _backward_query_kernel(
     max_distance,
     HAS_SPANS: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """Gradient of one tile of BLOCK_M queries of one (batch, head), looping over the key tiles."""
-    batch_head = tl.program_id(1)
+    """Gradient of one tile of BLOCK_M queries of one (batch, head), looping over its visible key tiles."""
+    tile, batch_head = _program_tile(num_queries, BLOCK_M)
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
-    queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    queries = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     query_in_range = queries < num_queries
+    query_tokens = queries.to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     value_dims = tl.arange(0, BLOCK_DV)
+    key_dim_offsets = dims.to(tl.int64) * key_stride_dim
+    value_dim_offsets = value_dims.to(tl.int64) * value_stride_dim
     query_mask = query_in_range[:, None] & (dims[None, :] < key_dim)
 
     query = tl.load(
         Query
         + batch * query_stride_batch
         + head * query_stride_head
-        + queries[:, None] * query_stride_token
-        + dims[None, :] * query_stride_dim,
+        + query_tokens[:, None] * query_stride_token
+        + dims.to(tl.int64)[None, :] * query_stride_dim,
         mask=query_mask,
         other=0.0,
     )
@@ -426,8 +524,8 @@ def _backward_query_kernel(
         GradOutput
         + batch * grad_output_stride_batch
         + head * grad_output_stride_head
-        + queries[:, None] * grad_output_stride_token
-        + value_dims[None, :] * grad_output_stride_dim,
+        + query_tokens[:, None] * grad_output_stride_token
+        + value_dims.to(tl.int64)[None, :] * grad_output_stride_dim,
         mask=query_in_range[:, None] & (value_dims[None, :] < value_dim),
         other=0.0,
     )
@@ -436,69 +534,186 @@ def _backward_query_kernel(
         LogSumExp + batch_head.to(tl.int64) * num_queries + queries, mask=query_in_range, other=float("inf")
     )
     delta = tl.load(Delta + batch_head.to(tl.int64) * num_queries + queries, mask=query_in_range, other=0.0)
+    KeyPositions += batch * num_keys
+    if HAS_SPANS:
+        Spans += batch * num_keys
     Key += batch * key_stride_batch + head * key_stride_head
     Value += batch * value_stride_batch + head * value_stride_head
+    first, end = _visible_key_tiles(
+        KeyPositions,
+        Spans,
+        query_positions,
+        query_in_range,
+        num_keys,
+        max_distance,
+        ramp,
+        HAS_SPANS,
+        HAS_MAX_DISTANCE,
+        BLOCK_N,
+    )
 
     grad_query = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for key_start in range(0, num_keys, BLOCK_N):
+    for key_start in range(first * BLOCK_N, end * BLOCK_N, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
         key_in_range = keys < num_keys
-        key_positions = tl.load(KeyPositions + batch * num_keys + keys, mask=key_in_range, other=_FAR)
+        key_tokens = keys.to(tl.int64)
+        key_positions = tl.load(KeyPositions + keys, mask=key_in_range, other=_FAR)
         spans = tl.zeros([BLOCK_N], tl.float32)
         if HAS_SPANS:
-            spans = tl.load(Spans + batch * num_keys + keys, mask=key_in_range, other=0.0)
-        if _tile_is_visible(
-            query_positions, query_in_range, key_positions, spans, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE
-        ):
-            key = tl.load(
-                Key + keys[:, None] * key_stride_token + dims[None, :] * key_stride_dim,
-                mask=key_in_range[:, None] & (dims[None, :] < key_dim),
-                other=0.0,
-            )
-            value = tl.load(
-                Value + keys[:, None] * value_stride_token + value_dims[None, :] * value_stride_dim,
-                mask=key_in_range[:, None] & (value_dims[None, :] < value_dim),
-                other=0.0,
-            )
-            visible, mask, _ = _soft_mask(
-                query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
-            )
-            scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale
-            unmasked = tl.exp(tl.where(visible, scores, -float("inf")) - log_sum_exp[:, None])
-            grad_weights = tl.dot(grad_output, tl.trans(value), input_precision="ieee")
-            grad_scores = unmasked * mask * (grad_weights - delta[:, None])
-            grad_query += tl.dot(grad_scores.to(key.dtype), key, input_precision="ieee")
+            spans = tl.load(Spans + keys, mask=key_in_range, other=0.0)
+        key = tl.load(
+            Key + key_tokens[:, None] * key_stride_token + key_dim_offsets[None, :],
+            mask=key_in_range[:, None] & (dims[None, :] < key_dim),
+            other=0.0,
+        )
+        value = tl.load(
+            Value + key_tokens[:, None] * value_stride_token + value_dim_offsets[None, :],
+            mask=key_in_range[:, None] & (value_dims[None, :] < value_dim),
+            other=0.0,
+        )
+        visible, mask, _ = _soft_mask(
+            query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
+        )
+        scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale
+        unmasked = tl.exp(tl.where(visible, scores, -float("inf")) - log_sum_exp[:, None])
+        grad_weights = tl.dot(grad_output, tl.trans(value), input_precision=DOT_PRECISION)
+        grad_scores = unmasked * mask * (grad_weights - delta[:, None])
+        grad_query += tl.dot(grad_scores.to(key.dtype), key, input_precision=DOT_PRECISION)
 
     tl.store(
-        GradQuery + (batch_head.to(tl.int64) * num_queries + queries[:, None]) * key_dim + dims[None, :],
+        GradQuery + (batch_head.to(tl.int64) * num_queries + query_tokens[:, None]) * key_dim + dims[None, :],
         (grad_query * scale).to(GradQuery.dtype.element_ty),
         mask=query_mask,
     )
 
 
-def _tiles(dtype: torch.dtype, device: torch.device, key_dim: int, value_dim: int) -> dict:
-    """Tile sizes and launch options of the forward, key-gradient and query-gradient kernels.
+# Launch configurations (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) of each kernel on a GPU, by the
+# dots' operands — "16-bit" (bfloat16 / float16 on tensor cores), "tf32" (float32 on tensor cores) or "ieee"
+# (exact float32 on CUDA cores) — and the padded head width (≤ 64 or 128). The first entry is the default; with
+# several, the autotuner times them once per (widths, dtypes) on the GPU. Every entry was compiled for sm_80 and
+# sm_90 at widths 16 to 128 and checked with ptxas -v: no register spills, at most 99 KB of shared memory (so
+# consumer GPUs with 99 KB fit too); none is timed yet (no GPU here). IEEE float32 dots take num_stages=1: with
+# asynchronous copies their operands spill massively (ptxas), and CUDA-core dots do not wait on loads anyway.
+_GPU_CONFIGS = {
+    ("forward", "16-bit", 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+    ("forward", "16-bit", 128): [(64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    ("key", "16-bit", 64): [(32, 32, 4, 3), (64, 32, 4, 2)],
+    ("key", "16-bit", 128): [(32, 64, 8, 3), (32, 64, 8, 2)],
+    ("query", "16-bit", 64): [(64, 32, 4, 3), (128, 32, 8, 2)],
+    ("query", "16-bit", 128): [(64, 32, 8, 3), (64, 64, 8, 2)],
+    ("forward", "tf32", 64): [(32, 32, 4, 2), (64, 32, 4, 2)],
+    ("forward", "tf32", 128): [(32, 32, 4, 2), (16, 32, 4, 2)],
+    ("key", "tf32", 64): [(16, 32, 4, 2), (32, 32, 4, 2)],
+    ("key", "tf32", 128): [(16, 32, 8, 2), (16, 32, 4, 2)],
+    ("query", "tf32", 64): [(32, 32, 4, 2), (32, 16, 4, 2)],
+    ("query", "tf32", 128): [(32, 16, 4, 2)],
+    ("forward", "ieee", 64): [(32, 32, 4, 1)],
+    ("forward", "ieee", 128): [(32, 32, 8, 1)],
+    ("key", "ieee", 64): [(16, 32, 8, 1)],
+    ("key", "ieee", 128): [(16, 32, 8, 1)],
+    ("query", "ieee", 64): [(32, 16, 8, 1), (32, 16, 4, 1)],
+    ("query", "ieee", 128): [(32, 16, 8, 1)],
+}
+# Extra candidates for sm_90 only (they spill or exceed the budget on sm_80).
+_SM90_CONFIGS = {
+    ("forward", "16-bit", 128): [(128, 64, 8, 3)],
+    ("key", "16-bit", 64): [(32, 64, 8, 3)],
+    ("query", "16-bit", 64): [(64, 64, 4, 3)],
+}
+# Under Triton's interpreter (CPU tests): tiles of 16, so that small test shapes cross tiles and have tails.
+_INTERPRETER_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}
+# CUDA allows 2^31 − 1 blocks on a grid's first axis (65 535 on the others); the grid is that one axis.
+_MAX_PROGRAMS = 2**31 - 1
 
-    Small tiles in the interpreter (CPU), so that tests cross tiles. On CUDA, tiles that compile for sm_90
-    without register spills (checked with ptxas, not yet timed); float32 (exact, no tensor cores) takes smaller
-    ones."""
-    widths = {
+
+def _head_blocks(key_dim: int, value_dim: int) -> dict:
+    return {
         "BLOCK_D": max(16, triton.next_power_of_2(key_dim)),
         "BLOCK_DV": max(16, triton.next_power_of_2(value_dim)),
     }
-    if device.type != "cuda":
-        small = {"BLOCK_M": 16, "BLOCK_N": 16, **widths}
-        return {"forward": small, "key": small, "query": small}
-    if dtype == torch.float32:
-        shapes = {"forward": (32, 32, 8), "key": (16, 32, 8), "query": (32, 16, 8)}
-    elif max(key_dim, value_dim) <= 64:
-        shapes = {"forward": (128, 64, 8), "key": (32, 64, 8), "query": (64, 32, 4)}
-    else:
-        shapes = {"forward": (64, 64, 8), "key": (32, 64, 8), "query": (64, 32, 8)}
-    return {
-        kernel: {"BLOCK_M": rows, "BLOCK_N": columns, "num_warps": warps, "num_stages": 2, **widths}
-        for kernel, (rows, columns, warps) in shapes.items()
-    }
+
+
+def _launch_configs(dtype: torch.dtype, key_dim: int, value_dim: int, capability: int | None = None) -> dict:
+    """The GPU launch configurations of the forward, key-gradient and query-gradient kernels, default first.
+
+    ``capability`` is the device's compute capability as 10 · major + minor (80, 90, ...); None (no device: ahead
+    of time) gives the candidates that fit every target."""
+    blocks = _head_blocks(key_dim, value_dim)
+    precision = _dot_precision(dtype)
+    operands = "16-bit" if dtype != torch.float32 else precision
+    width = 64 if max(blocks.values()) <= 64 else 128
+    configs = {}
+    for kernel in ("forward", "key", "query"):
+        shapes = list(_GPU_CONFIGS[(kernel, operands, width)])
+        if capability == 90:
+            shapes += _SM90_CONFIGS.get((kernel, operands, width), [])
+        configs[kernel] = [
+            {"BLOCK_M": rows, "BLOCK_N": columns, "num_warps": warps, "num_stages": stages, **blocks}
+            for rows, columns, warps, stages in shapes
+        ]
+    return configs
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """IEEE float32 dots unless PyTorch's float32 matmuls may use TF32 (``torch.set_float32_matmul_precision``),
+    so that float32 attention is as exact as the torch backend's; 16-bit operands always use tensor cores."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"
+
+
+def _grid(num_tiles: int, batch_heads: int) -> tuple[int]:
+    """One grid axis of ``num_tiles × batch_heads`` programs (see _program_tile), for any batch × heads."""
+    programs = num_tiles * batch_heads
+    if programs > _MAX_PROGRAMS:
+        raise ValueError(
+            f"the Triton Expire-Span kernel would launch {num_tiles} tiles × {batch_heads} (batch × heads) = "
+            f"{programs} programs, above the {_MAX_PROGRAMS} CUDA allows; split the batch."
+        )
+    return (programs,)
+
+
+def _is_interpreted() -> bool:
+    return not isinstance(_forward_kernel, triton.runtime.jit.JITFunction)
+
+
+@functools.cache
+def _autotuned(name: str, configs: tuple) -> triton.runtime.Autotuner:
+    kernel = {"forward": _forward_kernel, "key": _backward_key_kernel, "query": _backward_query_kernel}[name]
+    candidates = [
+        triton.Config({"BLOCK_M": rows, "BLOCK_N": columns}, num_warps=warps, num_stages=stages)
+        for rows, columns, warps, stages in configs
+    ]
+    # The kernels only store their outputs (no accumulation across launches), so timing a config is harmless.
+    return triton.autotune(candidates, key=["key_dim", "value_dim"])(kernel)
+
+
+def _launch(name: str, kernel, arguments: tuple, options: dict, num_items: int, batch_heads: int, device) -> None:
+    """Launch one kernel over ``num_items`` queries (forward, query) or keys (key) of every (batch, head).
+
+    Interpreter: tiles of 16. GPU with several configurations: the autotuner. Otherwise (one configuration, or
+    compiled without a device, e.g. ahead of time): the first configuration, deterministically."""
+    block = "BLOCK_N" if name == "key" else "BLOCK_M"
+    dtype = arguments[0].dtype
+    key_dim, value_dim = arguments[0].shape[3], arguments[2].shape[3]
+    options = {**options, **_head_blocks(key_dim, value_dim), "DOT_PRECISION": _dot_precision(dtype)}
+    if _is_interpreted():
+        grid = _grid(triton.cdiv(num_items, _INTERPRETER_TILES[block]), batch_heads)
+        kernel[grid](*arguments, **options, **_INTERPRETER_TILES)
+        return
+    capability = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        capability = 10 * major + minor
+    configs = _launch_configs(dtype, key_dim, value_dim, capability)[name]
+    if capability is not None and len(configs) > 1:
+        shapes = tuple((c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in configs)
+        _autotuned(name, shapes)[lambda meta: _grid(triton.cdiv(num_items, meta[block]), batch_heads)](
+            *arguments, **options
+        )
+        return
+    config = configs[0]
+    kernel[_grid(triton.cdiv(num_items, config[block]), batch_heads)](*arguments, **options, **config)
 
 
 def _strides(tensor: torch.Tensor) -> tuple[int, int, int, int]:
@@ -544,30 +759,11 @@ class _ExpireSpanAttention(torch.autograd.Function):
         output = torch.empty(batch_size, num_heads, num_queries, value_dim, dtype=query.dtype, device=query.device)
         log_sum_exp = torch.empty(batch_size, num_heads, num_queries, dtype=torch.float32, device=query.device)
         options = _options(ramp, max_distance, scale, spans_float is not None)
-        tiles = _tiles(query.dtype, query.device, key_dim, value_dim)["forward"]
-        grid = (triton.cdiv(num_queries, tiles["BLOCK_M"]), batch_size * num_heads)
-        if grid[0] * grid[1] > 0:
-            _forward_kernel[grid](
-                query,
-                key,
-                value,
-                spans_float,
-                query_positions,
-                key_positions,
-                output,
-                log_sum_exp,
-                *_strides(query),
-                *_strides(key),
-                *_strides(value),
-                *_strides(output),
-                num_heads,
-                num_queries,
-                num_keys,
-                key_dim,
-                value_dim,
-                **options,
-                **tiles,
-            )
+        if batch_size * num_heads * num_queries > 0:
+            arguments = (query, key, value, spans_float, query_positions, key_positions, output, log_sum_exp)
+            arguments += (*_strides(query), *_strides(key), *_strides(value), *_strides(output))
+            arguments += (num_heads, num_queries, num_keys, key_dim, value_dim)
+            _launch("forward", _forward_kernel, arguments, options, num_queries, batch_size * num_heads, query.device)
         ctx.save_for_backward(query, key, value, spans_float, query_positions, key_positions, output, log_sum_exp)
         ctx.options = options
         ctx.spans_dtype = spans.dtype if spans is not None else None
@@ -587,55 +783,17 @@ class _ExpireSpanAttention(torch.autograd.Function):
         grad_spans = None
         if spans_need_grad:
             grad_spans = torch.zeros(batch_size, num_heads, num_keys, dtype=torch.float32, device=query.device)
-        tiles = _tiles(query.dtype, query.device, key_dim, value_dim)
-        shared = (
-            *_strides(query),
-            *_strides(key),
-            *_strides(value),
-            *_strides(grad_output),
-            num_heads,
-            num_queries,
-            num_keys,
-            key_dim,
-            value_dim,
-        )
-        key_grid = (triton.cdiv(num_keys, tiles["key"]["BLOCK_N"]), batch_size * num_heads)
-        if key_grid[0] * key_grid[1] > 0 and num_queries > 0:
-            _backward_key_kernel[key_grid](
-                query,
-                key,
-                value,
-                spans,
-                query_positions,
-                key_positions,
-                grad_output,
-                log_sum_exp,
-                delta,
-                grad_key,
-                grad_value,
-                grad_spans,
-                *shared,
-                **ctx.options,
-                SPANS_NEED_GRAD=spans_need_grad,
-                **tiles["key"],
-            )
-        query_grid = (triton.cdiv(num_queries, tiles["query"]["BLOCK_M"]), batch_size * num_heads)
-        if query_grid[0] * query_grid[1] > 0 and num_keys > 0:
-            _backward_query_kernel[query_grid](
-                query,
-                key,
-                value,
-                spans,
-                query_positions,
-                key_positions,
-                grad_output,
-                log_sum_exp,
-                delta,
-                grad_query,
-                *shared,
-                **ctx.options,
-                **tiles["query"],
-            )
+        inputs = (query, key, value, spans, query_positions, key_positions, grad_output, log_sum_exp, delta)
+        shared = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_output))
+        shared += (num_heads, num_queries, num_keys, key_dim, value_dim)
+        batch_heads = batch_size * num_heads
+        if batch_heads * num_keys > 0 and num_queries > 0:
+            arguments = (*inputs, grad_key, grad_value, grad_spans, *shared)
+            options = {**ctx.options, "SPANS_NEED_GRAD": spans_need_grad}
+            _launch("key", _backward_key_kernel, arguments, options, num_keys, batch_heads, query.device)
+        if batch_heads * num_queries > 0 and num_keys > 0:
+            arguments = (*inputs, grad_query, *shared)
+            _launch("query", _backward_query_kernel, arguments, ctx.options, num_queries, batch_heads, query.device)
         if grad_spans is not None:
             grad_spans = grad_spans.sum(dim=1).to(ctx.spans_dtype)  # one span per key, shared by the heads
         return grad_query, grad_key, grad_value, grad_spans, None, None, None, None, None
