@@ -602,6 +602,27 @@ def test_cuda_matches_float32_reference(length, memory, key_dim, value_dim, dtyp
 
 @pytest.mark.gpu
 @requires_cuda
+def test_cuda_float32_with_tf32_dots():
+    """float32 inputs with torch's TF32 switch on: tensor-core dots, 10-bit mantissas like float16, hence
+    float16's tolerance."""
+    tensors, options, grad_output = make_inputs(
+        length=1024, memory=1024, key_dim=64, value_dim=64, max_span=1536.0, device="cuda"
+    )
+    options["ramp"] = 64.0
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        output, grads = run(expire_span_attention_triton, tensors, options, grad_output)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    expected, expected_grads = run(expire_span_attention_reference, tensors, options, grad_output)
+    assert relative_error(output, expected) < 5e-3
+    for name in NAMES:
+        assert relative_error(grads[name], expected_grads[name]) < 5e-3, name
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("max_distance", [None, 300])
 def test_cuda_long_memory_with_expired_tiles(max_distance):
     """In-order memories of 4096 tokens of which most expired long ago: the skipped tiles change nothing."""

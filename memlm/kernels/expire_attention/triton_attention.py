@@ -20,8 +20,12 @@ The backward recomputes the weights from the saved log-sum-exp ``L_t = log Σ_j 
 with the span gradient summed over the heads (one span per key, shared by the heads).
 
 Positions enter the kernel as int32 offsets from each row's first query; invalid key slots get a position later
-than every query, which makes them invisible by causality alone. The readable definition is ``reference.py``;
-the tests check this file against it.
+than every query, which makes them invisible by causality alone. Addresses are int64 wherever a token index
+meets a stride (tokens · heads · width passes 2^31 at a million tokens), and the grid is one axis of tiles ×
+(batch × heads), so any batch × heads launches. Dots take bfloat16 / float16 operands on tensor cores with float32
+accumulation; float32 inputs use exact (IEEE) dots unless PyTorch's float32 matmuls may use TF32
+(``torch.set_float32_matmul_precision("high")``). Tiles are chosen per kernel, dtype and head width (see
+_GPU_CONFIGS). The readable definition is ``reference.py``; the tests check this file against it.
 """
 
 import functools
@@ -45,6 +49,8 @@ _POSITION_LIMIT = 2**29
 _FAR = tl.constexpr(2**30)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Wider heads run the torch backend (the dispatcher in __init__.py sends them there): tiles are chosen and checked
+# for every dtype and both targets only up to 128.
 _MAX_HEAD_DIM = 128
 
 
@@ -597,13 +603,13 @@ def _backward_query_kernel(
 _GPU_CONFIGS = {
     ("forward", "16-bit", 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     ("forward", "16-bit", 128): [(64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
-    ("key", "16-bit", 64): [(32, 32, 4, 3), (64, 32, 4, 2)],
+    ("key", "16-bit", 64): [(32, 32, 4, 3)],
     ("key", "16-bit", 128): [(32, 64, 8, 3), (32, 64, 8, 2)],
     ("query", "16-bit", 64): [(64, 32, 4, 3), (128, 32, 8, 2)],
     ("query", "16-bit", 128): [(64, 32, 8, 3), (64, 64, 8, 2)],
     ("forward", "tf32", 64): [(32, 32, 4, 2), (64, 32, 4, 2)],
     ("forward", "tf32", 128): [(32, 32, 4, 2), (16, 32, 4, 2)],
-    ("key", "tf32", 64): [(16, 32, 4, 2), (32, 32, 4, 2)],
+    ("key", "tf32", 64): [(16, 32, 4, 2)],
     ("key", "tf32", 128): [(16, 32, 8, 2), (16, 32, 4, 2)],
     ("query", "tf32", 64): [(32, 32, 4, 2), (32, 16, 4, 2)],
     ("query", "tf32", 128): [(32, 16, 4, 2)],
@@ -817,8 +823,9 @@ def expire_span_attention_triton(
 
     Same arguments and output as :func:`memlm.kernels.expire_attention.reference.expire_span_attention_reference`:
     ``(B, H, T, d_v)`` in the query's dtype, zeros for a query that sees no key. Differentiable with respect to
-    query, key, value and spans. float32, bfloat16 or float16 inputs (float32 accumulation), widths up to 128;
-    any strides. Positions within a row must lie within 2^29 of the row's first query.
+    query, key, value and spans. float32, bfloat16 or float16 inputs (float32 accumulation; float32 dots are IEEE,
+    or TF32 when ``torch.get_float32_matmul_precision()`` is not "highest"), widths up to 128; any strides. Positions
+    within a row must lie within 2^29 of the row's first query.
 
     Raises:
         ValueError: for ``dropout > 0`` (use the torch backend), another dtype, a width above 128, or tensors on
