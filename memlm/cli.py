@@ -65,6 +65,8 @@ def checkpoint_folder(path: str) -> tuple[Path, dict]:
     if not isinstance(config, dict):
         raise ValueError(f"{folder / 'config.json'} holds {type(config).__name__}, not a JSON object.")
     model_type = config.get("model_type")
+    if model_type is None:
+        raise ValueError(f"{folder / 'config.json'} names no model_type; memlm's are {', '.join(MEMLM_MODEL_TYPES)}.")
     if model_type in MEMLM_MODEL_TYPES:
         return folder, config
     if model_type in CONVERTIBLE_MODEL_TYPES:

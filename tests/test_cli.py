@@ -98,6 +98,9 @@ def test_a_file_or_a_broken_config_is_named(checkpoints, tmp_path, capsys):
     assert "is a file, not a folder written by save_pretrained" in error
     (tmp_path / "config.json").write_text("{broken")
     assert f"{tmp_path / 'config.json'} is not valid JSON" in _error(capsys, "info", str(tmp_path))
+    (tmp_path / "config.json").write_text('{"hidden_size": 32}')
+    error = _error(capsys, "generate", str(tmp_path))
+    assert f"{tmp_path / 'config.json'} names no model_type; memlm's are memlm_deltanet, " in error
 
 
 @pytest.mark.parametrize(
