@@ -302,3 +302,44 @@ def test_save_pretrained_without_triton_writes_the_whole_bundle(tmp_path, name):
     assert GENERATED_CARD_MARK in (directory / "README.md").read_text(encoding="utf-8")
     if name != "feedback":
         assert any("triton" in file for file in written), sorted(written)
+
+
+TOKENIZER_WITHOUT_MEMLM = textwrap.dedent(
+    """
+    import sys
+    sys.modules["memlm"] = None  # memlm is not installed here
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    directory = sys.argv[1]
+    for tokenizer in (AutoTokenizer.from_pretrained(directory, trust_remote_code=False),
+                      PreTrainedTokenizerFast.from_pretrained(directory)):
+        assert isinstance(tokenizer, PreTrainedTokenizerFast), type(tokenizer)
+        assert not type(tokenizer).__module__.startswith("transformers_modules"), type(tokenizer).__module__
+        print(type(tokenizer).__name__, tokenizer("ab é").input_ids, tokenizer.eos_token, tokenizer.pad_token_id)
+    """
+)
+
+
+def test_the_tokenizer_is_plain_and_loads_without_memlm_or_remote_code(tmp_path, tokenizer):
+    """The byte-level tokenizer saves as 🤗's own fast tokenizer: no auto_map, no code. Without memlm it loads with
+    trust_remote_code=False (AutoTokenizer reads the model's config.json first, whose auto_map would otherwise ask
+    whether to run the model's code) or through PreTrainedTokenizerFast, and never asks."""
+    _, directory = _saved(tmp_path, "fla", tokenizer)
+    saved = json.loads((directory / "tokenizer_config.json").read_text())
+    assert "auto_map" not in saved and saved["tokenizer_class"] in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    assert not [path for path in directory.glob("*.py") if "token" in path.name]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run(
+        [sys.executable, "-c", TOKENIZER_WITHOUT_MEMLM, str(directory)],
+        cwd=tmp_path,
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "custom code" not in result.stdout + result.stderr
+    expected = f"{tokenizer('ab é').input_ids} {tokenizer.eos_token} {tokenizer.pad_token_id}"
+    lines = result.stdout.strip().splitlines()[-2:]
+    assert lines == [f"TokenizersBackend {expected}"] * 2, lines
