@@ -563,6 +563,34 @@ def test_launch_configurations_and_dot_precision():
         torch.set_float32_matmul_precision(previous)
 
 
+@pytest.mark.parametrize(("dtype", "key_dim", "value_dim"), [(torch.float16, 64, 64), (torch.float32, 40, 72)])
+def test_gpu_tiles_in_the_interpreter(dtype, key_dim, value_dim):
+    """The GPU launch path (tiles of _launch_configs, autotuned kernels, one configuration launched directly) runs
+    in the interpreter on tensors that report ``cuda`` (memlm.kernels.gpu_compile): the first configuration of each
+    kernel runs, with a result equal to the reference."""
+    from memlm.kernels.gpu_compile import backward, on_gpu, record_launches
+
+    tensors, options, grad_output = make_inputs(
+        length=45, memory=100, key_dim=key_dim, value_dim=value_dim, max_span=60.0, dtype=dtype
+    )
+    expected, expected_grads = run(expire_span_attention_reference, float32_copies(tensors), options, grad_output)
+    with record_launches(all_configs=False) as recorder:
+        gpu_tensors = {name: on_gpu(t) for name, t in tensors.items()}
+        gpu_options = {name: on_gpu(t) if isinstance(t, torch.Tensor) else t for name, t in options.items()}
+        output = expire_span_attention_triton(**gpu_tensors, **gpu_options)
+        backward(output.float(), on_gpu(grad_output))
+    firsts = {name: configs[0] for name, configs in _launch_configs(dtype, key_dim, value_dim).items()}
+    kernels = {"_forward_kernel": "forward", "_backward_key_kernel": "key", "_backward_query_kernel": "query"}
+    assert sorted(kernels[launch.name] for launch in recorder.launches) == ["forward", "key", "query"]
+    for launch in recorder.launches:
+        first = firsts[kernels[launch.name]]
+        assert {name: launch.keywords[name] for name in first} == first, launch.name
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-3
+    assert relative_error(output, expected) < tolerance
+    for name in NAMES:
+        assert relative_error(tensors[name].grad, expected_grads[name]) < tolerance, name
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

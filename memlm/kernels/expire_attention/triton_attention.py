@@ -683,43 +683,53 @@ def _is_interpreted() -> bool:
     return not isinstance(_forward_kernel, triton.runtime.jit.JITFunction)
 
 
+def _untimed(kernel_call, quantiles):
+    """The autotuner's timer in Triton's interpreter: nothing runs, every configuration ties, the first is kept."""
+    return [0.0 for _ in quantiles]
+
+
 @functools.cache
-def _autotuned(name: str, configs: tuple) -> triton.runtime.Autotuner:
+def _autotuned(name: str, configs: tuple, interpreted: bool) -> triton.runtime.Autotuner:
     kernel = {"forward": _forward_kernel, "key": _backward_key_kernel, "query": _backward_query_kernel}[name]
     candidates = [
         triton.Config({"BLOCK_M": rows, "BLOCK_N": columns}, num_warps=warps, num_stages=stages)
         for rows, columns, warps, stages in configs
     ]
     # The kernels only store their outputs (no accumulation across launches), so timing a config is harmless.
-    return triton.autotune(candidates, key=["key_dim", "value_dim"])(kernel)
+    return triton.autotune(candidates, key=["key_dim", "value_dim"], do_bench=_untimed if interpreted else None)(
+        kernel
+    )
 
 
 def _launch(name: str, kernel, arguments: tuple, options: dict, num_items: int, batch_heads: int, device) -> None:
     """Launch one kernel over ``num_items`` queries (forward, query) or keys (key) of every (batch, head).
 
-    Interpreter: tiles of 16. GPU with several configurations: the autotuner. Otherwise (one configuration, or
-    compiled without a device, e.g. ahead of time): the first configuration, deterministically."""
+    CPU tensors (Triton's interpreter): tiles of 16. CUDA tensors: the configurations of _launch_configs for the
+    device's capability, through the autotuner when there are several — in the interpreter (e.g. recording the
+    launches, see memlm.kernels.gpu_compile) nothing is timed and the first runs; compiled without a driver
+    (ahead of time), the first runs directly."""
     block = "BLOCK_N" if name == "key" else "BLOCK_M"
     dtype = arguments[0].dtype
     key_dim, value_dim = arguments[0].shape[3], arguments[2].shape[3]
     options = {**options, **_head_blocks(key_dim, value_dim), "DOT_PRECISION": _dot_precision(dtype)}
-    if _is_interpreted():
+    if device.type != "cuda":
         grid = _grid(triton.cdiv(num_items, _INTERPRETER_TILES[block]), batch_heads)
         kernel[grid](*arguments, **options, **_INTERPRETER_TILES)
         return
     capability = None
-    if device.type == "cuda" and torch.cuda.is_available():
+    if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
         capability = 10 * major + minor
     configs = _launch_configs(dtype, key_dim, value_dim, capability)[name]
-    if capability is not None and len(configs) > 1:
+    interpreted = _is_interpreted()
+    if len(configs) > 1 and (capability is not None or interpreted):
         shapes = tuple((c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in configs)
-        _autotuned(name, shapes)[lambda meta: _grid(triton.cdiv(num_items, meta[block]), batch_heads)](
+        _autotuned(name, shapes, interpreted)[lambda meta: _grid(triton.cdiv(num_items, meta[block]), batch_heads)](
             *arguments, **options
         )
         return
-    config = configs[0]
-    kernel[_grid(triton.cdiv(num_items, config[block]), batch_heads)](*arguments, **options, **config)
+    config = configs[0]  # holds BLOCK_D and BLOCK_DV too
+    kernel[_grid(triton.cdiv(num_items, config[block]), batch_heads)](*arguments, **{**options, **config})
 
 
 def _strides(tensor: torch.Tensor) -> tuple[int, int, int, int]:
