@@ -8,11 +8,17 @@ the byte-level tokenizer, holds out --eval-tokens tokens of whole documents (eve
 with AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, in `--batch-mode segments`
 (consecutive batches continue the same streams and each model's memory — fast weights, span memories, feedback
 memory — is carried from batch to batch with its gradient cut, as the papers trained) or `independent`. Every
---save-every steps it writes a checkpoint (`accelerator.save_state` plus the carried memory and the step) under
-OUTPUT/checkpoints, first to a temporary folder then renamed, so a killed run leaves complete checkpoints only; a
-restarted run with the same OUTPUT resumes from the last one and ends with the same weights as an uninterrupted
-run. At the end OUTPUT holds the model (`save_pretrained`, with exported code and a model card carrying the
-evaluation), the tokenizer, metrics.json and loss.png.
+--save-every steps it writes a checkpoint (`accelerator.save_state`, the carried memory as safetensors, the step and
+the run's settings) under OUTPUT/checkpoints/step-N, first to a temporary folder then renamed, so a killed run
+leaves complete checkpoints only; a restarted run with the same OUTPUT and the same settings resumes from the last
+one and ends with the same weights as an uninterrupted run. At the end OUTPUT holds the model (`save_pretrained`,
+with exported code and a model card carrying the evaluation), the tokenizer, metrics.json and loss.png.
+
+What a run refuses (`TrainingError`, one line): an OUTPUT that holds another run (its run marker OUTPUT/run.json
+records the settings the weights depend on) or files of no run, unless --overwrite; a resume with other settings
+(naming them, old → new); a second run on the same OUTPUT while the first holds OUTPUT/.lock. It stops at the first
+non-finite loss or gradient norm, before the optimizer writes it into the weights, keeping its last checkpoint and
+writing no final model; and it names a full disk when a checkpoint cannot be written.
 """
 
 import argparse
@@ -28,6 +34,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import is_dataclass
 from pathlib import Path
 
 import torch
@@ -80,7 +87,7 @@ def load_preset(name_or_path: str) -> dict:
         )
     for name, value in training.items():
         try:
-            check_training_value(name, value)
+            training[name] = check_training_value(name, value)
         except ValueError as error:
             raise ValueError(f"The preset {path}: training option {name!r} {error}") from None
     return preset
@@ -284,8 +291,10 @@ def _memory_from_tree(tree: dict, tensors: dict, device):
     module_name, _, class_name = tree["object"].partition(":")
     if not module_name.startswith("memlm.modeling.") or "." in class_name:
         raise ValueError(f"a checkpoint's memory names {tree['object']!r}, which is not a memlm memory class")
+    from ..modeling.memory import MemoryCache, MemoryCacheLayer
+
     kind = getattr(importlib.import_module(module_name), class_name, None)
-    if not isinstance(kind, type):
+    if not isinstance(kind, type) or not (issubclass(kind, (MemoryCache, MemoryCacheLayer)) or is_dataclass(kind)):
         raise ValueError(f"a checkpoint's memory names {tree['object']!r}, which is not a memlm memory class")
     value = kind.__new__(kind)  # fields are set as saved; no constructor or pickled code runs
     value.__dict__.update({name: _memory_from_tree(item, tensors, device) for name, item in tree["fields"].items()})
@@ -389,7 +398,12 @@ def load_checkpoint(accelerator, checkpoint: Path, settings: dict):
             f"The checkpoint {checkpoint} was written with other settings ({'; '.join(differences)}): resume with "
             f"the same settings, or start a fresh run in another --output-dir or with --overwrite."
         )
+    from accelerate.utils import load
+
     try:
+        # Accelerate ignores random states it cannot read (the resumed run would then draw other numbers): read them
+        # first, as it will (weights_only), so that a damaged file stops the run instead.
+        load(checkpoint / f"random_states_{accelerator.process_index}.pkl")
         accelerator.load_state(str(checkpoint), load_kwargs={"weights_only": True})
         memory = load_memory(checkpoint / f"memory-{accelerator.process_index}.safetensors", accelerator.device)
     except Exception as error:

@@ -273,7 +273,7 @@ def test_only_step_folders_are_checkpoints_and_a_damaged_tokenizer_folder_is_rem
 def test_no_pickled_code_runs_when_resuming(tmp_path):
     """A checkpoint folder from elsewhere: pickles that would run code (here: create a file) are refused. The
     carried memory is read from safetensors only, Accelerate's optimizer/scheduler/random states with
-    `weights_only=True`."""
+    `weights_only=True`; random states it cannot read (which Accelerate would skip) stop the run too."""
     output = tmp_path / "run"
     _train(tmp_path, output, "--steps", "3", "--save-every", "2")
     checkpoint = output / "checkpoints" / "step-0000002"
@@ -284,7 +284,7 @@ def test_no_pickled_code_runs_when_resuming(tmp_path):
         def __reduce__(self):
             return Path.touch, (ran,)
 
-    for name in ("memory-0.pt", "optimizer.bin"):
+    for name in ("memory-0.pt", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
         damaged = tmp_path / "damaged"
         shutil.rmtree(damaged, ignore_errors=True)
         shutil.copytree(output, damaged)
