@@ -474,6 +474,11 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
     interpreter.InterpretedFunction.run = run
     autotuner.Autotuner.run = autotune
     mode = _AsIfOnGpu()
+    # Tensors saved for backward come back as plain tensors: make them report cuda too.
+    saved = torch._C._FunctionBase.saved_tensors
+    context = torch.autograd.function.BackwardCFunction
+    if as_if_on_gpu:
+        context.saved_tensors = property(lambda ctx: _on_gpu_everywhere(saved.__get__(ctx)))
     try:
         with contextlib.ExitStack() as stack:
             if count:
@@ -484,6 +489,8 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
     finally:
         interpreter.InterpretedFunction.run = original_run
         autotuner.Autotuner.run = original_autotune
+        if as_if_on_gpu:
+            del context.saved_tensors
 
 
 # --- Compiling -------------------------------------------------------------------------------------------------

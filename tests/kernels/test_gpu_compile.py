@@ -19,6 +19,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from memlm.kernels.delta_rule import delta_rule, sum_rule  # noqa: E402
 from memlm.kernels.expire_attention import expire_span_attention  # noqa: E402
 from memlm.kernels.gpu_compile import SHARED_MEMORY_LIMITS, backward, compile_launches, record_launches  # noqa: E402
@@ -167,3 +170,54 @@ def test_every_scenario_compiles_for_sm80_and_sm90_without_spills(name, request)
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the full set runs with -m slow (see the module docstring)")
     _check(name, request.getfixturevalue("slow_results")[name])
+
+
+@triton.jit
+def _product_kernel(left, right, output, rows, ROWS: tl.constexpr, INNER: tl.constexpr, COLUMNS: tl.constexpr):
+    """``output = left @ right`` for the first ``rows`` rows of ``left`` (the rest masked): one tile, one program."""
+    row = tl.arange(0, ROWS)
+    inner = tl.arange(0, INNER)
+    column = tl.arange(0, COLUMNS)
+    valid = row < rows
+    left_tile = tl.load(left + row[:, None] * INNER + inner[None, :], mask=valid[:, None], other=0)
+    right_tile = tl.load(right + inner[:, None] * COLUMNS + column[None, :])
+    product = tl.dot(left_tile, right_tile)
+    tl.store(
+        output + row[:, None] * COLUMNS + column[None, :], product.to(output.dtype.element_ty), mask=valid[:, None]
+    )
+
+
+def _product(size, rows, dtype=torch.float16):
+    left = torch.randn(size, size, dtype=dtype, device="cuda")
+    right = torch.randn(size, size, dtype=dtype, device="cuda")
+    output = torch.zeros(size, size, dtype=dtype, device="cuda")
+    _product_kernel[(1,)](left, right, output, rows, ROWS=size, INNER=size, COLUMNS=size, num_warps=4)
+    return left, right, output
+
+
+def test_recording_counts_unmasked_bytes_and_dot_flops():
+    with record_launches(count=True) as recorder:
+        left, right, output = _product(32, rows=20)
+    (launch,) = recorder.launches
+    assert launch.name == "_product_kernel" and launch.constants["ROWS"] == "32"
+    assert launch.bytes_read == (20 * 32 + 32 * 32) * 2  # masked rows of `left` are not read
+    assert launch.bytes_written == 20 * 32 * 2
+    assert launch.tensor_core_flops == 2 * 32 * 32 * 32 and launch.cuda_core_flops == 0  # fp16 operands
+    expected = (left.float() @ right.float())[:20]
+    assert torch.allclose(output[:20].float(), expected, atol=1e-1) and not output[20:].any()  # it ran
+
+
+def test_compiling_reports_shared_memory_over_the_limit_and_finds_tensor_cores():
+    with record_launches(execute=False) as recorder:
+        _product(64, rows=64)
+        _product(256, rows=256)  # two 256 × 256 fp16 operand tiles: 256 KB of shared memory
+    small, large = (recorder.launches[0], recorder.launches[1])
+    results = {(result.launch.key, result.target): result for result in compile_launches(recorder.launches, jobs=2)}
+    for target in SHARED_MEMORY_LIMITS:
+        fitting, overflowing = results[small.key, target], results[large.key, target]
+        assert fitting.problems == [] and fitting.tensor_core_instructions and 0 < fitting.shared_memory
+        assert fitting.dots_by_line and all(
+            on_tensor_cores == total for on_tensor_cores, total in fitting.dots_by_line.values()
+        )
+        assert overflowing.error or overflowing.shared_memory > SHARED_MEMORY_LIMITS[target], overflowing
+        assert overflowing.problems, overflowing
