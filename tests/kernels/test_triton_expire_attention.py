@@ -259,7 +259,8 @@ def test_queries_that_see_no_key_output_zeros_with_zero_gradients(spans):
 
 @pytest.mark.parametrize("max_distance", [None, 50])
 def test_invisible_key_tiles_are_skipped(max_distance):
-    """Key tiles that no query can see are never read: their keys and values are NaN and nothing turns NaN.
+    """Key tiles before the first tile a query can see are never read: their keys and values are NaN and nothing
+    turns NaN (the loops run from the first to the last visible tile).
 
     Keys in tiles of 16 for queries at 200..215: expired (positions 0..15, spans below 5 + R = 9: m = 0), empty
     slots (16..31, huge spans), in the future (300..315), too far for max_distance = 50 (100..115, huge spans),
@@ -589,6 +590,60 @@ def test_gpu_tiles_in_the_interpreter(dtype, key_dim, value_dim):
     assert relative_error(output, expected) < tolerance
     for name in NAMES:
         assert relative_error(tensors[name].grad, expected_grads[name]) < tolerance, name
+
+
+PIPELINED_LOADS = """
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+from memlm.kernels.expire_attention import triton_attention
+
+kernels = {
+    "forward": triton_attention._forward_kernel,
+    "key": triton_attention._backward_key_kernel,
+    "query": triton_attention._backward_query_kernel,
+}
+pointers = {"QueryPositions": "*i32", "KeyPositions": "*i32", "Spans": "*fp32", "LogSumExp": "*fp32", "Delta": "*fp32"}
+pointers |= {"GradSpans": "*fp32"}
+for name, config in triton_attention._launch_configs(torch.bfloat16, 64, 64).items():
+    kernel, config = kernels[name], dict(config[0])
+    options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+    constants = config | {"HAS_SPANS": True, "HAS_MAX_DISTANCE": True, "DOT_PRECISION": "ieee"}
+    constants |= {"SPANS_NEED_GRAD": True} if name == "key" else {}
+    signature, attributes = {}, {}
+    for index, argument in enumerate(kernel.arg_names):
+        if argument in constants:
+            signature[argument] = "constexpr"
+        elif argument.endswith("_stride_dim"):  # contiguous rows: a stride of 1, specialised as a constant
+            signature[argument], constants[argument] = "constexpr", 1
+        elif argument[0].isupper():
+            signature[argument] = pointers.get(argument, "*bf16")
+            attributes[(index,)] = [["tt.divisibility", 16]]
+        elif argument in ("scale", "ramp", "inverse_ramp"):
+            signature[argument] = "fp32"
+        else:
+            signature[argument] = "i32"
+            attributes[(index,)] = [["tt.divisibility", 16]] if argument != "max_distance" else []
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attributes)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 80, 32), options=options)
+    print(name, options["num_stages"], "cp.async" in compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.slow
+def test_loads_are_pipelined_on_sm80():
+    """Compiled ahead of time for sm_80 (bfloat16, width 64, default tiles), every kernel's key/value (or
+    query/output-gradient) loads become asynchronous copies that overlap the dots: no load sits under a
+    data-dependent branch. A subprocess without Triton's interpreter; about a minute on 2 cores."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", PIPELINED_LOADS], capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = sorted(result.stdout.split("\n")[-4:-1])
+    assert [line.split()[0] for line in lines] == ["forward", "key", "query"], result.stdout
+    for line in lines:
+        name, stages, asynchronous = line.split()
+        assert int(stages) >= 2 and asynchronous == "True", line
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -617,7 +617,7 @@ _GPU_CONFIGS = {
     ("forward", "ieee", 128): [(32, 32, 8, 1)],
     ("key", "ieee", 64): [(16, 32, 8, 1)],
     ("key", "ieee", 128): [(16, 32, 8, 1)],
-    ("query", "ieee", 64): [(32, 16, 8, 1), (32, 16, 4, 1)],
+    ("query", "ieee", 64): [(32, 16, 8, 1)],
     ("query", "ieee", 128): [(32, 16, 8, 1)],
 }
 # Extra candidates for sm_90 only (they spill or exceed the budget on sm_80).
