@@ -118,6 +118,7 @@ def test_flat_names():
     assert set(sources) == {
         "memlm_delta_rule.py",
         "memlm_delta_rule_chunk.py",
+        "memlm_delta_rule_flash_linear_attention.py",
         "memlm_delta_rule_reference.py",
         "memlm_delta_rule_triton_chunk.py",
         "memlm_delta_rule_triton_recurrent.py",
