@@ -8,14 +8,16 @@ kernels (or of any Triton code) launches and compiles exactly those launches for
    tiles and launch options it would pick on a GPU. Every launch is recorded: the kernel, its arguments (tensor
    dtypes and 16-byte alignment, integer values, compile-time constants), grid, ``num_warps`` and ``num_stages``.
    Autotuned kernels record every configuration (the GPU may pick any of them), or only the first.
-   With ``count=True`` the interpreter also counts, per launch, the global-memory bytes that the loads and stores
-   touch (unmasked elements only) and the FLOPs of ``tl.dot`` (2·M·N·K per product), split into products that
-   run on tensor cores (bf16 / fp16 / fp8 operands, or fp32 with a TF32 input precision) and on CUDA cores
-   (exact fp32 ``input_precision="ieee"``, fp64).
+   With ``count=True`` the interpreter also counts, per launch, the global-memory bytes that the loads, stores and
+   atomics touch (unmasked elements only) and the FLOPs of ``tl.dot`` (2·M·N·K per product, on the full tiles),
+   per line of the kernel's body, classified as the interpreter sees them: tensor cores for bf16 / fp16 / fp8
+   operands or a TF32 input precision, CUDA cores for exact fp32 (``input_precision="ieee"``) and fp64.
 2. :func:`compile_launches` compiles the distinct launches in subprocesses without the interpreter, through the
    same specialisation as ``JITFunction.run`` (integers equal to 1 and 16-divisibility of integers and pointers),
-   and returns per target: shared memory, registers, spilled bytes (ptxas ``-v``), and whether the PTX holds
-   tensor-core instructions (``mma`` / ``wgmma``).
+   and returns per target: shared memory, registers, spilled bytes (ptxas ``-v``), whether the PTX holds
+   tensor-core instructions (``mma`` / ``wgmma``), and per kernel line how many of its dots the compiler put on
+   tensor cores (TTGIR: ``warp_group_dot`` or an MMA layout) — :meth:`CompiledLaunch.split_flops` uses that to
+   classify the counted FLOPs, since a kernel may take another path in the interpreter than on the GPU.
 
 Example (a user checking the delta rule for an A100 and an H100)::
 
@@ -233,12 +235,8 @@ def _encode(value):
         return value
     if isinstance(value, (tuple, list)):
         return {"tuple": [_encode(item) for item in value]}
-    function = getattr(value, "fn", None)
-    if isinstance(value, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction)) or (
-        function is not None and hasattr(function, "__qualname__")
-    ):
-        function = value.fn if hasattr(value, "fn") else value
-        return {"function": f"{function.__module__}:{function.__qualname__}"}
+    if isinstance(value, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction)):
+        return {"function": f"{value.fn.__module__}:{value.fn.__qualname__}"}  # a kernel passed to a kernel
     raise ValueError(f"cannot record a kernel argument of type {type(value).__name__}: {value!r}")
 
 
@@ -266,10 +264,9 @@ def _grid(grid, arguments: dict) -> list[int]:
 class Recorder:
     """The launches seen inside :func:`record_launches`; set ``phase`` to label the launches that follow."""
 
-    def __init__(self, count: bool):
+    def __init__(self):
         self.launches: list[Launch] = []
         self.phase = ""
-        self.count = count
         self._current: Launch | None = None
         self._code = ("", "")
         self._record_only = False
@@ -421,7 +418,7 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
             "record_launches runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 before the kernels "
             "are imported (the compilation for GPU targets then runs in a subprocess without it)."
         )
-    recorder = Recorder(count)
+    recorder = Recorder()
     original_run = interpreter.InterpretedFunction.run
     original_autotune = autotuner.Autotuner.run
 

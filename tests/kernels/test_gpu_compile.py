@@ -122,6 +122,14 @@ CI_SCENARIOS = [
     "expire_attention-fp32-d64",
 ]
 SLOW_SCENARIOS = [name for name in SCENARIOS if name not in CI_SCENARIOS]
+# Scenarios whose kernels do not fit the GPUs yet, each with the defect (strict: the test fails once they fit, so
+# that the entry is removed).
+KNOWN_DEFECTS = {}
+
+
+def _cases(names):
+    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DEFECTS[name]))
+            if name in KNOWN_DEFECTS else name for name in names]  # fmt: skip
 
 
 def _record(names):
@@ -159,13 +167,13 @@ def slow_results(request):
     return _compile(_record(SLOW_SCENARIOS))
 
 
-@pytest.mark.parametrize("name", CI_SCENARIOS)
+@pytest.mark.parametrize("name", _cases(CI_SCENARIOS))
 def test_kernels_compile_for_sm80_and_sm90_without_spills(name, ci_results):
     _check(name, ci_results[name])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SLOW_SCENARIOS)
+@pytest.mark.parametrize("name", _cases(SLOW_SCENARIOS))
 def test_every_scenario_compiles_for_sm80_and_sm90_without_spills(name, request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the full set runs with -m slow (see the module docstring)")
