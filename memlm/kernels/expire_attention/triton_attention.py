@@ -615,9 +615,9 @@ _GPU_CONFIGS = {
     ("query", "tf32", 128): [(32, 16, 4, 2)],
     ("forward", "ieee", 64): [(32, 32, 4, 1)],
     ("forward", "ieee", 128): [(32, 32, 8, 1)],
-    ("key", "ieee", 64): [(16, 32, 8, 1)],
+    ("key", "ieee", 64): [(16, 32, 4, 1)],
     ("key", "ieee", 128): [(16, 32, 8, 1)],
-    ("query", "ieee", 64): [(32, 16, 8, 1)],
+    ("query", "ieee", 64): [(16, 16, 4, 1)],
     ("query", "ieee", 128): [(32, 16, 8, 1)],
 }
 # Extra candidates for sm_90 only (they spill or exceed the budget on sm_80).
