@@ -9,11 +9,13 @@ an unfinished one with the same settings is resumed. No progress bar is drawn wh
 """
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, pipeline
+from transformers.utils import logging
 
 from memlm.training import pretrain
 
@@ -30,6 +32,8 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=pretrain.number_option(int, 1), default=200)
     parser.add_argument("--seed", type=pretrain.number_option(int, 0, maximum=2**32 - 1), default=0)
     arguments = parser.parse_args(argv)
+    if not sys.stderr.isatty():  # logs: no progress bars (🤗's loading and saving bars, the training bar)
+        logging.disable_progress_bar()
 
     training = ["--preset", arguments.preset, "--output-dir", str(arguments.output_dir), "--seed", str(arguments.seed),
                 "--max-bytes", str(arguments.max_bytes)]  # fmt: skip

@@ -421,9 +421,11 @@ def setting_differences(old: dict, new: dict, prefix: str = "") -> list[str]:
         before, after = old.get(name, "unset"), new.get(name, "unset")
         if isinstance(before, dict) and isinstance(after, dict):
             differences += setting_differences(before, after, f"{prefix}{name}.")
-        elif name == "text_sha256":  # the same sources holding other text (a changed --data list is named itself)
-            if before != after and old.get("data") == new.get("data"):
-                differences.append("data: its text changed")
+        elif name == "data":  # the text decides (the same file may be named by another path)
+            if old.get("text_sha256") != new.get("text_sha256"):
+                differences.append(f"data: {before!r} → {after!r}" if before != after else "data: its text changed")
+        elif name == "text_sha256":
+            continue
         elif before != after:
             differences.append(f"{prefix}{name}: {before!r} → {after!r}")
     return differences
@@ -464,7 +466,7 @@ def _run_outputs(output_dir: Path) -> list[Path]:
     return found
 
 
-def claim_output(output_dir: Path, settings: dict, overwrite: bool, data_sources) -> object:
+def claim_output(output_dir: Path, settings: dict, overwrite: bool):
     """Make OUTPUT this run's (main process): take its lock, refuse another run's folder (unless `overwrite`, which
     first deletes that run's files) or a resume with other settings, and write the run marker. Returns the open
     lock file, held until the run ends."""
@@ -510,7 +512,7 @@ def claim_output(output_dir: Path, settings: dict, overwrite: bool, data_sources
                     "tokenizer, model, card and metrics; other files are left)."
                 )
         temporary = marker_path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps({"settings": settings, "data_sources": data_sources}, indent=2))
+        temporary.write_text(json.dumps({"settings": settings}, indent=2))
         os.replace(temporary, marker_path)
     except BaseException:
         lock.close()
@@ -647,7 +649,7 @@ def train(arguments: argparse.Namespace) -> dict:
     lock, refusal = None, [None]
     if accelerator.is_main_process:
         try:
-            lock = claim_output(output_dir, settings, arguments.overwrite, settings["data"])
+            lock = claim_output(output_dir, settings, arguments.overwrite)
         except TrainingError as error:
             refusal = [str(error)]
     refusal = broadcast_object_list(refusal)

@@ -138,7 +138,10 @@ def test_a_resume_with_other_settings_is_refused_and_names_them(tmp_path):
         with pytest.raises(TrainingError, match=f"{output} holds a run with other settings \\({difference}\\).*"
                                                  "another --output-dir or with --overwrite"):  # fmt: skip
             _train(tmp_path, output, "--steps", "4", *options)
-    # The same file with other text in it.
+    # The same text named by another path resumes; the same file with other text in it does not.
+    os.symlink(_data(tmp_path), tmp_path / "link.txt")
+    with pytest.raises(TrainingError, match="other settings \\(length: 16 → 8\\)"):  # data not named
+        _train(tmp_path, output, "--steps", "4", "--data", str(tmp_path / "link.txt"), "--length", "8")
     _data(tmp_path).write_text(TEXT.upper())
     with pytest.raises(TrainingError, match="other settings \\(data: its text changed\\)"):
         pretrain.main(["--preset", str(tmp_path / "deltanet.json"), "--output-dir", str(output), "--data",
