@@ -33,14 +33,16 @@ are bfloat16 / float16 when query, key and value all are (tensor cores), and the
 (``W``, ``U``, ``V'``, ``(I + A)⁻¹``, ``P``, ``dV'``) and the chunk-entry states of a state held in registers are
 stored in that dtype too; the running state, the final state and the gradients' accumulators stay float32.
 Float32 inputs use TF32 products (``FLOAT32_PRECISION``; set it to ``"ieee"`` for exact float32 products on
-CUDA cores); the products of the block-doubling inverse use three TF32 products each (``"tf32x3"``, close to
-float32 accuracy, still tensor cores) and its tile is float32. Float64 inputs use exact float64 products.
+CUDA cores). The block-doubling inverse keeps a float32 tile and multiplies with TF32 on tensor cores
+(``INVERSE_PRECISION``; ``"tf32x3"`` gives near-float32 products at three times the cost). Float64 inputs
+use exact float64 products.
 
 Tiles. The kernels use chunks of at most ``MAX_CHUNK_SIZE`` tokens whatever ``chunk_size`` asks (the result
 does not depend on the chunking), slices of d_k and d_v at most ``BLOCK_WIDTH`` wide, and the recurrence keeps
 its state in registers up to d_k = ``MAX_REGISTER_KEY_DIM`` and in global memory, tile by tile, above: every
-width and chunk size fits the shared memory of sm_80 and sm_90. Addresses are 64-bit where a token index
-multiplies a width; (chunk or sequence) × head runs along the first grid axis, which has no 65 535 limit.
+width and chunk size fits the shared memory of sm_80 and sm_90. A tile's first row is addressed with a 64-bit
+scalar (token index × width can pass 2³¹), the rows and columns within it with 32-bit offsets; (chunk or
+sequence) × head runs along the first grid axis, which has no 65 535 limit.
 
 With ``cu_seqlens`` the batch holds several sequences back to back; chunks never straddle a sequence boundary
 and each sequence has its own initial and final state. Pass the offsets also on the host (``cu_seqlens_cpu``)
@@ -68,19 +70,37 @@ __all__ = ["delta_rule_chunk_triton"]
 #
 # The longest chunk the kernels use; a larger chunk_size runs in chunks of this many tokens.
 MAX_CHUNK_SIZE = 64
-# The widest slice of d_k or d_v that a program holds at once; wider heads are looped over.
+# The widest slice of d_k or d_v that a program holds at once (of 2-byte operands; half as wide for 4- and 8-byte
+# ones in the chunk-parallel kernels); wider heads are looped over.
 BLOCK_WIDTH = 64
 # Up to this d_k (padded to a power of two) the recurrence kernels hold all of d_k × BLOCK_V of the state in
 # registers; wider keys keep the running state in the chunk-state buffer in global memory, BLOCK_WIDTH rows at a time.
 MAX_REGISTER_KEY_DIM = 128
+# Elements of the state tile a recurrence program holds in registers (for 2-byte operands; half for 4-byte ones).
+STATE_TILE = 64 * 64
 # tl.dot needs every dimension to be at least 16.
 MIN_BLOCK = 16
 # Products of float32 operands: "tf32" (tensor cores) or "ieee" (exact, CUDA cores).
 FLOAT32_PRECISION = "tf32"
-# Products inside the block-doubling inverse, on float32 tiles: "tf32x3" splits each operand into a TF32 head and
-# tail and sums three TF32 products, near float32 accuracy on tensor cores (the doubling compounds rounding).
-INVERSE_PRECISION = "tf32x3"
-LAUNCH_OPTIONS = {"num_warps": 4, "num_stages": 2}
+# Products inside the block-doubling inverse, on float32 tiles. With TF32 the inverse is off by 4e-4 to 1e-3
+# (relative; random and nearly parallel keys, chunks of 64, measured in numpy), the size of one TF32 or float16
+# rounding and below bfloat16's; "tf32x3" (three TF32 products, near float32 accuracy) spills registers at 64 × 64.
+INVERSE_PRECISION = "tf32"
+# Warps and pipeline stages per kernel, for 2-byte operands (bfloat16, float16) and for 4- or 8-byte ones, whose
+# tiles take twice the shared memory and registers: the chunk-parallel kernels hold several BLOCK_T × BLOCK_T
+# float32 tiles, and the state kernels load whole rows of d_k per chunk.
+LAUNCH_OPTIONS = {
+    "prepare": {"num_warps": 8, "num_stages": 2},
+    "state": {"num_warps": 4, "num_stages": 2},
+    "output": {"num_warps": 4, "num_stages": 2},
+    "chunk_backward": {"num_warps": 8, "num_stages": 2},
+}
+LAUNCH_OPTIONS_FLOAT32 = {
+    "prepare": {"num_warps": 8, "num_stages": 2},
+    "state": {"num_warps": 8, "num_stages": 1},
+    "output": {"num_warps": 4, "num_stages": 2},
+    "chunk_backward": {"num_warps": 8, "num_stages": 2},
+}
 
 _TRITON_DTYPES = {
     torch.float64: tl.float64,
@@ -120,7 +140,11 @@ def _dot(left, right, OPERAND: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _load_tile(pointer, rows, row_mask, columns, width, DTYPE: tl.constexpr):
-    """The tile ``rows × columns`` of a row-major matrix with ``width`` columns, zero outside it, in ``DTYPE``."""
+    """The tile ``rows × columns`` of a row-major matrix with ``width`` columns, zero outside it, in ``DTYPE``.
+
+    ``pointer`` already points at the tile's first row (a 64-bit scalar offset); ``rows`` and ``columns`` are small
+    32-bit offsets within it, so the tile of addresses costs no 64-bit arithmetic per element.
+    """
     mask = row_mask[:, None] & (columns[None, :] < width)
     return tl.load(pointer + rows[:, None] * width + columns[None, :], mask=mask, other=0).to(DTYPE)
 
@@ -229,9 +253,9 @@ def _prepare_chunk_kernel(
     batch, start, end = _locate_chunk(chunk, cu_seqlens, chunk_indices, length, num_chunks, CHUNK_SIZE, IS_VARLEN)
     offsets = tl.arange(0, BLOCK_T)
     valid = start + offsets < end
-    rows = (batch * num_heads + head).to(tl.int64) * length + start + offsets
+    first_row = (batch * num_heads + head).to(tl.int64) * length + start  # 64-bit, scalar
     if HAS_BETA:
-        beta_rows = tl.load(beta + rows, mask=valid, other=0).to(DTYPE)
+        beta_rows = tl.load(beta + first_row + offsets, mask=valid, other=0).to(DTYPE)
     else:
         beta_rows = valid.to(DTYPE)
 
@@ -240,27 +264,34 @@ def _prepare_chunk_kernel(
     query_key = tl.zeros((BLOCK_T, BLOCK_T), dtype=DTYPE)
     for column_start in range(0, key_dim, BLOCK_K):
         columns = column_start + tl.arange(0, BLOCK_K)
-        keys = _load_tile(key, rows, valid, columns, key_dim, OPERAND)
-        queries = _load_tile(query, rows, valid, columns, key_dim, OPERAND)
+        keys = _load_tile(key + first_row * key_dim, offsets, valid, columns, key_dim, OPERAND)
+        queries = _load_tile(query + first_row * key_dim, offsets, valid, columns, key_dim, OPERAND)
         gram += _dot(keys, tl.trans(keys), OPERAND, PRECISION)
         query_key += _dot(queries, tl.trans(keys), OPERAND, PRECISION)
-    _store_tile(scores, rows, valid, offsets, BLOCK_T, tl.where(offsets[:, None] >= offsets[None, :], query_key, 0))
+    _store_tile(
+        scores + first_row * BLOCK_T,
+        offsets,
+        valid,
+        offsets,
+        BLOCK_T,
+        tl.where(offsets[:, None] >= offsets[None, :], query_key, 0),
+    )
     system = tl.where(offsets[:, None] > offsets[None, :], beta_rows[:, None] * gram, 0)
     inverse_tile = _unit_lower_inverse(system, offsets, BLOCK_T, INVERSE_PRECISION)
-    _store_tile(inverse, rows, valid, offsets, BLOCK_T, inverse_tile)
+    _store_tile(inverse + first_row * BLOCK_T, offsets, valid, offsets, BLOCK_T, inverse_tile)
 
     # (2) W = (I + A)⁻¹ diag(β) K and U = (I + A)⁻¹ diag(β) V.
     inverse_operand = _cast(inverse_tile, OPERAND)
     for column_start in range(0, key_dim, BLOCK_K):
         columns = column_start + tl.arange(0, BLOCK_K)
-        keys = _load_tile(key, rows, valid, columns, key_dim, DTYPE)
+        keys = _load_tile(key + first_row * key_dim, offsets, valid, columns, key_dim, DTYPE)
         chunk_weights = _dot(inverse_operand, keys * beta_rows[:, None], OPERAND, PRECISION)
-        _store_tile(weights, rows, valid, columns, key_dim, chunk_weights)
+        _store_tile(weights + first_row * key_dim, offsets, valid, columns, key_dim, chunk_weights)
     for column_start in range(0, value_dim, BLOCK_V):
         columns = column_start + tl.arange(0, BLOCK_V)
-        values = _load_tile(value, rows, valid, columns, value_dim, DTYPE)
+        values = _load_tile(value + first_row * value_dim, offsets, valid, columns, value_dim, DTYPE)
         chunk_updates = _dot(inverse_operand, values * beta_rows[:, None], OPERAND, PRECISION)
-        _store_tile(updates, rows, valid, columns, value_dim, chunk_updates)
+        _store_tile(updates + first_row * value_dim, offsets, valid, columns, value_dim, chunk_updates)
 
 
 @triton.jit
@@ -320,17 +351,19 @@ def _state_forward_kernel(
         for index in range(0, count):
             start = sequence_start + index * CHUNK_SIZE
             valid = start + offsets < tl.minimum(start + CHUNK_SIZE, sequence_end)
-            rows = row_start + start + offsets
+            first_row = row_start + start
             # The state entering the chunk: all the backward keeps of the recurrence.
             chunk_state = states + (first_chunk + index).to(tl.int64) * chunk_stride + head * state_size
             _store_tile(chunk_state, key_columns, key_valid, value_columns, value_dim, state)
             # (3) V' = U − W S.
-            chunk_weights = _load_tile(weights, rows, valid, key_columns, key_dim, OPERAND)
-            keys = _load_tile(key, rows, valid, key_columns, key_dim, OPERAND)
-            chunk_updates = _load_tile(updates, rows, valid, value_columns, value_dim, DTYPE)
+            chunk_weights = _load_tile(weights + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
+            keys = _load_tile(key + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
+            chunk_updates = _load_tile(
+                updates + first_row * value_dim, offsets, valid, value_columns, value_dim, DTYPE
+            )
             chunk_new_values = chunk_updates - _dot(chunk_weights, state, OPERAND, PRECISION)
             chunk_new_values = _cast(chunk_new_values, new_values.dtype.element_ty)
-            _store_tile(new_values, rows, valid, value_columns, value_dim, chunk_new_values)
+            _store_tile(new_values + first_row * value_dim, offsets, valid, value_columns, value_dim, chunk_new_values)
             # (5) S_next = S + Kᵀ V'.
             state += _dot(tl.trans(keys), chunk_new_values, OPERAND, PRECISION)
         if STORE_FINAL_STATE:
@@ -353,27 +386,31 @@ def _state_forward_kernel(
         for index in range(0, count):
             start = sequence_start + index * CHUNK_SIZE
             valid = start + offsets < tl.minimum(start + CHUNK_SIZE, sequence_end)
-            rows = row_start + start + offsets
+            first_row = row_start + start
             chunk_state = states + (first_chunk + index).to(tl.int64) * chunk_stride + head * state_size
             if index + 1 < count:
                 next_state = chunk_state + chunk_stride
             else:
                 next_state = final_state + head_state
             # (3) V' = U − W S, summed over slices of d_k.
-            chunk_new_values = _load_tile(updates, rows, valid, value_columns, value_dim, DTYPE)
+            chunk_new_values = _load_tile(
+                updates + first_row * value_dim, offsets, valid, value_columns, value_dim, DTYPE
+            )
             for key_start in range(0, key_dim, BLOCK_K):
                 key_columns = key_start + tl.arange(0, BLOCK_K)
                 key_valid = key_columns < key_dim
-                chunk_weights = _load_tile(weights, rows, valid, key_columns, key_dim, OPERAND)
+                chunk_weights = _load_tile(
+                    weights + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND
+                )
                 state = _load_tile(chunk_state, key_columns, key_valid, value_columns, value_dim, DTYPE)
                 chunk_new_values -= _dot(chunk_weights, state, OPERAND, PRECISION)
             chunk_new_values = _cast(chunk_new_values, new_values.dtype.element_ty)
-            _store_tile(new_values, rows, valid, value_columns, value_dim, chunk_new_values)
+            _store_tile(new_values + first_row * value_dim, offsets, valid, value_columns, value_dim, chunk_new_values)
             # (5) S_next = S + Kᵀ V', slice by slice of d_k.
             for key_start in range(0, key_dim, BLOCK_K):
                 key_columns = key_start + tl.arange(0, BLOCK_K)
                 key_valid = key_columns < key_dim
-                keys = _load_tile(key, rows, valid, key_columns, key_dim, OPERAND)
+                keys = _load_tile(key + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
                 state = _load_tile(chunk_state, key_columns, key_valid, value_columns, value_dim, DTYPE)
                 state += _dot(tl.trans(keys), chunk_new_values, OPERAND, PRECISION)
                 _store_tile(next_state, key_columns, key_valid, value_columns, value_dim, state)
@@ -409,19 +446,21 @@ def _output_kernel(
     batch, start, end = _locate_chunk(chunk, cu_seqlens, chunk_indices, length, num_chunks, CHUNK_SIZE, IS_VARLEN)
     offsets = tl.arange(0, BLOCK_T)
     valid = start + offsets < end
-    rows = (batch * num_heads + head).to(tl.int64) * length + start + offsets
+    first_row = (batch * num_heads + head).to(tl.int64) * length + start  # 64-bit, scalar
     value_columns = value_block * BLOCK_V + tl.arange(0, BLOCK_V)
     chunk_state = states + chunk_head.to(tl.int64) * key_dim * value_dim
 
-    chunk_scores = _load_tile(scores, rows, valid, offsets, BLOCK_T, OPERAND)
-    chunk_new_values = _load_tile(new_values, rows, valid, value_columns, value_dim, OPERAND)
+    chunk_scores = _load_tile(scores + first_row * BLOCK_T, offsets, valid, offsets, BLOCK_T, OPERAND)
+    chunk_new_values = _load_tile(
+        new_values + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+    )
     chunk_output = _dot(chunk_scores, chunk_new_values, OPERAND, PRECISION)
     for column_start in range(0, key_dim, BLOCK_K):
         key_columns = column_start + tl.arange(0, BLOCK_K)
-        queries = _load_tile(query, rows, valid, key_columns, key_dim, OPERAND)
+        queries = _load_tile(query + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
         state = _load_tile(chunk_state, key_columns, key_columns < key_dim, value_columns, value_dim, OPERAND)
         chunk_output += _dot(queries, state, OPERAND, PRECISION)
-    _store_tile(output, rows, valid, value_columns, value_dim, chunk_output)
+    _store_tile(output + first_row * value_dim, offsets, valid, value_columns, value_dim, chunk_output)
 
 
 @triton.jit
@@ -485,20 +524,29 @@ def _state_backward_kernel(
             index = count - 1 - step
             start = sequence_start + index * CHUNK_SIZE
             valid = start + offsets < tl.minimum(start + CHUNK_SIZE, sequence_end)
-            rows = row_start + start + offsets
+            first_row = row_start + start
             chunk_grad_state = grad_states + (first_chunk + index).to(tl.int64) * chunk_stride + head * state_size
             _store_tile(chunk_grad_state, key_columns, key_valid, value_columns, value_dim, grad_state)
 
-            queries = _load_tile(query, rows, valid, key_columns, key_dim, OPERAND)
-            keys = _load_tile(key, rows, valid, key_columns, key_dim, OPERAND)
-            chunk_weights = _load_tile(weights, rows, valid, key_columns, key_dim, OPERAND)
-            chunk_grad_output = _load_tile(grad_output, rows, valid, value_columns, value_dim, OPERAND)
-            chunk_scores = _load_tile(scores, rows, valid, offsets, BLOCK_T, OPERAND)
+            queries = _load_tile(query + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
+            keys = _load_tile(key + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
+            chunk_weights = _load_tile(weights + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
+            chunk_grad_output = _load_tile(
+                grad_output + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+            )
+            chunk_scores = _load_tile(scores + first_row * BLOCK_T, offsets, valid, offsets, BLOCK_T, OPERAND)
             # (6) dV' = Pᵀ dO + K dS_next, then dS = dS_next + Qᵀ dO − Wᵀ dV'.
             chunk_grad_new_values = _dot(tl.trans(chunk_scores), chunk_grad_output, OPERAND, PRECISION)
             chunk_grad_new_values += _dot(keys, grad_state, OPERAND, PRECISION)
             chunk_grad_new_values = _cast(chunk_grad_new_values, grad_new_values.dtype.element_ty)
-            _store_tile(grad_new_values, rows, valid, value_columns, value_dim, chunk_grad_new_values)
+            _store_tile(
+                grad_new_values + first_row * value_dim,
+                offsets,
+                valid,
+                value_columns,
+                value_dim,
+                chunk_grad_new_values,
+            )
             grad_state += _dot(tl.trans(queries), chunk_grad_output, OPERAND, PRECISION)
             grad_state -= _dot(tl.trans(chunk_weights), chunk_grad_new_values, OPERAND, PRECISION)
         if STORE_GRAD_INITIAL_STATE:
@@ -524,30 +572,41 @@ def _state_backward_kernel(
             index = count - 1 - step
             start = sequence_start + index * CHUNK_SIZE
             valid = start + offsets < tl.minimum(start + CHUNK_SIZE, sequence_end)
-            rows = row_start + start + offsets
+            first_row = row_start + start
             chunk_grad_state = grad_states + (first_chunk + index).to(tl.int64) * chunk_stride + head * state_size
             if index > 0:
                 previous_grad_state = chunk_grad_state - chunk_stride
             else:
                 previous_grad_state = grad_initial_state + head_state
-            chunk_grad_output = _load_tile(grad_output, rows, valid, value_columns, value_dim, OPERAND)
-            chunk_scores = _load_tile(scores, rows, valid, offsets, BLOCK_T, OPERAND)
+            chunk_grad_output = _load_tile(
+                grad_output + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+            )
+            chunk_scores = _load_tile(scores + first_row * BLOCK_T, offsets, valid, offsets, BLOCK_T, OPERAND)
             # (6) dV' = Pᵀ dO + K dS_next, summed over slices of d_k.
             chunk_grad_new_values = _dot(tl.trans(chunk_scores), chunk_grad_output, OPERAND, PRECISION)
             for key_start in range(0, key_dim, BLOCK_K):
                 key_columns = key_start + tl.arange(0, BLOCK_K)
                 key_valid = key_columns < key_dim
-                keys = _load_tile(key, rows, valid, key_columns, key_dim, OPERAND)
+                keys = _load_tile(key + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
                 grad_state = _load_tile(chunk_grad_state, key_columns, key_valid, value_columns, value_dim, DTYPE)
                 chunk_grad_new_values += _dot(keys, grad_state, OPERAND, PRECISION)
             chunk_grad_new_values = _cast(chunk_grad_new_values, grad_new_values.dtype.element_ty)
-            _store_tile(grad_new_values, rows, valid, value_columns, value_dim, chunk_grad_new_values)
+            _store_tile(
+                grad_new_values + first_row * value_dim,
+                offsets,
+                valid,
+                value_columns,
+                value_dim,
+                chunk_grad_new_values,
+            )
             # dS = dS_next + Qᵀ dO − Wᵀ dV', slice by slice of d_k.
             for key_start in range(0, key_dim, BLOCK_K):
                 key_columns = key_start + tl.arange(0, BLOCK_K)
                 key_valid = key_columns < key_dim
-                queries = _load_tile(query, rows, valid, key_columns, key_dim, OPERAND)
-                chunk_weights = _load_tile(weights, rows, valid, key_columns, key_dim, OPERAND)
+                queries = _load_tile(query + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
+                chunk_weights = _load_tile(
+                    weights + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND
+                )
                 grad_state = _load_tile(chunk_grad_state, key_columns, key_valid, value_columns, value_dim, DTYPE)
                 grad_state += _dot(tl.trans(queries), chunk_grad_output, OPERAND, PRECISION)
                 grad_state -= _dot(tl.trans(chunk_weights), chunk_grad_new_values, OPERAND, PRECISION)
@@ -594,12 +653,12 @@ def _chunk_backward_kernel(
     batch, start, end = _locate_chunk(chunk, cu_seqlens, chunk_indices, length, num_chunks, CHUNK_SIZE, IS_VARLEN)
     offsets = tl.arange(0, BLOCK_T)
     valid = start + offsets < end
-    rows = (batch * num_heads + head).to(tl.int64) * length + start + offsets
+    first_row = (batch * num_heads + head).to(tl.int64) * length + start  # 64-bit, scalar
     if HAS_BETA:
-        beta_rows = tl.load(beta + rows, mask=valid, other=0).to(DTYPE)
+        beta_rows = tl.load(beta + first_row + offsets, mask=valid, other=0).to(DTYPE)
     else:
         beta_rows = valid.to(DTYPE)
-    inverse_transposed = tl.trans(_load_tile(inverse, rows, valid, offsets, BLOCK_T, OPERAND))
+    inverse_transposed = tl.trans(_load_tile(inverse + first_row * BLOCK_T, offsets, valid, offsets, BLOCK_T, OPERAND))
     state_offset = chunk_head.to(tl.int64) * key_dim * value_dim
     chunk_state, chunk_grad_state = states + state_offset, grad_states + state_offset  # S and dS_next
 
@@ -609,16 +668,29 @@ def _chunk_backward_kernel(
     grad_beta_rows = tl.zeros((BLOCK_T,), dtype=DTYPE)
     for column_start in range(0, value_dim, BLOCK_V):
         value_columns = column_start + tl.arange(0, BLOCK_V)
-        chunk_grad_output = _load_tile(grad_output, rows, valid, value_columns, value_dim, OPERAND)
-        chunk_new_values = _load_tile(new_values, rows, valid, value_columns, value_dim, OPERAND)
-        chunk_grad_new_values = _load_tile(grad_new_values, rows, valid, value_columns, value_dim, OPERAND)
-        values = _load_tile(value, rows, valid, value_columns, value_dim, DTYPE)
+        chunk_grad_output = _load_tile(
+            grad_output + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+        )
+        chunk_new_values = _load_tile(
+            new_values + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+        )
+        chunk_grad_new_values = _load_tile(
+            grad_new_values + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+        )
+        values = _load_tile(value + first_row * value_dim, offsets, valid, value_columns, value_dim, DTYPE)
         # d(βV) = (I + A)⁻ᵀ dV'
         grad_weighted_values = _dot(inverse_transposed, chunk_grad_new_values, OPERAND, PRECISION)
         grad_scores += _dot(chunk_grad_output, tl.trans(chunk_new_values), OPERAND, PRECISION)
         grad_system -= _dot(grad_weighted_values, tl.trans(chunk_new_values), OPERAND, PRECISION)
         grad_beta_rows += tl.sum(grad_weighted_values * values, 1)
-        _store_tile(grad_value, rows, valid, value_columns, value_dim, grad_weighted_values * beta_rows[:, None])
+        _store_tile(
+            grad_value + first_row * value_dim,
+            offsets,
+            valid,
+            value_columns,
+            value_dim,
+            grad_weighted_values * beta_rows[:, None],
+        )
     grad_scores = _cast(tl.where(offsets[:, None] >= offsets[None, :], grad_scores, 0), OPERAND)
     grad_system = tl.where(offsets[:, None] > offsets[None, :], grad_system, 0)
     grad_system_beta = _cast(grad_system * beta_rows[:, None], OPERAND)
@@ -627,8 +699,8 @@ def _chunk_backward_kernel(
     for column_start in range(0, key_dim, BLOCK_K):
         key_columns = column_start + tl.arange(0, BLOCK_K)
         key_valid = key_columns < key_dim
-        queries = _load_tile(query, rows, valid, key_columns, key_dim, OPERAND)
-        keys = _load_tile(key, rows, valid, key_columns, key_dim, OPERAND)
+        queries = _load_tile(query + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
+        keys = _load_tile(key + first_row * key_dim, offsets, valid, key_columns, key_dim, OPERAND)
         # The terms that sum over d_v: dO Sᵀ, V' dS_nextᵀ and dV' Sᵀ (so that d(βV) Sᵀ = (I + A)⁻ᵀ dV' Sᵀ).
         grad_output_state = tl.zeros((BLOCK_T, BLOCK_K), dtype=DTYPE)
         new_values_grad_state = tl.zeros((BLOCK_T, BLOCK_K), dtype=DTYPE)
@@ -637,27 +709,33 @@ def _chunk_backward_kernel(
             value_columns = value_start + tl.arange(0, BLOCK_V)
             state = _load_tile(chunk_state, key_columns, key_valid, value_columns, value_dim, OPERAND)
             grad_state = _load_tile(chunk_grad_state, key_columns, key_valid, value_columns, value_dim, OPERAND)
-            chunk_grad_output = _load_tile(grad_output, rows, valid, value_columns, value_dim, OPERAND)
-            chunk_new_values = _load_tile(new_values, rows, valid, value_columns, value_dim, OPERAND)
-            chunk_grad_new_values = _load_tile(grad_new_values, rows, valid, value_columns, value_dim, OPERAND)
+            chunk_grad_output = _load_tile(
+                grad_output + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+            )
+            chunk_new_values = _load_tile(
+                new_values + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+            )
+            chunk_grad_new_values = _load_tile(
+                grad_new_values + first_row * value_dim, offsets, valid, value_columns, value_dim, OPERAND
+            )
             grad_output_state += _dot(chunk_grad_output, tl.trans(state), OPERAND, PRECISION)
             new_values_grad_state += _dot(chunk_new_values, tl.trans(grad_state), OPERAND, PRECISION)
             grad_new_values_state += _dot(chunk_grad_new_values, tl.trans(state), OPERAND, PRECISION)
         # (7) dQ = dO Sᵀ + dP K.
         chunk_grad_query = grad_output_state + _dot(grad_scores, keys, OPERAND, PRECISION)
-        _store_tile(grad_query, rows, valid, key_columns, key_dim, chunk_grad_query)
+        _store_tile(grad_query + first_row * key_dim, offsets, valid, key_columns, key_dim, chunk_grad_query)
         # (9) d(βK) = dA K − d(βV) Sᵀ; dK = V' dS_nextᵀ + dPᵀ Q + (diag(β) dA)ᵀ K + diag(β) d(βK).
         grad_weighted_keys = _dot(grad_system, keys, OPERAND, PRECISION)
         grad_weighted_keys -= _dot(inverse_transposed, grad_new_values_state, OPERAND, PRECISION)
         chunk_grad_key = new_values_grad_state + _dot(tl.trans(grad_scores), queries, OPERAND, PRECISION)
         chunk_grad_key += _dot(tl.trans(grad_system_beta), keys, OPERAND, PRECISION)
         chunk_grad_key += grad_weighted_keys * beta_rows[:, None]
-        _store_tile(grad_key, rows, valid, key_columns, key_dim, chunk_grad_key)
+        _store_tile(grad_key + first_row * key_dim, offsets, valid, key_columns, key_dim, chunk_grad_key)
         # (10) the key part of dβ.
         grad_beta_rows += tl.sum(grad_weighted_keys * keys.to(DTYPE), 1)
 
     if HAS_BETA:
-        tl.store(grad_beta + rows, _cast(grad_beta_rows, grad_beta.dtype.element_ty), mask=valid)
+        tl.store(grad_beta + first_row + offsets, _cast(grad_beta_rows, grad_beta.dtype.element_ty), mask=valid)
 
 
 def _contiguous(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -699,11 +777,14 @@ class _Layout:
         self.block_t = max(MIN_BLOCK, triton.next_power_of_2(self.chunk_size))
         full_key = max(MIN_BLOCK, triton.next_power_of_2(key_dim))
         full_value = max(MIN_BLOCK, triton.next_power_of_2(self.value_dim))
-        self.block_k = min(full_key, BLOCK_WIDTH)
-        self.block_v = min(full_value, BLOCK_WIDTH)
+        block_width = BLOCK_WIDTH if self.storage_dtype.itemsize == 2 else max(MIN_BLOCK, BLOCK_WIDTH // 2)
+        self.block_k = min(full_key, block_width)
+        self.block_v = min(full_value, block_width)
         self.state_in_registers = full_key <= MAX_REGISTER_KEY_DIM
         self.state_block_k = full_key if self.state_in_registers else self.block_k
-        self.state_block_v = min(full_value, BLOCK_WIDTH if full_key <= BLOCK_WIDTH else BLOCK_WIDTH // 2)
+        # The state tile (state_block_k × state_block_v) is at most STATE_TILE elements (half for 4-byte operands).
+        state_tile = STATE_TILE if self.storage_dtype.itemsize == 2 else STATE_TILE // 2
+        self.state_block_v = min(full_value, max(MIN_BLOCK, state_tile // self.state_block_k))
         # A state held in registers is stored per chunk only for the products that read it: in the operand dtype.
         # A state in global memory is the running state itself: in the compute dtype.
         self.state_storage_dtype = self.storage_dtype if self.state_in_registers else compute_dtype
@@ -735,11 +816,12 @@ class _Layout:
             self.chunk_indices = torch.stack([sequences, index], dim=1).to(torch.int32).contiguous()
             self.num_chunks = 0  # unused: the chunks are located through the tables above
 
-    def kernel_options(self) -> dict:
-        """The compile-time constants and launch options every kernel takes."""
+    def kernel_options(self, kernel: str) -> dict:
+        """The compile-time constants every kernel takes and the launch options of ``kernel``."""
         options = {"CHUNK_SIZE": self.chunk_size, "BLOCK_T": self.block_t, "IS_VARLEN": self.is_varlen}
         precision = {"DTYPE": self.triton_dtype, "OPERAND": self.operand, "PRECISION": self.precision}
-        return {**options, **precision, **LAUNCH_OPTIONS}
+        launch = LAUNCH_OPTIONS if self.storage_dtype.itemsize == 2 else LAUNCH_OPTIONS_FLOAT32
+        return {**options, **precision, **launch[kernel]}
 
     def state_shape(self) -> tuple[int, int, int, int]:
         return (self.num_sequences, self.num_heads, self.key_dim, self.value_dim)
@@ -772,24 +854,23 @@ def _forward(query, key, value, beta, initial_state, output_final_state, layout)
     need_final_state = output_final_state or not layout.state_in_registers
     final_state = torch.empty(layout.state_shape(), dtype=dtype, device=device) if need_final_state else None
     output = torch.empty_like(value)
-    common = layout.kernel_options()
 
     if layout.total_chunks > 0:
         _prepare_chunk_kernel[layout.chunk_grid(value_blocks=False)](
             query, key, value, beta, inverse, scores, weights, updates, layout.cu_seqlens, layout.chunk_indices,
             *layout.arguments(), BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
-            INVERSE_PRECISION=layout.inverse_precision, **common,
+            INVERSE_PRECISION=layout.inverse_precision, **layout.kernel_options("prepare"),
         )  # fmt: skip
     _state_forward_kernel[layout.sequence_grid()](
         key, weights, updates, initial_state, states, new_values, final_state, layout.cu_seqlens,
         layout.chunk_offsets, *layout.arguments(), BLOCK_K=layout.state_block_k, BLOCK_V=layout.state_block_v,
         STATE_IN_REGISTERS=layout.state_in_registers, HAS_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=need_final_state, **common,
+        STORE_FINAL_STATE=need_final_state, **layout.kernel_options("state"),
     )  # fmt: skip
     if layout.total_chunks > 0:
         _output_kernel[layout.chunk_grid(value_blocks=True)](
             query, scores, new_values, states, output, layout.cu_seqlens, layout.chunk_indices, *layout.arguments(),
-            BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, **common,
+            BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, **layout.kernel_options("output"),
         )  # fmt: skip
     return output, (final_state if output_final_state else None), (inverse, scores, weights, new_values, states)
 
@@ -806,21 +887,20 @@ def _backward(query, key, value, beta, saved, grad_output, grad_final_state, nee
         grad_initial_state = torch.empty(layout.state_shape(), dtype=layout.dtype, device=key.device)
     grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     grad_beta = None if beta is None else torch.empty_like(beta)
-    common = layout.kernel_options()
 
     _state_backward_kernel[layout.sequence_grid()](
         query, key, weights, scores, grad_output, grad_final_state, grad_states, grad_new_values, grad_initial_state,
         layout.cu_seqlens, layout.chunk_offsets, *layout.arguments(), BLOCK_K=layout.state_block_k,
         BLOCK_V=layout.state_block_v, STATE_IN_REGISTERS=layout.state_in_registers,
         HAS_GRAD_FINAL_STATE=grad_final_state is not None, STORE_GRAD_INITIAL_STATE=store_grad_initial_state,
-        **common,
+        **layout.kernel_options("state"),
     )  # fmt: skip
     if layout.total_chunks > 0:
         _chunk_backward_kernel[layout.chunk_grid(value_blocks=False)](
             query, key, value, beta, inverse, new_values, states, grad_output, grad_states, grad_new_values,
             grad_query, grad_key, grad_value, grad_beta, layout.cu_seqlens, layout.chunk_indices,
             *layout.arguments(), BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
-            **common,
+            **layout.kernel_options("chunk_backward"),
         )  # fmt: skip
     return grad_query, grad_key, grad_value, grad_beta, (grad_initial_state if need_grad_initial_state else None)
 
