@@ -541,6 +541,20 @@ def test_addresses_past_two_to_the_31(tmp_path):
         assert relative_error(grad, expected_grad) < 3e-3, name
 
 
+def test_heads_wider_than_the_kernel_run_the_torch_backend():
+    """The config allows any even head width; above 128 (no checked tiles) the dispatcher runs the torch backend
+    even when the Triton backend is asked for, and the kernel itself refuses such widths."""
+    from memlm.kernels.expire_attention import expire_span_attention, expire_span_attention_sdpa
+
+    tensors, options, _ = make_inputs(length=9, memory=4, key_dim=130, value_dim=130)
+    tensors = {name: t.detach() for name, t in tensors.items()}
+    output = expire_span_attention(**tensors, **options, backend="triton")
+    assert torch.equal(output, expire_span_attention_sdpa(**tensors, **options))
+    assert relative_error(output, expire_span_attention_reference(**tensors, **options)) < 1e-5
+    with pytest.raises(ValueError, match=r"widths up to 128, got 130 and 130"):
+        expire_span_attention_triton(**tensors, **options)
+
+
 def test_launch_configurations_and_dot_precision():
     """Every head width the kernel takes (up to 128) has GPU tiles, default first, for every dtype and target;
     float32 dots are exact unless PyTorch's float32 matmuls may use TF32."""
