@@ -323,8 +323,9 @@ WRITE_FAILURES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk q
 
 
 def _write_failure(error: BaseException, folder: Path) -> str:
-    """Why writing into `folder` failed, in words: the errno of the error or of its causes, else the error itself
-    and the free space left (PyTorch's writer reports a full disk as `[enforce fail at inline_container.cc]`)."""
+    """Why writing into `folder` failed, in words: the errno of the error or of its causes; else (PyTorch's writer
+    reports a full disk as `[enforce fail at inline_container.cc] unexpected pos …`, without the errno) the errno of
+    a probe write past the size that file reached (removed at once); else the error itself."""
     cause = error
     while cause is not None:
         if isinstance(cause, OSError) and cause.errno in WRITE_FAILURES:
@@ -333,11 +334,21 @@ def _write_failure(error: BaseException, folder: Path) -> str:
     text = str(error)
     if "os error 28" in text.lower() or "no space left" in text.lower():
         return WRITE_FAILURES[errno.ENOSPC]
-    free = shutil.disk_usage(folder).free
-    reason = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-    if free < 64 * 2**20:
-        return f"no space left on device ({free // 1024} KiB free; {reason})"
-    return reason
+    reached = re.search(r"unexpected pos (\d+)", text)
+    probe = folder / ".write-probe"
+    try:
+        with open(probe, "wb") as handle:
+            remaining = (int(reached.group(1)) if reached else 0) + 2**26  # past the failed write (≤ 64 MiB more)
+            while remaining > 0:
+                remaining -= handle.write(bytes(min(remaining, 2**20)))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as probe_error:
+        if probe_error.errno in WRITE_FAILURES:
+            return WRITE_FAILURES[probe_error.errno]
+    finally:
+        probe.unlink(missing_ok=True)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def save_checkpoint(accelerator, output_dir: Path, step: int, memory, history: dict, keep: int, settings: dict):

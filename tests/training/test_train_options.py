@@ -339,6 +339,29 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_a_file_size_limit_is_named_instead_of_pytorchs_enforce_fail(tmp_path):
+    """PyTorch's writer reports a failed write as `[enforce fail at inline_container.cc]`: a real file-size limit
+    (RLIMIT_FSIZE, so EFBIG; no root needed) that the first checkpoint's optimizer state exceeds."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    output = tmp_path / "run"
+    result = subprocess.run([sys.executable, str(ROOT / "training" / "train.py"), "--preset",
+                             str(_preset(tmp_path, "deltanet")), "--output-dir", str(output), "--data",
+                             str(_data(tmp_path)), "--steps", "3", "--save-every", "1"], env=ENVIRONMENT,
+                            capture_output=True, text=True, preexec_fn=limit_file_size)  # fmt: skip
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("memlm.training.TrainingError: file too large for the file system or its size limit while "
+                           f"writing checkpoint {output / 'checkpoints' / 'step-0000001'}: the run stopped at step 1 "
+                           "and there is no earlier checkpoint"), last  # fmt: skip
+    assert "enforce fail" in result.stderr  # PyTorch's error, kept as the cause
+    assert list((output / "checkpoints").iterdir()) == []  # the partial checkpoint was removed
+
+
 def test_finetune_refuses_to_write_into_its_own_model(tmp_path):
     from memlm import DeltaNetConfig, DeltaNetForCausalLM
 
