@@ -604,7 +604,8 @@ def parse_arguments(argv=None, prog: str = "memlm train") -> argparse.Namespace:
         action="store_true",
         help="start a new run in OUTPUT even if it holds another run (or one with other settings): deletes that "
         "run's checkpoints/, tokenizer/, model, card, metrics.json and loss.png first (other files are left). Without "
-        "it, a run refuses a non-empty OUTPUT that is not its own, and resumes its own from the last checkpoint",
+        "it, a run refuses a non-empty OUTPUT that is not its own, and resumes its own from the last checkpoint if "
+        "the settings are the same (only --eval-every, --save-every and --keep-checkpoints may change)",
     )
     parser.add_argument("--data", nargs="*", default=None, help="text files, dataset files/folders or cached names")
     parser.add_argument("--text-column", default="text")
@@ -620,7 +621,7 @@ def parse_arguments(argv=None, prog: str = "memlm train") -> argparse.Namespace:
     )
     parser.add_argument("--vocab-size", type=number_option(int, 258), default=4096, help="of the BPE tokenizer")
     helps = {"keep_checkpoints": "how many of the newest checkpoints to keep; 0 keeps every one",
-             "max_grad_norm": "clip the gradient norm to this (> 0)",
+             "max_grad_norm": "clip the gradient norm to this",
              "eval_tokens": "tokens of whole documents held out for evaluation",
              "gradient_accumulation_steps": "micro-batches per optimizer step"}  # fmt: skip
     for name, default in TRAINING_DEFAULTS.items():
