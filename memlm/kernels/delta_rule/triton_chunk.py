@@ -91,7 +91,7 @@ INVERSE_PRECISION = "tf32"
 # float32 tiles, and the state kernels load whole rows of d_k per chunk.
 LAUNCH_OPTIONS = {
     "prepare": {"num_warps": 8, "num_stages": 2},
-    "state": {"num_warps": 4, "num_stages": 2},
+    "state": {"num_warps": 8, "num_stages": 2},
     "output": {"num_warps": 4, "num_stages": 2},
     "chunk_backward": {"num_warps": 8, "num_stages": 2},
 }
