@@ -51,11 +51,14 @@ def embed_inputs(input_ids, inputs_embeds, embedding: torch.nn.Embedding) -> tor
         raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}.")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {int(input_ids.min())} to "
-            f"{int(input_ids.max())}. Is the tokenizer the one this model was trained with?"
-        )
+    # Reading the ids' range is data-dependent: eager runs check it, torch.compile and torch.export leave it out.
+    if not torch.compiler.is_compiling():
+        low, high = (int(bound) for bound in torch.aminmax(input_ids))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {low} to {high}. Is the "
+                "tokenizer the one this model was trained with?"
+            )
     return embedding(input_ids)
 
 
@@ -176,7 +179,9 @@ class MemoryCache(Cache):
     def batch_size(self) -> int:
         if self.next_positions is not None:
             return self.next_positions.shape[0]
-        return super().batch_size
+        # As 🤗's Cache.batch_size, written out: torch.compile cannot read a property through super().
+        sizes = [layer.batch_size for layer in self.layers if hasattr(layer, "batch_size")]
+        return sizes[0] if sizes else -1
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)

@@ -483,7 +483,11 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                 f"cannot continue a cache that has seen {past_length} tokens. Pass them without past_key_values."
             )
         padding = None
-        if starts is not None or (attention_mask is not None and not bool(attention_mask.all())):
+        # Whether a mask holds padding reads it, which torch.compile cannot trace: compiled, any mask runs the padded
+        # path (with no padding it reorders nothing and masks nothing).
+        if starts is not None or (
+            attention_mask is not None and (torch.compiler.is_compiling() or not bool(attention_mask.all()))
+        ):
             if attention_mask is None:
                 attention_mask = torch.ones(batch_size, length, dtype=torch.bool, device=inputs_embeds.device)
             padding = DeltaNetPadding(attention_mask, self.packs_padding(attention_mask), starts)

@@ -10,6 +10,7 @@ one layer and its pruning → the cache (`past_key_values`) → PreTrainedModel 
 forward) → ExpireSpanForCausalLM.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +89,13 @@ class ExpireSpanMemory:
     spans: torch.Tensor | None  # (B, N) float32 e_i (None when expiration is off)
     span_inputs: torch.Tensor | None  # (B, N, D): h_i, kept in training so spans follow the current parameters
 
-    def select(self, keep: torch.Tensor) -> "ExpireSpanMemory":
-        """Compact: keep the entries where `keep` (B, N) is True, in order, padding rows to the longest."""
-        width = int(keep.sum(1).max()) if keep.numel() else 0
-        if width == keep.shape[1] and bool(keep.all()):
-            return self
+    def select(self, keep: torch.Tensor, width: int | None = None) -> "ExpireSpanMemory":
+        """Compact: keep the entries where `keep` (B, N) is True, in order, padding rows to the longest (`width`, the
+        most entries a row keeps, when the caller has read it already)."""
+        if width is None:
+            width = int(keep.sum(1).max()) if keep.numel() else 0
+            if width == keep.shape[1] and bool(keep.all()):
+                return self
         order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # live entries first
 
         def take(tensor, dim):
@@ -160,9 +163,11 @@ class ExpireSpanAttention(nn.Module):
         sin: torch.Tensor,
         memory: ExpireSpanMemory | None,
         max_distance: float | None,
+        counted_positions: bool = False,
     ) -> tuple[torch.Tensor, ExpireSpanMemory, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """hidden_states (B, T, D) normed; positions (B, T); token_valid (B, T). Returns the output, the block's new
-        memories (not detached), the block's spans, the span-loss sum and the number of attended memories."""
+        """hidden_states (B, T, D) normed; positions (B, T); token_valid (B, T); `counted_positions`: the positions
+        were counted from the padding mask (consecutive in each row). Returns the output, the block's new memories (not
+        detached), the block's spans, the span-loss sum and the number of attended memories."""
         batch_size, length, _ = hidden_states.shape
         shape = (batch_size, length, self.num_heads, self.head_dim)
         query = apply_rotary(self.q_proj(hidden_states).view(shape).transpose(1, 2), cos, sin)
@@ -186,7 +191,7 @@ class ExpireSpanAttention(nn.Module):
         # Bookkeeping: which (query, memory) pairs are read (m > 0), and which are on the ramp (0 < m < 1), where the
         # span loss is computed (paper, "Loss Computation"): the loss is Σ_i e_i · (queries seeing i on the ramp) / R.
         read_counts, ramp_counts = _memory_counts(
-            memory_spans, positions, token_valid, visible_memory, self.config.ramp, max_distance
+            memory_spans, positions, token_valid, visible_memory, self.config.ramp, max_distance, counted_positions
         )
         span_loss_sum = (ramp_counts * memory_spans).sum() / self.config.ramp if memory_spans is not None else None
         if span_loss_sum is None:
@@ -223,17 +228,22 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             else:
                 dead = first_positions[:, None] - memory.positions > config.max_span
             keep = keep & ~dead
+        if torch.compiler.is_compiling():
+            # How many memories a row keeps is data, which torch.compile cannot trace: compiled, the dead memories are
+            # masked here (never read again, as if deleted) and the model compacts all layers at the end of its forward.
+            return dataclasses.replace(memory, valid=keep)
         return memory.select(keep)
 
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
-                first_positions=None, delete_expired=True):  # fmt: skip
+                first_positions=None, delete_expired=True, counted_positions=False):  # fmt: skip
         """Returns the new hidden states, this block's memories, their spans, the span-loss sum, the number of
         memories read, and the earlier memories after pruning (`first_positions`: each row's first query)."""
         if memory is not None:
             memory = self.prune(memory, first_positions, delete_expired)
         mixed, block, spans, span_loss_sum, read = self.attention(
-            self.input_layernorm(hidden_states), positions, token_valid, cos, sin, memory, max_distance
-        )
+            self.input_layernorm(hidden_states), positions, token_valid, cos, sin, memory, max_distance,
+            counted_positions,
+        )  # fmt: skip
         hidden_states = hidden_states + self.dropout(mixed)
         hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
         return hidden_states, block, spans, span_loss_sum, read, memory
@@ -411,7 +421,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 block_output, new, spans, layer_span_loss, layer_read, memory = decoder_layer(
                     hidden_states[:, block], block_positions, block_valid, cos, sin, memory=memory,
                     max_distance=max_distance, first_positions=first_positions,
-                    delete_expired=self.prune_expired_memories,
+                    delete_expired=self.prune_expired_memories, counted_positions=position_ids is None,
                 )  # fmt: skip
                 span_loss_sum = span_loss_sum + layer_span_loss
                 read_count = read_count + layer_read
@@ -432,6 +442,12 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 all_hidden_states.append(hidden_states)
             if layer_spans:
                 all_spans.append(torch.cat(layer_spans, dim=1))
+
+        if torch.compiler.is_compiling() and past_key_values is not None:
+            # Compiled, the layers masked their dead memories instead of deleting them (`prune`): delete them now,
+            # with one read of every layer's width.
+            widths = torch.stack([memory.valid.sum(1).amax() for memory in memories]).tolist()
+            memories = [memory.select(memory.valid, width) for memory, width in zip(memories, widths)]
 
         hidden_states = self.norm(hidden_states)
         hidden_states_out = None
@@ -508,16 +524,16 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
         return output if return_dict else output.to_tuple()
 
 
-def _memory_counts(spans, positions, token_valid, memory, ramp, max_distance):
-    """Per memory (B, N): how many of the block's queries read it and how many see it on the ramp. The valid queries
-    of a row hold consecutive positions (they are counted from the padding mask), so the counts come from their
-    first and last position without building the (T, N) mask; other position_ids fall back to the mask."""
+def _memory_counts(spans, positions, token_valid, memory, ramp, max_distance, counted_positions=False):
+    """Per memory (B, N): how many of the block's queries read it and how many see it on the ramp. When the valid
+    queries of each row hold consecutive positions (always when `counted_positions`: counted from the padding mask;
+    else checked, which torch.compile cannot trace), the counts come from their first and last position without
+    building the (T, N) mask; other position_ids fall back to the mask."""
     valid_positions = positions.masked_fill(~token_valid, torch.iinfo(torch.long).max)
     first = valid_positions.amin(1)
     last = positions.masked_fill(~token_valid, torch.iinfo(torch.long).min).amax(1)
     count = token_valid.sum(1)
-    consecutive = torch.where(count > 0, last - first + 1 == count, True)
-    if bool(consecutive.all()):
+    if counted_positions or bool(torch.where(count > 0, last - first + 1 == count, True).all()):
         first = torch.where(count > 0, first, 0)
         last = torch.where(count > 0, last, -1)
         return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance)

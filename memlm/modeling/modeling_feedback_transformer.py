@@ -102,7 +102,11 @@ class _RingStore:
             for layer in cache_layers:
                 layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device)
         # Slots at or beyond `filled` hold nothing yet (slot = position mod τ and positions start at 0): skip them.
-        self.filled = min(config.memory_span, int(next_positions.max()) if next_positions.numel() else 0)
+        # Counting them reads tensors, which torch.compile cannot trace: compiled, every slot is read (empty ones are
+        # masked out, so the output is the same).
+        self.filled = config.memory_span
+        if not torch.compiler.is_compiling():
+            self.filled = min(config.memory_span, int(next_positions.max()) if next_positions.numel() else 0)
         if window is not None:
             keys = torch.stack([pair[0] for pair in window])
             values = torch.stack([pair[1] for pair in window])
@@ -123,18 +127,23 @@ class _RingStore:
         return attend(query, keys, values, bias)
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
-        """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing."""
-        rows = valid.nonzero().squeeze(-1)
-        if rows.numel() == 0:
-            return
+        """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing (its slot
+        gets its old contents back, so no row count depends on the data and torch.compile traces it)."""
         span = self.layers[0].keys.shape[2]
-        slots = positions[rows] % span
-        self.filled = max(self.filled, min(span, int(positions[rows].max()) + 1))
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        slots = positions.clamp_min(0) % span
+        if not torch.compiler.is_compiling():  # padding has position −1, so an all-padding step changes nothing
+            self.filled = max(self.filled, min(span, int(positions.max()) + 1))
+        keep = valid[:, None, None]
         for group, layer in enumerate(self.layers):
-            layer.keys[rows, :, slots] = keys[group, rows].to(layer.keys.dtype)
-            layer.values[rows, :, slots] = values[group, rows].to(layer.values.dtype)
-            layer.positions[rows, slots] = positions[rows]
-            layer.valid[rows, slots] = True
+            layer.keys[rows, :, slots] = torch.where(
+                keep, keys[group].to(layer.keys.dtype), layer.keys[rows, :, slots]
+            )
+            layer.values[rows, :, slots] = torch.where(
+                keep, values[group].to(layer.values.dtype), layer.values[rows, :, slots]
+            )
+            layer.positions[rows, slots] = torch.where(valid, positions, layer.positions[rows, slots])
+            layer.valid[rows, slots] = valid | layer.valid[rows, slots]
 
 
 class _Tape:
@@ -925,12 +934,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer", kwargs)
         order, padding_steps = None, 0
         given_embeds = inputs_embeds
-        if not bool(valid.all()):
+        if attention_mask is not None and (torch.compiler.is_compiling() or not bool(valid.all())):
             # Padding first, real tokens after it in their order: steps then count memories as positions do.
             order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices
             inputs_embeds = inputs_embeds.gather(1, order[..., None].expand_as(inputs_embeds))
             valid = valid.gather(1, order)
-            padding_steps = int((~valid).sum(1).max())
+            if torch.is_grad_enabled():  # the training tape widens its windows by it
+                padding_steps = int((~valid).sum(1).max())
         if cache.next_positions is None:
             cache.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
