@@ -233,7 +233,8 @@ def test_grids_launch_for_any_number_of_heads_and_sequences():
     key = torch.empty(5000, 16, 128, 64, device="meta")
     value = torch.empty(5000, 16, 128, 256, device="meta")
     layout = triton_chunk._Layout(key, key, value, 64, None, None, torch.float32)
-    for grid in (layout.chunk_grid(value_blocks=True), layout.chunk_grid(value_blocks=False), layout.sequence_grid()):
+    grids = [layout.chunk_grid(value_blocks=True), layout.chunk_grid(value_blocks=False), layout.sequence_grid(16)]
+    for grid in grids:
         assert grid[0] >= 5000 * 16 and all(size <= 65535 for size in grid[1:]), grid
 
 

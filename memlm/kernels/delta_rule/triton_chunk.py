@@ -780,11 +780,17 @@ class _Layout:
         block_width = BLOCK_WIDTH if self.storage_dtype.itemsize == 2 else max(MIN_BLOCK, BLOCK_WIDTH // 2)
         self.block_k = min(full_key, block_width)
         self.block_v = min(full_value, block_width)
+        # The chunk backward holds three BLOCK_T × block_k accumulators besides its BLOCK_T × BLOCK_T tiles: half
+        # as wide a slice of d_k keeps it from spilling registers on sm_80.
+        self.backward_block_k = max(MIN_BLOCK, self.block_k // 2)
         self.state_in_registers = full_key <= MAX_REGISTER_KEY_DIM
         self.state_block_k = full_key if self.state_in_registers else self.block_k
         # The state tile (state_block_k × state_block_v) is at most STATE_TILE elements (half for 4-byte operands).
         state_tile = STATE_TILE if self.storage_dtype.itemsize == 2 else STATE_TILE // 2
         self.state_block_v = min(full_value, max(MIN_BLOCK, state_tile // self.state_block_k))
+        # The reverse recurrence loads Q, K, W and dO per chunk: at most 32 columns of the state keep it from
+        # spilling registers on sm_80.
+        self.backward_state_block_v = min(self.state_block_v, 2 * MIN_BLOCK)
         # A state held in registers is stored per chunk only for the products that read it: in the operand dtype.
         # A state in global memory is the running state itself: in the compute dtype.
         self.state_storage_dtype = self.storage_dtype if self.state_in_registers else compute_dtype
@@ -835,8 +841,9 @@ class _Layout:
         grid = (self.total_chunks * self.num_heads,)
         return (*grid, triton.cdiv(self.value_dim, self.block_v)) if value_blocks else grid
 
-    def sequence_grid(self) -> tuple[int, int]:
-        return (self.num_sequences * self.num_heads, triton.cdiv(self.value_dim, self.state_block_v))
+    def sequence_grid(self, block_v: int) -> tuple[int, int]:
+        """(sequence × head) on the first grid axis, slices of ``block_v`` columns of d_v on the second."""
+        return (self.num_sequences * self.num_heads, triton.cdiv(self.value_dim, block_v))
 
 
 def _forward(query, key, value, beta, initial_state, output_final_state, layout):
@@ -861,7 +868,7 @@ def _forward(query, key, value, beta, initial_state, output_final_state, layout)
             *layout.arguments(), BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
             INVERSE_PRECISION=layout.inverse_precision, **layout.kernel_options("prepare"),
         )  # fmt: skip
-    _state_forward_kernel[layout.sequence_grid()](
+    _state_forward_kernel[layout.sequence_grid(layout.state_block_v)](
         key, weights, updates, initial_state, states, new_values, final_state, layout.cu_seqlens,
         layout.chunk_offsets, *layout.arguments(), BLOCK_K=layout.state_block_k, BLOCK_V=layout.state_block_v,
         STATE_IN_REGISTERS=layout.state_in_registers, HAS_INITIAL_STATE=initial_state is not None,
@@ -888,10 +895,10 @@ def _backward(query, key, value, beta, saved, grad_output, grad_final_state, nee
     grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     grad_beta = None if beta is None else torch.empty_like(beta)
 
-    _state_backward_kernel[layout.sequence_grid()](
+    _state_backward_kernel[layout.sequence_grid(layout.backward_state_block_v)](
         query, key, weights, scores, grad_output, grad_final_state, grad_states, grad_new_values, grad_initial_state,
         layout.cu_seqlens, layout.chunk_offsets, *layout.arguments(), BLOCK_K=layout.state_block_k,
-        BLOCK_V=layout.state_block_v, STATE_IN_REGISTERS=layout.state_in_registers,
+        BLOCK_V=layout.backward_state_block_v, STATE_IN_REGISTERS=layout.state_in_registers,
         HAS_GRAD_FINAL_STATE=grad_final_state is not None, STORE_GRAD_INITIAL_STATE=store_grad_initial_state,
         **layout.kernel_options("state"),
     )  # fmt: skip
@@ -899,7 +906,7 @@ def _backward(query, key, value, beta, saved, grad_output, grad_final_state, nee
         _chunk_backward_kernel[layout.chunk_grid(value_blocks=False)](
             query, key, value, beta, inverse, new_values, states, grad_output, grad_states, grad_new_values,
             grad_query, grad_key, grad_value, grad_beta, layout.cu_seqlens, layout.chunk_indices,
-            *layout.arguments(), BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
+            *layout.arguments(), BLOCK_K=layout.backward_block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
             **layout.kernel_options("chunk_backward"),
         )  # fmt: skip
     return grad_query, grad_key, grad_value, grad_beta, (grad_initial_state if need_grad_initial_state else None)
