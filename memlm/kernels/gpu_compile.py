@@ -38,6 +38,7 @@ Nothing here imports Triton at ``import memlm``; Triton is imported when these f
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import io
 import json
 import os
@@ -81,7 +82,8 @@ class Launch:
     bytes_written: int = 0
     tensor_core_flops: int = 0
     cuda_core_flops: int = 0
-    # Dot FLOPs by the line of the kernel's body they come from (directly or through helper functions).
+    # Dot FLOPs by the line of the kernel's body they come from (directly or through helper functions), keyed by
+    # the line's source text (line numbers shift while a file is edited).
     dot_flops_by_line: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -106,7 +108,7 @@ class CompiledLaunch:
     spill_stores: int = 0
     spill_loads: int = 0
     tensor_core_instructions: bool = False
-    # Per line of the kernel's body: [dots on tensor cores, all dots] in the compiled kernel (its TTGIR).
+    # Per line of the kernel's body (its source text): [dots on tensor cores, all dots] in the compiled kernel's TTGIR.
     dots_by_line: dict = dataclasses.field(default_factory=dict)
     error: str = ""
 
@@ -117,13 +119,11 @@ class CompiledLaunch:
         launch = self.launch
         tensor_core = cuda_core = 0
         for line, flops in launch.dot_flops_by_line.items():
-            on_tensor_cores, total = self.dots_by_line.get(str(line), (0, 0))
+            on_tensor_cores, total = self.dots_by_line.get(line, (0, 0))
             if total:
                 share = flops * on_tensor_cores // total
                 tensor_core, cuda_core = tensor_core + share, cuda_core + flops - share
-        unmatched = sum(
-            flops for line, flops in launch.dot_flops_by_line.items() if not self.dots_by_line.get(str(line))
-        )
+        unmatched = sum(flops for line, flops in launch.dot_flops_by_line.items() if not self.dots_by_line.get(line))
         counted = launch.tensor_core_flops + launch.cuda_core_flops
         if unmatched and counted:
             tensor_core += unmatched * launch.tensor_core_flops // counted
@@ -269,6 +269,8 @@ class Recorder:
         self.phase = ""
         self._current: Launch | None = None
         self._code = ("", "")
+        self._sources = {}
+        self._source = ([], 0)
         self._record_only = False
 
     def distinct(self) -> list[Launch]:
@@ -294,6 +296,12 @@ def _dot_on_tensor_cores(a, b, input_precision) -> bool:
         if dtype.primitive_bitwidth == 64:
             return False
     return input_precision != ir.INPUT_PRECISION.IEEE
+
+
+def _line_text(source: tuple[list[str], int], line: int) -> str:
+    """The stripped text of line ``line`` of a file, given the source lines of a function and its first line."""
+    lines, first = source
+    return lines[line - first].strip() if 0 <= line - first < len(lines) else f"line {line}"
 
 
 def _kernel_line(code) -> int:
@@ -358,7 +366,7 @@ def _counting(recorder: Recorder):
                 launch.tensor_core_flops += flops
             else:
                 launch.cuda_core_flops += flops
-            line = str(_kernel_line(recorder._code))
+            line = _line_text(recorder._source, _kernel_line(recorder._code))
             launch.dot_flops_by_line[line] = launch.dot_flops_by_line.get(line, 0) + flops
         return originals["create_dot"](a, b, d, input_precision, *args, **kwargs)
 
@@ -438,6 +446,9 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
             return None
         recorder._current = launch
         recorder._code = (function.__code__.co_filename, function.__name__)
+        if function not in recorder._sources:  # read when the interpreter reads it (its first launch)
+            recorder._sources[function] = inspect.getsourcelines(function)
+        recorder._source = recorder._sources[function]
         names = function.__globals__
         had_range = "range" in names
         previous_range = names.get("range")
@@ -621,9 +632,10 @@ _LOCATION = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.MULTILINE)
 _DOT = re.compile(r"= (tt\.dot|ttng\.warp_group_dot|ttng\.tc_gen5_mma)\b(.*) loc\((#loc\d*)\)$", re.MULTILINE)
 
 
-def _dots_by_line(ttgir: str, filename: str) -> dict:
-    """Per line of the kernel's file that a dot comes from (the outermost call site, so a dot inside a helper counts
-    at the line of the kernel that calls it): [dots on tensor cores, all dots]. A ``tt.dot`` left with a blocked
+def _dots_by_line(ttgir: str, filename: str, source: tuple[list[str], int]) -> dict:
+    """Per line of the kernel's body that a dot comes from (the outermost call site, so a dot inside a helper counts
+    at the line of the kernel that calls it; keyed by the line's text in ``source``, the kernel's source lines as
+    compiled and its first line number): [dots on tensor cores, all dots]. A ``tt.dot`` left with a blocked
     (not MMA) result layout runs on CUDA cores; ``warp_group_dot`` (wgmma), ``tc_gen5_mma`` and MMA layouts on
     tensor cores."""
     locations = dict(_LOCATION.findall(ttgir))
@@ -643,7 +655,7 @@ def _dots_by_line(ttgir: str, filename: str) -> dict:
     dots = {}
     for operation, rest, location in _DOT.findall(ttgir):
         on_tensor_cores = operation != "tt.dot" or "#mma" in rest.rsplit("->", 1)[-1]
-        counts = dots.setdefault(str(outer_line(location)), [0, 0])
+        counts = dots.setdefault(_line_text(source, outer_line(location)), [0, 0])
         counts[0] += int(on_tensor_cores)
         counts[1] += 1
     return dots
@@ -682,7 +694,9 @@ def _compile_one(launch: dict, target: str) -> dict:
         "spill_stores": spill_stores,
         "spill_loads": spill_loads,
         "tensor_core_instructions": bool(re.search(r"^\s*(wgmma|mma)\.", ptx, flags=re.MULTILINE)),
-        "dots_by_line": _dots_by_line(kernel.asm["ttgir"], function.fn.__code__.co_filename),
+        "dots_by_line": _dots_by_line(
+            kernel.asm["ttgir"], function.fn.__code__.co_filename, (function.raw_src, function.starting_line_number)
+        ),
     }
 
 
