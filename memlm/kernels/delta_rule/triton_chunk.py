@@ -337,7 +337,7 @@ def _state_forward_kernel(
     row_start = (batch * num_heads + head).to(tl.int64) * length
     offsets = tl.arange(0, BLOCK_T)
     value_columns = value_block * BLOCK_V + tl.arange(0, BLOCK_V)
-    state_size = key_dim.to(tl.int64) * value_dim
+    state_size = tl.cast(key_dim, tl.int64) * value_dim  # tl.cast: a width of 1 arrives as a constexpr
     head_state = sequence_head.to(tl.int64) * state_size
     chunk_stride = num_heads * state_size  # from the state of one chunk to the next
 
@@ -507,7 +507,7 @@ def _state_backward_kernel(
     row_start = (batch * num_heads + head).to(tl.int64) * length
     offsets = tl.arange(0, BLOCK_T)
     value_columns = value_block * BLOCK_V + tl.arange(0, BLOCK_V)
-    state_size = key_dim.to(tl.int64) * value_dim
+    state_size = tl.cast(key_dim, tl.int64) * value_dim  # tl.cast: a width of 1 arrives as a constexpr
     head_state = sequence_head.to(tl.int64) * state_size
     chunk_stride = num_heads * state_size
 
