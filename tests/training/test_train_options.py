@@ -78,13 +78,12 @@ def test_finetune_numbers_out_of_range_are_usage_errors(option, value, capsys):
 def test_the_commands_name_themselves_and_draw_no_progress_bar_in_logs(tmp_path):
     """Through the real `memlm` command: --help names the subcommand, a bad number exits 2 with one line, and a run
     whose output is not a terminal writes no progress bar (one line per step before)."""
+    helps = {}
     for command in ("train", "finetune"):
-        result = subprocess.run([sys.executable, "-m", "memlm.cli", command, "--help"], env=ENVIRONMENT,
-                                capture_output=True, text=True, check=True)  # fmt: skip
-        assert result.stdout.startswith(f"usage: memlm {command} ")
-    train_help = subprocess.run([sys.executable, "-m", "memlm.cli", "train", "--help"], env=ENVIRONMENT,
-                                capture_output=True, text=True, check=True).stdout  # fmt: skip
-    assert "0 keeps every one" in " ".join(train_help.split()) and "--overwrite" in train_help
+        helps[command] = subprocess.run([sys.executable, "-m", "memlm.cli", command, "--help"], env=ENVIRONMENT,
+                                        capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert helps[command].startswith(f"usage: memlm {command} ")
+    assert "0 keeps every one" in " ".join(helps["train"].split()) and "--overwrite" in helps["train"]
     bad = subprocess.run([sys.executable, "-m", "memlm.cli", "train", "--preset", "tiny-deltanet", "--output-dir",
                           str(tmp_path / "x"), "--batch-size", "0"], env=ENVIRONMENT, capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2
