@@ -1,0 +1,128 @@
+"""benchmarks/lm_compare.py: its --smoke run end to end in a real subprocess (every model, JSON, plot, memory
+subprocess), and the pieces its numbers rest on."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "lm_compare.py"
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("lm_compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm_compare")
+    output, picture = folder / "results.json", folder / "curves.png"
+    command = [sys.executable, str(SCRIPT), "--smoke", "--threads", "1", "--json", str(output), "--plot", str(picture)]
+    environment = dict(os.environ, HF_HUB_OFFLINE="1")
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return finished.stdout, json.loads(output.read_text()), picture
+
+
+def test_smoke_run_covers_every_model_on_both_corpora(smoke_run):
+    stdout, results, picture = smoke_run
+    benchmark = load_benchmark()
+    models = [name for name, _, _ in benchmark.MODELS]
+    assert list(results["models"]) == models
+    assert list(results["summary"]) == ["stdlib", "pydoc"]
+    for corpus in ("stdlib", "pydoc"):
+        for name in models:
+            run = results["runs"][corpus]["0"][name]
+            assert all(math.isfinite(point["bits_per_byte"]) and point["bits_per_byte"] > 0 for point in run["curve"])
+            assert [point["tokens"] for point in run["curve"]] == [0, 64, 96]  # 2 rows × 16 tokens per step
+            assert run["tokens_per_second"] > 0 and math.isfinite(run["at_equal_seconds"])
+            assert ("final_segments_alone" in run) == (name not in ("llama", "mamba"))
+    assert picture.is_file() and picture.stat().st_size > 10_000
+    assert "/ Llama" in stdout and "Mamba" in stdout
+
+
+def test_smoke_models_have_the_same_parameter_count(smoke_run):
+    _, results, _ = smoke_run
+    parameters = results["parameters"]
+    reference = parameters["llama"]
+    assert len(parameters) == 8
+    for name, count in parameters.items():
+        assert abs(count / reference - 1) <= 0.05, (name, count, reference)
+    assert results["configs"]["mamba"]["num_hidden_layers"] >= 1
+
+
+def test_smoke_speed_cache_and_memory_of_every_model(smoke_run):
+    _, results, _ = smoke_run
+    for name in results["models"]:
+        decode = results["speed"][name]["decode"]
+        assert [row["context"] for row in decode] == [64, 256]
+        assert all(row["decode_tokens_per_second"] > 0 and row["cache_bytes"] > 0 for row in decode)
+        memory = results["memory"][name]
+        assert memory["peak_resident_bytes"] > 0 and memory["peak_rise_bytes"] >= 0
+    # Llama's key/value cache grows with the context; DeltaNet's fast-weight memory does not.
+    llama = [row["cache_bytes"] for row in results["speed"]["llama"]["decode"]]
+    deltanet = [row["cache_bytes"] for row in results["speed"]["deltanet"]["decode"]]
+    assert llama[1] > 2 * llama[0] and deltanet[1] == deltanet[0]
+
+
+def test_segments_alone_equals_carried_evaluation_when_each_stream_is_one_segment():
+    """With one segment per stream there is nothing to carry: the benchmark's evaluation without memory must give
+    exactly what memlm train's `evaluate` gives (same streams, targets and bytes)."""
+    from memlm import DeltaNetConfig, DeltaNetForCausalLM
+    from memlm.tokenization import byte_level_tokenizer
+    from memlm.training.pretrain import evaluate, token_byte_lengths
+
+    benchmark = load_benchmark()
+    torch.manual_seed(0)
+    model = DeltaNetForCausalLM(DeltaNetConfig.from_preset("paper", vocab_size=258, hidden_size=16,
+                                                           num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    byte_lengths = token_byte_lengths(byte_level_tokenizer())
+    tokens = torch.randint(0, 256, (99,))
+    carried = evaluate(model, tokens, 32, 3, byte_lengths, "cpu")
+    alone = benchmark.evaluate_segments_alone(model, tokens, 32, 3, byte_lengths)
+    assert alone["bits_per_byte"] == pytest.approx(carried["bits_per_byte"], rel=1e-6)
+    assert alone["tokens"] == carried["tokens"] == 96
+    # With several segments per stream the two differ: the carried memory is used.
+    longer = benchmark.evaluate_segments_alone(model, tokens, 8, 3, byte_lengths)
+    assert longer["bits_per_byte"] != pytest.approx(
+        evaluate(model, tokens, 8, 3, byte_lengths, "cpu")["bits_per_byte"]
+    )
+
+
+def test_bits_per_byte_at_equal_seconds_interpolates_the_curve():
+    benchmark = load_benchmark()
+    curve = [{"seconds": 0.0, "bits_per_byte": 8.0}, {"seconds": 2.0, "bits_per_byte": 4.0},
+             {"seconds": 4.0, "bits_per_byte": 3.0}]  # fmt: skip
+    assert benchmark.at_seconds(curve, 1.0) == pytest.approx(6.0)
+    assert benchmark.at_seconds(curve, 3.0) == pytest.approx(3.5)
+    assert benchmark.at_seconds(curve, 9.0) == 3.0
+
+
+def test_cache_bytes_counts_each_storage_once():
+    benchmark = load_benchmark()
+    shared = torch.zeros(4, 8)
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.view, self.other = shared, shared[:2], [torch.zeros(3, dtype=torch.float64)]
+
+    assert benchmark.cache_bytes([Layer(), Layer()]) == 4 * 8 * 4 + 2 * 3 * 8
+
+
+def test_unknown_corpus_and_bad_options_are_refused():
+    benchmark = load_benchmark()
+    with pytest.raises(ValueError, match="--corpus must be one of"):
+        benchmark.corpus_documents("enwik8", 1000)
+    for arguments in (["--steps", "0"], ["--seeds", "1", "1"], ["--warmup-steps", "5", "--steps", "5"]):
+        with pytest.raises(SystemExit):
+            benchmark.parse_arguments(["--smoke", *arguments])
