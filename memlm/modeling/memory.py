@@ -289,7 +289,21 @@ class CountsOwnPositions:
     positions from the attention mask and their cache; 🤗's position_ids for the tokens after a right-padded prompt
     repeat the prompt's positions."""
 
-    def prepare_inputs_for_generation(self, *args, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+    # The signature is 🤗's, spelled out: `generate` reads it (e.g. to allow inputs_embeds).
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs,
+    ):
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
+            attention_mask=attention_mask, inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration,
+            **kwargs,
+        )  # fmt: skip
         model_inputs.pop("position_ids", None)
         return model_inputs
