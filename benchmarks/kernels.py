@@ -34,8 +34,9 @@ backward, memlm's kernels and flash-linear-attention's ``chunk_delta_rule`` side
   line of the kernel's body, and put on tensor cores or CUDA cores by what the compiler made of the dots of that
   line: in the compiled TTGIR, ``warp_group_dot`` (wgmma) or a ``tt.dot`` with an MMA layout runs on tensor cores,
   a ``tt.dot`` left in a blocked layout (e.g. exact fp32, ``input_precision="ieee"``) on CUDA cores. (The
-  interpreter's own view is not used for this: a kernel may take another path there.) Element-wise FLOPs (exp,
-  scaling, masks, reductions) are not counted.
+  interpreter's own view is not used for this: a kernel may take another path there.) A TF32x3 product (three
+  TF32 MMAs for float32 accuracy) counts its 2·M·N·K once. Element-wise FLOPs (exp, scaling, masks, reductions)
+  are not counted.
 
 flash-linear-attention's kernels are autotuned: the first configuration of each (after its own pruning) is
 recorded, and its import-time hardware checks see no GPU (they pick their CPU / non-Hopper choices, e.g. exact
