@@ -73,8 +73,9 @@ MAX_CHUNK_SIZE = 64
 # The widest slice of d_k or d_v that a program holds at once (of 2-byte operands; half as wide for 4- and 8-byte
 # ones in the chunk-parallel kernels); wider heads are looped over.
 BLOCK_WIDTH = 64
-# Up to this d_k (padded to a power of two) the recurrence kernels hold all of d_k × BLOCK_V of the state in
-# registers; wider keys keep the running state in the chunk-state buffer in global memory, BLOCK_WIDTH rows at a time.
+# Up to this d_k (padded to a power of two; half of it for 4- and 8-byte operands) the recurrence kernels hold all
+# of d_k × BLOCK_V of the state in registers; wider keys keep the running state in the chunk-state buffer in global
+# memory, one slice of rows at a time.
 MAX_REGISTER_KEY_DIM = 128
 # Elements of the state tile a recurrence program holds in registers (for 2-byte operands; half for 4-byte ones).
 STATE_TILE = 64 * 64
@@ -783,7 +784,9 @@ class _Layout:
         # The chunk backward holds three BLOCK_T × block_k accumulators besides its BLOCK_T × BLOCK_T tiles: half
         # as wide a slice of d_k keeps it from spilling registers on sm_80.
         self.backward_block_k = max(MIN_BLOCK, self.block_k // 2)
-        self.state_in_registers = full_key <= MAX_REGISTER_KEY_DIM
+        # 4- and 8-byte operands: rows of d_k up to half as wide (a float32 reverse recurrence at d_k = 128 spills).
+        register_key_dim = MAX_REGISTER_KEY_DIM if self.storage_dtype.itemsize == 2 else MAX_REGISTER_KEY_DIM // 2
+        self.state_in_registers = full_key <= register_key_dim
         self.state_block_k = full_key if self.state_in_registers else self.block_k
         # The state tile (state_block_k × state_block_v) is at most STATE_TILE elements (half for 4-byte operands).
         state_tile = STATE_TILE if self.storage_dtype.itemsize == 2 else STATE_TILE // 2
