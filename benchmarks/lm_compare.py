@@ -40,10 +40,12 @@ What is measured (all in this one run, so the ratios to Llama compare like with 
   as needed) is prefilled (in chunks of 1024 tokens; Mamba in one call), then `--decode-steps` greedy tokens are
   timed one forward each; tokens/s after 1K and after 16K tokens of context (`--decode-contexts`);
 - cache bytes after 16K tokens of context: the bytes of every distinct tensor storage in `past_key_values` (Mamba:
-  `cache_params`); for Expire-Span it depends on the spans the model learned;
+  `cache_params`), a view counted with its whole storage since it keeps that alive; for Expire-Span it depends on
+  the spans the model learned;
 - peak memory of a training step (forward, backward, optimizer step) at the training sizes: the rise of the
-  resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs) during one step, after one warm-up
-  step, over the resident size before it, in a fresh Python process per model with glibc returning large freed
+  resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs) during one step of a freshly built
+  model on random tokens, after one warm-up step whose memory the memlm models carry (so Expire-Span's memory holds
+  one segment, not yet its steady state), over the resident size before it, in a fresh Python process per model with glibc returning large freed
   buffers to the system (MALLOC_MMAP_THRESHOLD_), so that the resident size follows the live tensors. Why not
   tracemalloc: it sees only Python's allocator, not torch's C++ tensors; why a fresh process: an earlier model's
   freed but still resident pages would hide part of the next model's rise. `--smoke` measures all models in one
@@ -55,8 +57,14 @@ Seeds set the initialisation, the order of the training documents and nothing el
     python benchmarks/lm_compare.py [--smoke] [--corpus stdlib pydoc] [--seeds 0 1 2] [--json results.json]
                                     [--plot benchmarks/lm_compare.png] [--steps N --hidden-size D ...]
 
-Budget: the defaults were chosen to fit about 30 minutes on 2 quiet cores; 🤗 Mamba's PyTorch path dominates it
-(its backward through the per-token loop costs far more than its forward).
+Budget. The defaults (hidden 64, 2 layers, 4 heads, MLP 256 for Llama, so about 164K parameters each; 8 rows of
+128 tokens per step, 120 steps = 123K training tokens per model; 4096 held-out tokens; both corpora; 3 seeds) are
+meant to fit about 30 minutes on 2 quiet cores. The estimate comes from a timed 4-step run of every model on a
+loaded machine (2.3 times more wall-clock than CPU time): about 1.6 s per step of all eight models when quiet, so
+about 20 minutes of training, 2 of evaluations and 1 of decoding and memory. 🤗 Mamba's PyTorch path takes about
+two thirds of the training time: in one profiled step its backward took about 80 times its forward (its scan
+loops over tokens reading `discrete_A[:, :, t]`, and the backward of each such read likely writes a gradient of
+the whole (B, E, T, N) tensor). `--corpus stdlib` halves the budget; fewer `--seeds` cut it in proportion.
 """
 
 import argparse
@@ -511,7 +519,8 @@ def print_tables(results: dict, args) -> None:
     header += [f"cache KiB @{contexts[-1]}", "/ Llama", "train step peak MiB", "/ Llama"]
     print_table(
         f"Decoding (batch 1, greedy, seed {args.seeds[0]} on {args.corpus[0]}), cache size, and the peak memory rise "
-        f"of a training step ({args.batch_size} × {args.length} tokens; VmHWM in a fresh process per model)",
+        f"of a training step ({args.batch_size} × {args.length} tokens; VmHWM rise, "
+        f"{'all models in one process (smoke)' if args.smoke else 'in a fresh process per model'})",
         header,
         rows,
     )
