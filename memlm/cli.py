@@ -127,7 +127,7 @@ def describe(path: str) -> list[str]:
     from transformers import AutoConfig
 
     import memlm  # noqa: F401
-    from memlm.kernels import resolve_backend
+    from memlm.kernels import describe_backend, resolve_backend
 
     folder, _ = checkpoint_folder(path)
     config = AutoConfig.from_pretrained(folder)
@@ -149,6 +149,10 @@ def describe(path: str) -> list[str]:
     lines.append(
         f"kernels: {resolve_backend(None, torch.device(device))} backend on {device} (MEMLM_KERNELS overrides)"
     )
+    operation = {"memlm_deltanet": "sum_rule" if getattr(config, "update_rule", "delta") == "sum" else "delta_rule",
+                 "memlm_expire_span": "expire_span_attention"}.get(config.model_type)  # fmt: skip
+    if operation is not None:
+        lines.append(f"kernels run: {describe_backend(operation, device, getattr(config, 'dtype', None))}")
     if (folder / "metrics.json").is_file():
         try:
             lines += _describe_metrics(json.loads((folder / "metrics.json").read_text()))

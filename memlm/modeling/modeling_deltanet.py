@@ -24,7 +24,7 @@ from transformers.utils import logging
 
 from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
-from ..kernels import resolve_backend
+from ..kernels import describe_backend, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
 from .layers import GatedMLP, RMSNorm
 from .memory import (
@@ -194,6 +194,15 @@ class DeltaNetAttention(nn.Module):
         self.g_proj = nn.Linear(config.hidden_size, value_width, bias=False) if config.output_gate else None
         self.output_norm = RMSNorm(self.value_head_dim, config.rms_norm_eps) if config.output_norm else None
         self.o_proj = nn.Linear(value_width, config.hidden_size, bias=False)
+
+    def extra_repr(self) -> str:
+        """Which kernel runs this layer's rule for its weights' device and dtype (as `memlm info` says)."""
+        operation = "delta_rule" if self.config.update_rule == "delta" else "sum_rule"
+        weight = self.o_proj.weight
+        try:
+            return f"kernels={describe_backend(operation, weight.device, weight.dtype)!r}"
+        except ValueError as error:  # e.g. an unknown MEMLM_KERNELS: the repr says so instead of failing
+            return f"kernels=<{error}>"
 
     def forward(
         self,
@@ -424,12 +433,12 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         self.post_init()
 
     def packs_padding(self, attention_mask: torch.Tensor) -> bool:
-        """Whether a padded batch runs packed (`cu_seqlens`): with the delta rule on the Triton backend, and when some
-        token is real. The PyTorch backend masks instead, keeping all rows in one batched call (its packed path runs
+        """Whether a padded batch runs packed (`cu_seqlens`): with the delta rule on the Triton or FLA backend, and when
+        some token is real. The PyTorch backend masks instead, keeping all rows in one batched call (its packed path runs
         the sequences one at a time)."""
         return (
             self.config.update_rule == "delta"
-            and resolve_backend(None, attention_mask.device) == "triton"
+            and resolve_backend(None, attention_mask.device, operation="delta_rule") in ("triton", "fla")
             and bool(attention_mask.any())
         )
 

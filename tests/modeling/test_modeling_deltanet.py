@@ -371,3 +371,15 @@ def test_dpfp1_keys_over_four_dimensions_switch_on_one_or_three_of_eight_feature
     active = (DeltaNetFeatureMap(config)(keys) > 0).sum(-1)
     assert config.feature_dim == 8 and set(active.unique().tolist()) == {1, 3}
     assert 0.45 < (active == 1).float().mean().item() < 0.55
+
+
+def test_repr_names_the_kernel_each_layer_runs(monkeypatch):
+    """The model's repr says which implementation runs the rule, for the weights' device and dtype."""
+    monkeypatch.delenv("MEMLM_KERNELS", raising=False)
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]())
+    assert "kernels=\"torch: memlm's PyTorch chunkwise implementation" in repr(model)
+    monkeypatch.setenv("MEMLM_KERNELS", "reference")
+    assert 'kernels="reference: ' in repr(model)
+    assert 'kernels="reference: ' in repr(DeltaNetForCausalLM(DELTANET_VARIANTS["identity_sum_rule"]()))
+    monkeypatch.setenv("MEMLM_KERNELS", "no-such-backend")
+    assert "kernels=<environment variable MEMLM_KERNELS='no-such-backend' is not a known kernel backend" in repr(model)

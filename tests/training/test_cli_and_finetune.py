@@ -56,6 +56,8 @@ def test_generate_and_info_describe_a_saved_model(trained):
     info = _memlm("info", str(trained["expire_span"])).stdout
     assert "ExpireSpanConfig" in info and "parameters:" in info and "kernels: torch backend on cpu" in info
     assert "held-out bits per byte" in info
+    assert "kernels run: torch: scaled_dot_product_attention with the expire-span mask" in info
+    assert "kernels run: torch: memlm's PyTorch chunkwise" in _memlm("info", str(trained["deltanet"])).stdout
 
 
 def test_bad_command_lines_give_clear_errors(tmp_path):

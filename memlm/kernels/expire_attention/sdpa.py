@@ -128,7 +128,8 @@ def _attention(
 ):
     bias = expire_span_bias(spans, query_positions, key_positions, ramp, key_valid, max_distance)
     has_key = bias.amax(dim=-1, keepdim=True) > float("-inf")  # (B, T, 1)
-    everyone_sees_a_key = bool(has_key.all())
+    # Under torch.compile the zeroing path always runs (same output, no data-dependent branch).
+    everyone_sees_a_key = not torch.compiler.is_compiling() and bool(has_key.all())
     if not everyone_sees_a_key:
         # Open a query that sees no key to every key so the kernel stays finite; its output is zeroed below.
         bias = torch.where(has_key, bias, 0.0)
