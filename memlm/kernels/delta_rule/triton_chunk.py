@@ -39,10 +39,10 @@ use exact float64 products.
 
 Tiles. The kernels use chunks of at most ``MAX_CHUNK_SIZE`` tokens whatever ``chunk_size`` asks (the result
 does not depend on the chunking), slices of d_k and d_v at most ``BLOCK_WIDTH`` wide, and the recurrence keeps
-its state in registers up to d_k = ``MAX_REGISTER_KEY_DIM`` and in global memory, tile by tile, above: every
-width and chunk size fits the shared memory of sm_80 and sm_90. A tile's first row is addressed with a 64-bit
-scalar (token index × width can pass 2³¹), the rows and columns within it with 32-bit offsets; (chunk or
-sequence) × head runs along the first grid axis, which has no 65 535 limit.
+its state in registers up to d_k = ``MAX_REGISTER_KEY_DIM`` (half that for float32) and in global memory, slice
+by slice, above: every width and chunk size fits the shared memory of sm_80 and sm_90. A tile's first row is
+addressed with a 64-bit scalar (token index × width can pass 2³¹), the rows and columns within it with 32-bit
+offsets; (chunk or sequence) × head runs along the first grid axis, which has no 65 535 limit.
 
 With ``cu_seqlens`` the batch holds several sequences back to back; chunks never straddle a sequence boundary
 and each sequence has its own initial and final state. Pass the offsets also on the host (``cu_seqlens_cpu``)
