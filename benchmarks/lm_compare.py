@@ -60,8 +60,8 @@ Seeds set the initialisation, the order of the training documents and nothing el
 Budget. The defaults (hidden 64, 2 layers, 4 heads, MLP 256 for Llama, so about 164K parameters each; 8 rows of
 128 tokens per step, 120 steps = 123K training tokens per model; 4096 held-out tokens; both corpora; 3 seeds) are
 meant to fit about 30 minutes on 2 quiet cores. The estimate comes from a timed 4-step run of every model on a
-loaded machine (2.3 times more wall-clock than CPU time): about 1.6 s per step of all eight models when quiet, so
-about 20 minutes of training, 2 of evaluations and 1 of decoding and memory. 🤗 Mamba's PyTorch path takes about
+loaded machine (2.3 times more wall-clock than CPU time) and a 30-step run: about 1.6 to 2 s per step of all eight
+models when quiet, so 20 to 25 minutes of training, about 2 of evaluations and 1 of decoding and memory. 🤗 Mamba's PyTorch path takes about
 two thirds of the training time: in one profiled step its backward took about 80 times its forward (its scan
 loops over tokens reading `discrete_A[:, :, t]`, and the backward of each such read likely writes a gradient of
 the whole (B, E, T, N) tensor). `--corpus stdlib` halves the budget; fewer `--seeds` cut it in proportion.
@@ -226,7 +226,7 @@ def evaluate_segments_alone(model, tokens: torch.Tensor, length: int, rows: int,
             "tokens": total_tokens}  # fmt: skip
 
 
-def held_out(model, name: str, tokens, args, byte_lengths, carry: bool) -> dict:
+def held_out(model, tokens, args, byte_lengths, carry: bool) -> dict:
     from memlm.training.pretrain import evaluate
 
     if carry:
@@ -254,7 +254,7 @@ def train_model(name: str, config, train_tokens, eval_tokens, byte_lengths, args
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.steps)
     stream = TokenStream(train_tokens, args.batch_size, args.length, "segments", seed)
     tokens_per_step = args.batch_size * args.length
-    curve = [point(0, 0, 0.0, held_out(model, name, eval_tokens, args, byte_lengths, carry))]
+    curve = [point(0, 0, 0.0, held_out(model, eval_tokens, args, byte_lengths, carry))]
     losses, memory, seconds = [], None, 0.0
     for step in range(args.steps):
         started = time.perf_counter()
@@ -277,7 +277,7 @@ def train_model(name: str, config, train_tokens, eval_tokens, byte_lengths, args
         if progress is not None:
             progress.update(1)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            result = held_out(model, name, eval_tokens, args, byte_lengths, carry)
+            result = held_out(model, eval_tokens, args, byte_lengths, carry)
             curve.append(point(step + 1, (step + 1) * tokens_per_step, seconds, result))
     if not math.isfinite(losses[-1]):
         raise RuntimeError(f"{LABELS[name]} diverged (loss {losses[-1]}); lower --learning-rate.")
