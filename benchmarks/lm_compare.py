@@ -536,7 +536,7 @@ def plot(results: dict, args, path: str) -> None:
     figure, axes = plt.subplots(len(corpora), 2, figsize=(12, 4.2 * len(corpora)), squeeze=False)
     band = "shaded: lowest to highest seed" if len(args.seeds) > 1 else None
     for row, corpus in enumerate(corpora):
-        for column, (axis_key, label) in enumerate((("tokens", "training tokens"),
+        for column, (axis_key, axis_label) in enumerate((("tokens", "training tokens"),
                                                     ("seconds", "training seconds (evaluations excluded)"))):  # fmt: skip
             axis = axes[row][column]
             for index, name in enumerate(args.models):
@@ -548,7 +548,12 @@ def plot(results: dict, args, path: str) -> None:
                 axis.plot(x, [value["mean"] for value in values], "o-", markersize=3, color=color, label=label)
                 axis.fill_between(x, [value["low"] for value in values], [value["high"] for value in values],
                                   color=color, alpha=0.15, linewidth=0)  # fmt: skip
-            axis.set_xlabel(label)
+            axis.set_xlabel(axis_label)
+            if axis_key == "seconds":  # the slowest model takes many times the fastest one's time: log scale above
+                first = min(curve[1]["seconds"]["mean"] for curve in
+                            (results["summary"][corpus][name]["curve"] for name in args.models))  # fmt: skip
+                axis.set_xscale("symlog", linthresh=max(first, 1e-6))
+                axis.set_xlabel(f"{axis_label}; log scale above {max(first, 1e-6):.2g} s")
             axis.set_ylabel("held-out bits per byte")
             axis.set_title(f"{corpus}: {'equal tokens' if column == 0 else 'equal wall-clock'}")
             axis.legend(fontsize=7, title=band, title_fontsize=7)
