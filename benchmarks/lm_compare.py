@@ -61,10 +61,10 @@ Budget. The defaults (hidden 64, 2 layers, 4 heads, MLP 256 for Llama, so about 
 128 tokens per step, 120 steps = 123K training tokens per model; 4096 held-out tokens; both corpora; 3 seeds) are
 meant to fit about 30 minutes on 2 quiet cores. The estimate comes from a timed 4-step run of every model on a
 loaded machine (2.3 times more wall-clock than CPU time) and a 30-step run: about 1.6 to 2 s per step of all eight
-models when quiet, so 20 to 25 minutes of training, about 2 of evaluations and 1 of decoding and memory. 🤗 Mamba's PyTorch path takes about
-two thirds of the training time: in one profiled step its backward took about 80 times its forward (its scan
-loops over tokens reading `discrete_A[:, :, t]`, and the backward of each such read likely writes a gradient of
-the whole (B, E, T, N) tensor). `--corpus stdlib` halves the budget; fewer `--seeds` cut it in proportion.
+models when quiet, so 20 to 25 minutes of training, about 2 of evaluations and 1 of decoding and memory. 🤗
+Mamba's PyTorch path takes about two thirds of the training time: in one profiled step its backward took about 80
+times its forward (its scan loops over tokens reading `discrete_A[:, :, t]`, and the backward of each such read
+likely writes a gradient of the whole (B, E, T, N) tensor). `--corpus stdlib` halves the budget; fewer `--seeds` cut it in proportion.
 """
 
 import argparse
@@ -93,8 +93,8 @@ MODELS = (
     ("expire_span", "Expire-Span", True),
     ("fixed_span", "Expire-Span, expiration off", True),
     ("feedback", "Feedback Transformer", True),
-    ("llama", "Llama (🤗, SDPA)", False),
-    ("mamba", "Mamba (🤗, PyTorch path)", False),
+    ("llama", "Llama (transformers, SDPA)", False),
+    ("mamba", "Mamba (transformers, PyTorch path)", False),
 )
 LABELS = {name: label for name, label, _ in MODELS}
 CARRIES = {name: carries for name, _, carries in MODELS}
@@ -544,8 +544,7 @@ def plot(results: dict, args, path: str) -> None:
                 x = [point[axis_key] if axis_key == "tokens" else point[axis_key]["mean"] for point in curve]
                 values = [point["bits_per_byte"] for point in curve]
                 color = f"C{index}"
-                label = LABELS[name].replace("🤗, ", "transformers, ")  # matplotlib's default font has no 🤗
-                axis.plot(x, [value["mean"] for value in values], "o-", markersize=3, color=color, label=label)
+                axis.plot(x, [value["mean"] for value in values], "o-", markersize=3, color=color, label=LABELS[name])
                 axis.fill_between(x, [value["low"] for value in values], [value["high"] for value in values],
                                   color=color, alpha=0.15, linewidth=0)  # fmt: skip
             axis.set_xlabel(axis_label)
