@@ -45,11 +45,11 @@ What is measured (all in this one run, so the ratios to Llama compare like with 
 - peak memory of a training step (forward, backward, optimizer step) at the training sizes: the rise of the
   resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs) during one step of a freshly built
   model on random tokens, after one warm-up step whose memory the memlm models carry (so Expire-Span's memory holds
-  one segment, not yet its steady state), over the resident size before it, in a fresh Python process per model with glibc returning large freed
-  buffers to the system (MALLOC_MMAP_THRESHOLD_), so that the resident size follows the live tensors. Why not
-  tracemalloc: it sees only Python's allocator, not torch's C++ tensors; why a fresh process: an earlier model's
-  freed but still resident pages would hide part of the next model's rise. `--smoke` measures all models in one
-  process to save the interpreter start-ups (its numbers mean nothing).
+  one segment, not yet its steady state), over the resident size before it, in a fresh Python process per model
+  with glibc returning large freed buffers to the system (MALLOC_MMAP_THRESHOLD_), so that the resident size
+  follows the live tensors. Why not tracemalloc: it sees only Python's allocator, not torch's C++ tensors; why a
+  fresh process: an earlier model's freed but still resident pages would hide part of the next model's rise.
+  `--smoke` measures all models in one process to save the interpreter start-ups (its numbers mean nothing).
 
 Seeds set the initialisation, the order of the training documents and nothing else; the tables show "mean
 (low–high)" over the seeds (`across_seeds`, `format_across_seeds`), the JSON keeps every run.
@@ -64,7 +64,8 @@ loaded machine (2.3 times more wall-clock than CPU time) and a 30-step run: abou
 models when quiet, so 20 to 25 minutes of training, about 2 of evaluations and 1 of decoding and memory. 🤗
 Mamba's PyTorch path takes about two thirds of the training time: in one profiled step its backward took about 80
 times its forward (its scan loops over tokens reading `discrete_A[:, :, t]`, and the backward of each such read
-likely writes a gradient of the whole (B, E, T, N) tensor). `--corpus stdlib` halves the budget; fewer `--seeds` cut it in proportion.
+likely writes a gradient of the whole (B, E, T, N) tensor). `--corpus stdlib` halves the budget; fewer `--seeds`
+cut it in proportion.
 """
 
 import argparse
@@ -141,7 +142,8 @@ def model_config(name: str, args, tokenizer, intermediate_size: int | None = Non
     if name == "mamba":
         return MambaConfig(**tokens, hidden_size=args.hidden_size, num_hidden_layers=mamba_layers)
     sizes = {**tokens, "hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers,
-             "num_attention_heads": args.num_heads, "intermediate_size": intermediate_size or args.intermediate_size}  # fmt: skip
+             "num_attention_heads": args.num_heads,
+             "intermediate_size": intermediate_size or args.intermediate_size}  # fmt: skip
     if name == "llama":
         return LlamaConfig(**sizes, attn_implementation="sdpa", max_position_embeddings=max(args.length, 2048))
     if name == "deltanet":
@@ -282,7 +284,8 @@ def train_model(name: str, config, train_tokens, eval_tokens, byte_lengths, args
     if not math.isfinite(losses[-1]):
         raise RuntimeError(f"{LABELS[name]} diverged (loss {losses[-1]}); lower --learning-rate.")
     run = {"curve": curve, "train_losses": losses, "training_seconds": seconds,
-           "tokens_per_second": args.steps * tokens_per_step / seconds, "final": curve[-1]["bits_per_byte"]}  # fmt: skip
+           "tokens_per_second": args.steps * tokens_per_step / seconds,
+           "final": curve[-1]["bits_per_byte"]}  # fmt: skip
     if carry:
         run["final_segments_alone"] = evaluate_segments_alone(model, eval_tokens, args.length, args.eval_rows,
                                                               byte_lengths)["bits_per_byte"]  # fmt: skip
@@ -341,7 +344,8 @@ def decode_measurements(model, name: str, context_tokens: torch.Tensor, args) ->
             logits, cache = forward_with_cache(model, name, context_tokens[None, :context], None)
         else:
             for start in range(done, context, 1024):
-                logits, cache = forward_with_cache(model, name, context_tokens[None, start : min(start + 1024, context)], cache)  # fmt: skip
+                chunk = context_tokens[None, start : min(start + 1024, context)]
+                logits, cache = forward_with_cache(model, name, chunk, cache)
         done = context
         stored = cache_bytes(cache)
         decoding = copy.deepcopy(cache)
@@ -506,7 +510,8 @@ def print_tables(results: dict, args) -> None:
         line = [LABELS[name]]
         for context in contexts:
             tokens_per_second = measured[context]["decode_tokens_per_second"]
-            line += [f"{tokens_per_second:.1f}", f"{tokens_per_second / reference[context]['decode_tokens_per_second']:.2f}"]  # fmt: skip
+            reference_speed = reference[context]["decode_tokens_per_second"]
+            line += [f"{tokens_per_second:.1f}", f"{tokens_per_second / reference_speed:.2f}"]
         last = contexts[-1]
         line += [f"{measured[last]['cache_bytes'] / 2**10:,.0f}",
                  f"{measured[last]['cache_bytes'] / reference[last]['cache_bytes']:.3f}",
@@ -536,8 +541,8 @@ def plot(results: dict, args, path: str) -> None:
     figure, axes = plt.subplots(len(corpora), 2, figsize=(12, 4.2 * len(corpora)), squeeze=False)
     band = "shaded: lowest to highest seed" if len(args.seeds) > 1 else None
     for row, corpus in enumerate(corpora):
-        for column, (axis_key, axis_label) in enumerate((("tokens", "training tokens"),
-                                                    ("seconds", "training seconds (evaluations excluded)"))):  # fmt: skip
+        axes_of_row = (("tokens", "training tokens"), ("seconds", "training seconds (evaluations excluded)"))
+        for column, (axis_key, axis_label) in enumerate(axes_of_row):
             axis = axes[row][column]
             for index, name in enumerate(args.models):
                 curve = results["summary"][corpus][name]["curve"]
