@@ -377,7 +377,8 @@ class DeltaNetCacheLayer(MemoryCacheLayer):
     def update(self, fast_weights: torch.Tensor | None, convolution_tail: torch.Tensor | None, num_tokens: int):
         # Tensors are replaced, never written in place, so a gradient-checkpointed layer recomputes from old ones.
         self.fast_weights = fast_weights
-        self.convolution_tail = convolution_tail
+        # The tail is a slice of the whole input's projection: a copy, so the cache does not keep all of it alive.
+        self.convolution_tail = None if convolution_tail is None else convolution_tail.clone()
         self.seen_tokens += num_tokens
 
 

@@ -383,3 +383,15 @@ def test_repr_names_the_kernel_each_layer_runs(monkeypatch):
     assert 'kernels="reference: ' in repr(DeltaNetForCausalLM(DELTANET_VARIANTS["identity_sum_rule"]()))
     monkeypatch.setenv("MEMLM_KERNELS", "no-such-backend")
     assert "kernels=<environment variable MEMLM_KERNELS='no-such-backend' is not a known kernel backend" in repr(model)
+
+
+def test_cache_holds_only_the_convolution_tail_not_the_whole_prefill():
+    """After a prefill the cached convolution tail owns its (kernel - 1) × channels values, not the storage of the
+    whole prompt's projection it was sliced from (which made the cache grow with the prompt)."""
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS["favor_conv_gate"]()).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 256, (2, 64)), use_cache=True).past_key_values
+    for layer in cache.layers:
+        tail = layer.convolution_tail
+        assert tail.shape[:2] == (2, model.config.convolution_size - 1)
+        assert tail.untyped_storage().nbytes() == tail.numel() * tail.element_size()
