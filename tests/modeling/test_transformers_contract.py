@@ -17,8 +17,9 @@ To run 🤗's own mixins instead: download transformers' source distribution of 
 `unittest.TestCase` per model with a `ModelTester` like the ones below (see tests/models/mamba/test_modeling_mamba.py
 there).
 
-Checks that fail today because of a defect being fixed are marked `xfail(strict=True)` naming the defect: when the
-fix lands they pass, strict turns that into a failure, and the mark must go.
+A check that fails because of a defect being fixed goes in its tester's `known_defects` (marked `xfail(strict=True)`
+naming the defect): when the fix lands it passes, strict turns that into a failure, and the entry must go. None is
+listed today: `shift_labels`, retained hidden states and the whole-graph compile were fixed while these were written.
 """
 
 import copy
@@ -634,22 +635,16 @@ def memlm_caches():
     return (memlm.DeltaNetCache, memlm.ExpireSpanCache, memlm.FeedbackCache)
 
 
-GRAPH_BREAKS = "compile graph breaks (data-dependent checks on the ids, mask or cache) — being fixed, issue 14 item 6"
-
-
 class TestDeltaNetContract(TransformersContract):
     model_tester = DeltaNetModelTester()
-    known_defects = {"test_torch_compile_fullgraph[decoding_step]": GRAPH_BREAKS}
 
 
 class TestExpireSpanContract(TransformersContract):
     model_tester = ExpireSpanModelTester()
-    known_defects = {"test_torch_compile_fullgraph": GRAPH_BREAKS}
 
 
 class TestFeedbackTransformerContract(TransformersContract):
     model_tester = FeedbackTransformerModelTester()
-    known_defects = {"test_torch_compile_fullgraph": GRAPH_BREAKS}
 
 
 def test_the_testers_cover_every_memlm_model():
