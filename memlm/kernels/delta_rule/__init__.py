@@ -32,7 +32,8 @@ def _check_inputs(
     initial_state: torch.Tensor | None,
     chunk_size: int,
     cu_seqlens: torch.Tensor | None = None,
-) -> None:
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
+) -> list[int] | None:
     """Raise ``ValueError`` naming the offending argument and its shape if the inputs do not fit together."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
@@ -61,7 +62,7 @@ def _check_inputs(
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
             raise ValueError(f"cu_seqlens must be a 1-dimensional integer tensor of offsets, got {cu_seqlens!r}.")
-        offsets = cu_seqlens.tolist()
+        offsets = _host_offsets(cu_seqlens, cu_seqlens_cpu)
         if batch_size != 1 or offsets[0] != 0 or offsets[-1] != length or offsets != sorted(offsets):
             raise ValueError(
                 f"with cu_seqlens the inputs hold the sequences back to back in one row: batch size 1 and offsets "
@@ -75,15 +76,41 @@ def _check_inputs(
         )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}.")
+    if cu_seqlens is None and cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens: give cu_seqlens (on the inputs' device) too.")
+    return offsets if cu_seqlens is not None else None
+
+
+def _host_offsets(cu_seqlens: torch.Tensor, cu_seqlens_cpu) -> list[int]:
+    """The packed sequences' offsets as a list: from the host copy when the caller has one (no device read),
+    else read back from `cu_seqlens` once."""
+    if cu_seqlens_cpu is None:
+        return cu_seqlens.tolist()
+    if isinstance(cu_seqlens_cpu, torch.Tensor):
+        if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.dim() != 1 or cu_seqlens_cpu.is_floating_point():
+            raise ValueError(
+                f"cu_seqlens_cpu must be a 1-dimensional integer CPU tensor or a list of ints, got {cu_seqlens_cpu!r}."
+            )
+        cu_seqlens_cpu = cu_seqlens_cpu.tolist()
+    if not isinstance(cu_seqlens_cpu, (list, tuple)) or not all(
+        isinstance(offset, int) and not isinstance(offset, bool) for offset in cu_seqlens_cpu
+    ):
+        raise ValueError(f"cu_seqlens_cpu must be a list of ints or an integer CPU tensor, got {cu_seqlens_cpu!r}.")
+    if len(cu_seqlens_cpu) != cu_seqlens.numel():
+        raise ValueError(
+            f"cu_seqlens_cpu must hold the same offsets as cu_seqlens: got {len(cu_seqlens_cpu)} host offsets for "
+            f"{cu_seqlens.numel()} in cu_seqlens."
+        )
+    return list(cu_seqlens_cpu)
 
 
 def _needs_gradient(*tensors) -> bool:
     return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
 
 
-def _per_sequence(cu_seqlens, output_final_state, query, key, value, beta, initial_state, run):
-    """Run `run(query, key, value, beta, initial_state)` on each packed sequence and put the results back together."""
-    offsets = cu_seqlens.tolist()
+def _per_sequence(offsets, output_final_state, query, key, value, beta, initial_state, run):
+    """Run `run(query, key, value, beta, initial_state)` on each packed sequence (`offsets`, a list) and put the
+    results back together."""
     outputs, states = [], []
     for index, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
         state = None if initial_state is None else initial_state[index : index + 1]
@@ -115,6 +142,7 @@ def delta_rule(
     output_final_state: bool = False,
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the delta rule over a sequence (SPEC §1).
@@ -131,6 +159,8 @@ def delta_rule(
         cu_seqlens: variable-length sequences packed back to back in one row (batch size 1): the N + 1 offsets of
             their starts and end. Each sequence starts from its own initial state ``(N, H, d_k, d_v)`` (or zeros)
             and the final states are ``(N, H, d_k, d_v)``; no padding is computed.
+        cu_seqlens_cpu: the same offsets on the host (a list or a CPU tensor), when the caller has them: then no
+            kernel reads them back from the device (no GPU→CPU synchronisation). Without it they are read once.
         backend: ``"torch"``, ``"triton"``, ``"fla"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS``, else
             picks, for CUDA tensors, ``"fla"`` when flash-linear-attention ≥ 0.6 is installed or ``"triton"`` when
             Triton is, and ``"torch"`` otherwise. With ``"triton"`` a single token without gradients runs the fused
@@ -144,19 +174,20 @@ def delta_rule(
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
         float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``.
     """
-    _check_inputs(query, key, value, beta, initial_state, chunk_size, cu_seqlens)
+    offsets = _check_inputs(query, key, value, beta, initial_state, chunk_size, cu_seqlens, cu_seqlens_cpu)
     backend = resolve_backend(backend, key.device, operation="delta_rule")
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
             return delta_rule(query, key, value, beta, initial_state=initial_state,
                               output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                              backend=backend)  # fmt: skip
+                              cu_seqlens_cpu=offsets, backend=backend)  # fmt: skip
     if backend == "fla" and key.dtype != torch.float64:
         check_triton_device(key.device, backend)
         from .flash_linear_attention import delta_rule_fla, fla_covers
 
         if fla_covers(query, key, value, cu_seqlens):
-            return delta_rule_fla(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens)
+            return delta_rule_fla(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens,
+                                  offsets)  # fmt: skip
         backend = "triton"  # what FLA's kernels do not take runs memlm's
     if backend == "triton" and key.dtype != torch.float64:
         check_triton_device(key.device)
@@ -164,7 +195,7 @@ def delta_rule(
             from .triton_chunk import delta_rule_chunk_triton
 
             return delta_rule_chunk_triton(query, key, value, beta, initial_state, output_final_state, chunk_size,
-                                           cu_seqlens)  # fmt: skip
+                                           cu_seqlens, cu_seqlens_cpu=offsets)  # fmt: skip
         if key.shape[2] == 1 and not _needs_gradient(query, key, value, beta, initial_state):
             from .triton_recurrent import delta_rule_step_triton
 
@@ -173,7 +204,7 @@ def delta_rule(
 
         return delta_rule_chunk_triton(query, key, value, beta, initial_state, output_final_state, chunk_size)
     if cu_seqlens is not None:  # one sequence at a time: the same result, without a packed kernel
-        return _per_sequence(cu_seqlens, output_final_state, query, key, value, beta, initial_state,
+        return _per_sequence(offsets, output_final_state, query, key, value, beta, initial_state,
                              run=lambda *inputs: delta_rule(*inputs[:4], initial_state=inputs[4], chunk_size=chunk_size,
                                                             output_final_state=output_final_state, backend=backend))  # fmt: skip
     if backend == "reference":
@@ -192,6 +223,7 @@ def sum_rule(
     output_final_state: bool = False,
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the sum rule (un-normalised causal linear attention) over a sequence (SPEC §1).
@@ -201,14 +233,15 @@ def sum_rule(
     packed sequences (``cu_seqlens``) run one at a time. ``"fla"`` runs the same as ``"triton"``
     (flash-linear-attention has no sum rule kernel).
     """
-    _check_inputs(query, key, value, None, initial_state, chunk_size, cu_seqlens)
+    offsets = _check_inputs(query, key, value, None, initial_state, chunk_size, cu_seqlens, cu_seqlens_cpu)
     backend = resolve_backend(backend, key.device, operation="sum_rule")  # "fla" has no sum rule: it runs "triton"
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
             return sum_rule(query, key, value, initial_state=initial_state, output_final_state=output_final_state,
-                            chunk_size=chunk_size, cu_seqlens=cu_seqlens, backend=backend)  # fmt: skip
+                            chunk_size=chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=offsets,
+                            backend=backend)  # fmt: skip
     if cu_seqlens is not None:
-        return _per_sequence(cu_seqlens, output_final_state, query, key, value, None, initial_state,
+        return _per_sequence(offsets, output_final_state, query, key, value, None, initial_state,
                              run=lambda *inputs: sum_rule(*inputs[:3], initial_state=inputs[4], chunk_size=chunk_size,
                                                           output_final_state=output_final_state, backend=backend))  # fmt: skip
     if backend == "reference":

@@ -56,6 +56,7 @@ def delta_rule_fla(
     output_final_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The delta rule on FLA's kernels, with memlm's arguments and results (see :func:`delta_rule`).
 
@@ -89,7 +90,8 @@ def delta_rule_fla(
     else:
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(torch.int64)
-            arguments.update(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens.cpu())
+            host = cu_seqlens.cpu() if cu_seqlens_cpu is None else torch.tensor(cu_seqlens_cpu, dtype=torch.int64)
+            arguments.update(cu_seqlens=cu_seqlens, cu_seqlens_cpu=host)
         chunk_size = chunk_size if chunk_size in CHUNK_SIZES else DEFAULT_CHUNK_SIZE
         output, final_state = chunk_delta_rule(query, key, value, beta, chunk_size=chunk_size, **arguments)
     return output.transpose(1, 2), final_state
