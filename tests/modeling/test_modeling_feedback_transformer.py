@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, DynamicCache, pipeline
 
 from memlm import FeedbackCache, FeedbackTransformerConfig, FeedbackTransformerForCausalLM
-from memlm.modeling import modeling_feedback_transformer
+from memlm.kernels.feedback import through_time
 from tests.modeling.padding import LAYOUTS, check_rows_alone, padding_mask
 
 TINY = {
@@ -152,7 +152,7 @@ def test_padding_anywhere_gives_each_row_alone(layout, mode):
 @pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
 def test_padded_training_gradients_equal_autograd_through_the_steps(variant, monkeypatch):
     """Right padding and holes, after a carried memory: the hand-written backward equals autograd (float64)."""
-    monkeypatch.setattr(modeling_feedback_transformer._TapeGradients, "most_block_steps", 3)
+    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 3)
     model = _model(variant, memory_span=3).train().double()
     mask = torch.cat([_padding_mask("right")[:2], _padding_mask("between")[2:]])
     input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, 257)
@@ -394,7 +394,7 @@ SETTINGS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_hand_written_backward_equals_autograd_through_the_steps(variant, setting, monkeypatch):
     # Blocks of 3 steps: reads add to slots inside their block at once and to earlier slots when the block ends.
-    monkeypatch.setattr(modeling_feedback_transformer._TapeGradients, "most_block_steps", 3)
+    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 3)
     # float64: the two differ only by the order of float operations, so any real difference would show far above it.
     model = _model(variant, **SETTINGS[setting]).train().double()
     input_ids = torch.randint(0, 256, (3, 11))
@@ -412,7 +412,7 @@ def test_hand_written_backward_equals_autograd_through_the_steps(variant, settin
 
 @pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
 def test_hand_written_backward_with_checkpointing_a_carried_memory_and_frozen_weights(variant, monkeypatch):
-    monkeypatch.setattr(modeling_feedback_transformer._TapeGradients, "most_block_steps", 4)
+    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 4)
     model = _model(variant).train()
     model.activation_checkpointing_enable()
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)

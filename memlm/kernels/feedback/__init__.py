@@ -1,0 +1,1 @@
+"""The Feedback Transformer's recurrence over steps (SPEC §3)."""

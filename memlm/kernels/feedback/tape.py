@@ -1,0 +1,233 @@
+"""The memory of the Feedback recurrence in preallocated buffers (the fast path of `memlm.kernels.feedback`).
+
+- `_RingStore`: when no gradient is needed (prefill, decoding): τ slots per row, slot = position mod τ, written in
+  place; the cache's own buffers, so a decoded token costs O(τ) whatever the context length.
+- `_Tape`: in training: one slot per step, written once. With autograd through every step, its gradients are routed
+  by hand (`_TapeWrite`, `_TapeRead`), because autograd forbids reading a buffer that later steps write into.
+
+A store answers the step function's three calls: `window` (positions and validity of the slots a step may read),
+`read` (attention of the step's queries over them) and `write` (the step's new memory).
+"""
+
+import types
+
+import torch
+
+
+def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Softmax weights of one query per (row, head) over a window of memories: query (N, d), keys (N, W, d), bias
+    (N, W) additive (−inf: not visible) → (N, W). A query that sees no memory gets all-zero weights: the paper's
+    "no attention term" before the first memory."""
+    # (1, d) · (d, W) per row: MKL runs this orientation ~7× faster than (W, d) · (d, 1) on this CPU.
+    scores = torch.bmm(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1)
+    weights = torch.softmax(torch.add(bias, scores, alpha=query.shape[-1] ** -0.5), dim=-1)
+    return weights.masked_fill_(bias.amax(-1, keepdim=True) == float("-inf"), 0.0)  # its softmax was 0/0
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """query (N, d), keys/values (N, W, d), bias (N, W) → the attention output (N, d)."""
+    return torch.bmm(attention_weights(query, keys, bias).unsqueeze(1), values).squeeze(1)
+
+
+class _RingStore:
+    """The memory when no gradient is needed: τ slots per row, slot = position mod τ, written in place. The cache's
+    own buffers, so decoding a token costs O(τ) whatever the context length, with no copying."""
+
+    def __init__(self, cache_layers: list, next_positions: torch.Tensor, config, like):
+        self.layers = cache_layers
+        window = None
+        if not cache_layers[0].ring:
+            # An empty cache, or the window a training forward left: lay it out as a ring of τ slots.
+            if cache_layers[0].keys is not None:
+                window = [(layer.keys, layer.values) for layer in cache_layers]
+                window_positions, window_valid = cache_layers[0].positions, cache_layers[0].valid
+            for layer in cache_layers:
+                layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device)
+        # Slots at or beyond `filled` hold nothing yet (slot = position mod τ and positions start at 0): skip them.
+        # Counting them reads tensors, which torch.compile cannot trace: compiled, every slot is read (empty ones are
+        # masked out, so the output is the same).
+        self.filled = config.memory_span
+        if not torch.compiler.is_compiling():
+            self.filled = min(config.memory_span, int(next_positions.max()) if next_positions.numel() else 0)
+        if window is not None:
+            keys = torch.stack([pair[0] for pair in window])
+            values = torch.stack([pair[1] for pair in window])
+            for index in range(keys.shape[3]):
+                self.write(index, keys[:, :, :, index], values[:, :, :, index], window_positions[:, index],
+                           window_valid[:, index])  # fmt: skip
+
+    def window(self, group: int, step: int):
+        layer = self.layers[group]
+        return None, None, layer.positions[:, : self.filled], layer.valid[:, : self.filled]
+
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        if self.filled == 0:
+            return torch.zeros_like(query)  # no memory yet: the attention term is zero
+        layer = self.layers[group]
+        keys = layer.keys[:, :, : self.filled].flatten(0, 1)
+        values = layer.values[:, :, : self.filled].flatten(0, 1)
+        return attend(query, keys, values, bias)
+
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+        """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing (its slot
+        gets its old contents back, so no row count depends on the data and torch.compile traces it)."""
+        span = self.layers[0].keys.shape[2]
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        slots = positions.clamp_min(0) % span
+        if not torch.compiler.is_compiling():  # padding has position −1, so an all-padding step changes nothing
+            self.filled = max(self.filled, min(span, int(positions.max()) + 1))
+        keep = valid[:, None, None]
+        for group, layer in enumerate(self.layers):
+            layer.keys[rows, :, slots] = torch.where(
+                keep, keys[group].to(layer.keys.dtype), layer.keys[rows, :, slots]
+            )
+            layer.values[rows, :, slots] = torch.where(
+                keep, values[group].to(layer.values.dtype), layer.values[rows, :, slots]
+            )
+            layer.positions[rows, slots] = torch.where(valid, positions, layer.positions[rows, slots])
+            layer.valid[rows, slots] = valid | layer.valid[rows, slots]
+
+
+class _Tape:
+    """The memory in training: one slot per step (after a prefix carried from the cache), written once, never
+    overwritten, with gradient buffers that the reads fill and the writes hand back to autograd."""
+
+    def __init__(self, cache_layers, steps: int, config, like: torch.Tensor, padding_steps: int = 0):
+        """`padding_steps`: the most padding steps of a row (all before its real tokens), which the windows widen by
+        so that every row still sees its last τ real memories."""
+        first = cache_layers[0]
+        groups = len(cache_layers)
+        batch_size, num_heads, head_dim = like.shape[0], config.num_attention_heads, config.head_dim
+        dtype, device, memory_span = like.dtype, like.device, config.memory_span
+        if first.keys is None:  # an empty cache: nothing carried
+            empty = torch.zeros(batch_size, num_heads, 0, head_dim, dtype=dtype, device=device)
+            nothing = types.SimpleNamespace(
+                keys=empty,
+                values=empty,
+                positions=empty.new_zeros(batch_size, 0, dtype=torch.long),
+                valid=empty.new_zeros(batch_size, 0, dtype=torch.bool),
+            )
+            cache_layers = [nothing] * groups
+            first = cache_layers[0]
+        # The prefix: the cache's live memories only, live slots first in each row (an empty cache adds nothing).
+        live = first.valid
+        prefix = int(live.sum(1).max()) if live.numel() else 0
+        order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :prefix]
+        size = prefix + steps
+        self.prefix = prefix
+        self.memory_span = memory_span
+        self.reach = memory_span + padding_steps
+        self.keys = torch.zeros(groups, batch_size, num_heads, size, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        gather = order[:, None, :, None].expand(batch_size, num_heads, prefix, head_dim)
+        self.keys[:, :, :, :prefix] = torch.stack([layer.keys.gather(2, gather) for layer in cache_layers]).to(dtype)
+        self.values[:, :, :, :prefix] = torch.stack([layer.values.gather(2, gather) for layer in cache_layers]).to(
+            dtype
+        )
+        self.positions = torch.cat([first.positions.gather(1, order), first.positions.new_zeros(batch_size, steps)], 1)
+        self.valid = torch.cat([live.gather(1, order), live.new_zeros(batch_size, steps)], dim=1)
+        self._gradients = None
+        # Every write takes the previous anchor and makes the next: reads of step t hang on the anchor of step t−1,
+        # so the backward of a write runs only after every read of the memory it wrote.
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+
+    def gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient buffers of the keys and values, made at the first read's backward (autograd through the steps)."""
+        if self._gradients is None:
+            self._gradients = (torch.zeros_like(self.keys), torch.zeros_like(self.values))
+        return self._gradients
+
+    def bounds(self, step: int) -> tuple[int, int]:
+        """The tape slice that step `step` may read: the prefix (in no particular order) while it is within τ, then
+        the last τ steps (τ + the padding steps, when rows are padded). Visibility is decided by positions, so a wider
+        slice is harmless."""
+        end = self.prefix + step
+        return (0, end) if step < self.reach else (end - self.reach, end)
+
+    def window(self, group: int, step: int):
+        start, end = self.bounds(step)
+        return None, None, self.positions[:, start:end], self.valid[:, start:end]
+
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        start, end = self.bounds(step)
+        self.last_weights = None
+        if start == end:
+            return torch.zeros_like(query)  # no memory yet: the attention term is zero
+        if torch.is_grad_enabled():
+            return _TapeRead.apply(query, bias, self.anchor, self, group, start, end)
+        # Recorded for the hand-written backward (`_ThroughTime`), which runs the forward without autograd.
+        self.last_weights = attention_weights(query, self.keys[group, :, :, start:end].flatten(0, 1), bias)
+        return torch.bmm(self.last_weights.unsqueeze(1), self.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
+
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+        index = self.prefix + step
+        self.positions[:, index] = positions
+        self.valid[:, index] = valid
+        if torch.is_grad_enabled():
+            self.anchor = _TapeWrite.apply(keys, values, self.anchor, self, index)
+        else:
+            self.keys[:, :, :, index] = keys
+            self.values[:, :, :, index] = values
+
+    def last_memories(self):
+        """keys, values (G, B, H, W, d), positions, valid (B, W) of the slice the next step would read."""
+        start, end = self.bounds(self.keys.shape[3] - self.prefix)
+        return (self.keys[:, :, :, start:end], self.values[:, :, :, start:end], self.positions[:, start:end],
+                self.valid[:, start:end])  # fmt: skip
+
+
+class _TapeWrite(torch.autograd.Function):
+    """Store a step's keys/values on the tape; in the backward, return the gradient the later reads accumulated."""
+
+    @staticmethod
+    def forward(ctx, keys, values, anchor, tape, index):
+        with torch.no_grad():
+            tape.keys[:, :, :, index] = keys
+            tape.values[:, :, :, index] = values
+        ctx.tape, ctx.index = tape, index
+        return anchor.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_anchor):
+        tape, index = ctx.tape, ctx.index
+        grad_keys, grad_values = tape.gradients()
+        return (
+            grad_keys[:, :, :, index].clone(),
+            grad_values[:, :, :, index].clone(),
+            grad_anchor,
+            None,
+            None,
+        )
+
+
+class _TapeRead(torch.autograd.Function):
+    """Attention of one step over a slice of the tape. The backward is written out (softmax attention for a single
+    query), reads the keys and values once, and adds their gradients into the tape's gradient buffers in place."""
+
+    @staticmethod
+    def forward(ctx, query, bias, anchor, tape, group, start, end):
+        with torch.no_grad():
+            keys = tape.keys[group, :, :, start:end].flatten(0, 1)  # (B·H, W, d), a view
+            weights = attention_weights(query, keys, bias)
+            output = torch.bmm(weights.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
+        ctx.save_for_backward(query, weights)
+        ctx.tape, ctx.window = tape, (group, start, end)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, weights = ctx.saved_tensors
+        tape, (group, start, end) = ctx.tape, ctx.window
+        keys = tape.keys[group, :, :, start:end].flatten(0, 1)
+        values = tape.values[group, :, :, start:end].flatten(0, 1)
+        scale = query.shape[-1] ** -0.5
+        grad_weights = torch.bmm(grad_output.unsqueeze(1), values.transpose(1, 2)).squeeze(1)  # (N, W)
+        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
+        grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
+        grad_keys, grad_values = tape.gradients()
+        grad_keys = grad_keys[group, :, :, start:end].flatten(0, 1)
+        grad_keys.addcmul_(grad_scores.unsqueeze(-1), (query * scale).unsqueeze(1))  # += dS ⊗ q / sqrt(d)
+        grad_values = grad_values[group, :, :, start:end].flatten(0, 1)
+        grad_values.addcmul_(weights.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
+        grad_bias = grad_scores if ctx.needs_input_grad[1] else None
+        return grad_query, grad_bias, torch.zeros((), device=query.device), None, None, None, None

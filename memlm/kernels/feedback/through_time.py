@@ -1,0 +1,361 @@
+"""The hand-written backward of the Feedback recurrence (the fast path of `memlm.kernels.feedback` in training).
+
+`_ThroughTime` runs the training step loop without autograd, recording what the backward needs (`_Recording`), and
+`_backward_through_time` walks the steps back by hand. A graph of ~160 small autograd nodes per step costs more than
+the step itself on a CPU, and the weight gradients become products of many steps at once (`_WeightGradients`); the
+tape's key/value gradients are added block by block (`_TapeGradients`). The tests check it against autograd through
+`reference.py` in float64 to 1e-10.
+"""
+
+import functools
+import weakref
+
+import torch
+
+
+class _Recording:
+    """What the hand-written backward needs from a training forward run without autograd, by (layer, step): the
+    layer's input, rotated query, attention weights, context, the residual after attention, the MLP's gate and up
+    projections (not kept under gradient checkpointing: recomputed), the dropout masks; by step: the layer mix,
+    the normalised memory and the rotation."""
+
+    def __init__(self, model):
+        # The products that share an input run as one, with their weights stacked (out, in).
+        config, layers = model.config, model.layers
+        if config.share_key_value:
+            self.key_value = [torch.cat([model.k_proj.weight, model.v_proj.weight])]
+        else:
+            self.key_value = [
+                torch.cat([layer.attention.k_proj.weight, layer.attention.v_proj.weight]) for layer in layers
+            ]
+        self.gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in layers]
+        self.inputs, self.queries, self.weights, self.contexts, self.residuals = {}, {}, {}, {}, {}
+        self.gates, self.ups, self.masks = {}, {}, {}
+        self.mixtures, self.stacks, self.memories, self.rotations = {}, {}, {}, {}
+
+
+def _rms_norm_backward(grad_output, inputs, norm, weight_gradient):
+    """Gradient of RMSNorm y = x̂ · w, x̂ = x / sqrt(mean(x²) + eps) for its input: (dx̂ − x̂ · mean(dx̂ ⊙ x̂)) / rms with
+    dx̂ = dy ⊙ w. Adds dy ⊙ x̂ to `weight_gradient` (B, D) and also returns y (the input of the next product, for its
+    weight gradient)."""
+    reciprocal = inputs.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
+    normalized = inputs * reciprocal
+    weight_gradient.addcmul_(grad_output, normalized)
+    grad_normalized = grad_output * norm.weight
+    dot = torch.linalg.vecdot(grad_normalized, normalized).unsqueeze(-1)
+    grad_inputs = torch.addcmul(grad_normalized, normalized, dot, value=-1 / inputs.shape[-1]).mul_(reciprocal)
+    return grad_inputs, normalized * norm.weight
+
+
+def _rotary_backward(grad, cos, sin):
+    """Gradient of apply_rotary: y = x·cos + rotate(x)·sin with rotate(x) = [−x₂, x₁], so dx = dy·cos + [dy₂, −dy₁]·sin."""
+    half = grad.shape[-1] // 2
+    scaled = grad * sin
+    return grad * cos + torch.cat([scaled[..., half:], -scaled[..., :half]], dim=-1)
+
+
+def _activation_backward(act_fn, name: str, gate: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient through the MLP's activation (the config's `hidden_act`) with the derivative autograd would use."""
+    if name == "silu":
+        return torch.ops.aten.silu_backward(grad, gate)
+    if name == "gelu":  # transformers' "gelu" is the exact (erf) GELU
+        return torch.ops.aten.gelu_backward(grad, gate, approximate="none")
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(grad, gate, 0)
+    with torch.enable_grad():  # other activations: their own autograd formula on this small tensor
+        leaf = gate.detach().requires_grad_()
+        return torch.autograd.grad(act_fn(leaf), leaf, grad)[0]
+
+
+class _WeightGradients:
+    """Σ over steps of (gradient at a product's output)ᵀ · (its input), for every weight. A step's product has only B
+    rows, far below the CPU's GEMM speed, so the steps are gathered into buffers (allocated once, reused) and
+    multiplied `steps_per_product` at a time."""
+
+    def __init__(self, needed: set[str], steps_per_product: int):
+        self.needed, self.steps_per_product = needed, steps_per_product
+        self.buffers, self.filled, self.totals = {}, {}, {}
+
+    def add(self, name: str, grad_output: torch.Tensor, inputs: torch.Tensor):
+        if name not in self.needed:
+            return
+        rows = grad_output.shape[0]
+        if name not in self.buffers:
+            size = rows * self.steps_per_product
+            self.buffers[name] = (
+                grad_output.new_empty(size, grad_output.shape[1]),
+                inputs.new_empty(size, inputs.shape[1]),
+            )
+            self.filled[name] = 0
+        grads, all_inputs = self.buffers[name]
+        start = self.filled[name]
+        grads[start : start + rows].copy_(grad_output)
+        all_inputs[start : start + rows].copy_(inputs)
+        self.filled[name] = start + rows
+        if start + rows == grads.shape[0]:
+            self.flush(name)
+
+    def flush(self, name: str):
+        grads, inputs = self.buffers[name]
+        rows, self.filled[name] = self.filled[name], 0
+        grads, inputs = grads[:rows], inputs[:rows]
+        if name in self.totals:
+            self.totals[name].addmm_(grads.t(), inputs)
+        else:
+            self.totals[name] = grads.t() @ inputs
+
+    def results(self) -> dict[str, torch.Tensor]:
+        for name, filled in self.filled.items():
+            if filled:
+                self.flush(name)
+        return self.totals
+
+
+class _TapeGradients:
+    """Gradients of the tape's keys and values in the hand-written backward. A read at step t adds dSᵀ·q/√d to the
+    keys and Pᵀ·dO to the values of its whole window; added read by read, each would rewrite the whole window. So the
+    backward walks the steps in blocks: what a read adds to slots before its block is kept, and added for all of the
+    block's reads by one batched product when the block ends (the slots it lands on belong to earlier steps, whose
+    backward comes later); only the few slots inside the block are added right away."""
+
+    most_block_steps = 16
+
+    def __init__(self, store, reads_per_step: int):
+        self.store = store
+        self.keys, self.values = torch.zeros_like(store.keys), torch.zeros_like(store.values)
+        groups, batch_size, num_heads, size, head_dim = store.keys.shape
+        self.reads_per_step = reads_per_step
+        # Kept rows: (G, B·H, steps · reads, slots); at most about 2²² numbers per buffer.
+        self.block_steps = max(
+            1, min(self.most_block_steps, 2**22 // (groups * batch_size * num_heads * reads_per_step * size))
+        )
+        rows = self.block_steps * reads_per_step
+        self.kept_scores = store.keys.new_zeros(groups, batch_size * num_heads, rows, size)
+        self.kept_weights = torch.zeros_like(self.kept_scores)
+        self.kept_queries = store.keys.new_zeros(groups, batch_size * num_heads, rows, head_dim)
+        self.kept_contexts = torch.zeros_like(self.kept_queries)
+
+    def begin_block(self, first: int):
+        """The backward is about to run the block of steps that starts at `first`, from its last step down."""
+        self.boundary = self.store.prefix + first
+        self.low = self.store.bounds(first)[0]  # windows only move forward: the block's lowest slot
+        self.kept_scores[..., self.low : self.boundary].zero_()
+        self.kept_weights[..., self.low : self.boundary].zero_()
+        self.rows = [0] * self.keys.shape[0]
+
+    def add(self, group, start, end, grad_scores, scaled_query, weights, grad_context):
+        """One read of slots [start, end): grad_scores, weights (B·H, end − start), scaled_query, grad_context
+        (B·H, d)."""
+        inner = max(start, self.boundary)
+        if inner < end:
+            self.keys[group, :, :, inner:end].flatten(0, 1).addcmul_(grad_scores[:, inner - start :, None],
+                                                                     scaled_query[:, None])  # fmt: skip
+            self.values[group, :, :, inner:end].flatten(0, 1).addcmul_(weights[:, inner - start :, None],
+                                                                       grad_context[:, None])  # fmt: skip
+        if start < self.boundary:
+            row = self.rows[group]
+            self.rows[group] += 1
+            self.kept_scores[group, :, row, start:inner] = grad_scores[:, : inner - start]
+            self.kept_weights[group, :, row, start:inner] = weights[:, : inner - start]
+            self.kept_queries[group, :, row] = scaled_query
+            self.kept_contexts[group, :, row] = grad_context
+
+    def end_block(self):
+        low, boundary = self.low, self.boundary
+        for group, rows in enumerate(self.rows):
+            if rows and low < boundary:
+                self.keys[group, :, :, low:boundary].flatten(0, 1).baddbmm_(
+                    self.kept_scores[group, :, :rows, low:boundary].transpose(1, 2), self.kept_queries[group, :, :rows]
+                )
+                self.values[group, :, :, low:boundary].flatten(0, 1).baddbmm_(
+                    self.kept_weights[group, :, :rows, low:boundary].transpose(1, 2),
+                    self.kept_contexts[group, :, :rows],
+                )
+
+
+class _ThroughTime(torch.autograd.Function):
+    """The training forward as one autograd node: the step loop runs without autograd (no graph of ~160 small nodes
+    per step), recording its intermediates, and `_backward_through_time` walks the steps back by hand, leaving the
+    weight gradients to products of many steps at once."""
+
+    @staticmethod
+    def forward(ctx, model, store, inputs_embeds, positions, valid, *parameters):
+        record = _Recording(model)
+        outputs = [
+            model.step(embeddings, step_positions, step_valid, store, step, record)[0]
+            for step, (embeddings, step_positions, step_valid) in enumerate(
+                zip(inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1))
+            )
+        ]
+        ctx.model, ctx.store, ctx.record, ctx.positions = model, store, record, positions
+        return torch.stack(outputs, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        parameters = ctx.model._recurrent_parameters()
+        needed = {name for (name, _), needs in zip(parameters, ctx.needs_input_grad[5:]) if needs}
+        grad_embeddings, gradients = _backward_through_time(ctx.model, ctx.store, ctx.record, ctx.positions,
+                                                            grad_outputs, needed)  # fmt: skip
+        grad_embeddings = grad_embeddings if ctx.needs_input_grad[2] else None
+        return (None, None, grad_embeddings, None, None) + tuple(gradients.get(name) for name, _ in parameters)
+
+
+def _backward_through_time(model, store, record, positions, grad_outputs, needed):
+    """Back-propagation through the loop of `FeedbackTransformerModel.step`, from the last step to the first; each
+    block reverses a line of the step. Returns the gradient of the input embeddings (B, T, D) and {name: gradient}
+    of the parameters named in `needed`."""
+    config, layers = model.config, model.layers
+    batch_size, steps, hidden_size = grad_outputs.shape
+    num_heads, head_dim, num_layers = config.num_attention_heads, config.head_dim, len(layers)
+    scale = head_dim**-0.5
+    wide = torch.promote_types(model.layer_weights.dtype, torch.float32)
+    softmax = torch.softmax(model.layer_weights.to(wide), dim=0)
+    mix = softmax.to(grad_outputs.dtype)
+    tape = _TapeGradients(store, reads_per_step=num_layers if config.share_key_value else 1)
+    prefixes = [""] if config.share_key_value else [f"layers.{index}.attention." for index in range(num_layers)]
+    key_value, gate_up = list(zip(prefixes, record.key_value)), record.gate_up
+    products = _WeightGradients(
+        {name.replace("k_proj", "key_value").replace("v_proj", "key_value").replace("gate_proj", "gate_up")
+         .replace("up_proj", "gate_up") for name in needed},
+        steps_per_product=max(1, 1024 // batch_size),
+    )  # fmt: skip
+    norm_names = ["memory_norm.weight"] + [
+        f"layers.{index}.{kind}.weight" for index in range(num_layers)
+        for kind in ("input_layernorm", "post_attention_layernorm")
+    ]  # fmt: skip
+    norm_gradients = {name: grad_outputs.new_zeros(batch_size, hidden_size) for name in norm_names}
+    grad_mix = torch.zeros(num_layers + 1, dtype=grad_outputs.dtype, device=grad_outputs.device)
+    relative_gradients = [
+        torch.zeros_like(layer.attention.relative_bias) if hasattr(layer.attention, "relative_bias") else None
+        for layer in layers
+    ]
+    grad_embeddings = [None] * steps
+
+    for step in reversed(range(steps)):
+        block_first = step - step % tape.block_steps
+        if step == steps - 1 or step % tape.block_steps == tape.block_steps - 1:
+            tape.begin_block(block_first)
+        slot = store.prefix + step
+        cos, sin = record.rotations[step]
+        # The memory m_t of this step: every read of it ran later in the loop, so its gradient is complete.
+        grad_key = tape.keys[:, :, :, slot]  # (G, B, H, d)
+        if cos is not None:
+            grad_key = _rotary_backward(grad_key, cos[:, 0], sin[:, 0])
+        grad_key_value = torch.cat([grad_key.flatten(2), tape.values[:, :, :, slot].flatten(2)], dim=-1)
+        grad_memory = 0
+        for group, (prefix, weight) in enumerate(key_value):
+            grad_memory = grad_memory + grad_key_value[group] @ weight
+            products.add(f"{prefix}key_value.weight", grad_key_value[group], record.memories[step])
+        # Eq. 1: m_t = norm(Σ_l softmax(w)_l x_t^l)
+        grad_mixture, _ = _rms_norm_backward(grad_memory, record.mixtures[step], model.memory_norm,
+                                             norm_gradients["memory_norm.weight"])  # fmt: skip
+        grad_mix += torch.einsum("bd,lbd->l", grad_mixture, record.stacks[step])
+        grad_hidden = grad_outputs[:, step] + mix[num_layers] * grad_mixture
+        for index in reversed(range(num_layers)):
+            layer, key, prefix = layers[index], (index, step), f"layers.{index}."
+            mlp, attention = layer.mlp, layer.attention
+            # hidden = residual + dropout(down(act(gate) · up)), [gate, up] = W · post_norm(residual)
+            mask = record.masks.get(("mlp",) + key)
+            grad_down = grad_hidden if mask is None else grad_hidden * mask
+            residual = record.residuals[key]
+            if key in record.gates:
+                gate, up = record.gates[key], record.ups[key]
+            else:  # gradient checkpointing: recompute the block's projections
+                normed = layer.post_attention_layernorm(residual)
+                gate, up = (normed @ gate_up[index].t()).split(config.intermediate_size, dim=-1)
+            activated = mlp.act_fn(gate)
+            products.add(prefix + "mlp.down_proj.weight", grad_down, activated * up)
+            grad_product = grad_down @ mlp.down_proj.weight
+            grad_gate = _activation_backward(mlp.act_fn, config.hidden_act, gate, grad_product * up)
+            grad_gate_up = torch.cat([grad_gate, grad_product * activated], dim=-1)
+            grad_residual_norm, normed = _rms_norm_backward(grad_gate_up @ gate_up[index], residual,
+                                                            layer.post_attention_layernorm,
+                                                            norm_gradients[prefix + "post_attention_layernorm.weight"])  # fmt: skip
+            products.add(prefix + "mlp.gate_up.weight", grad_gate_up, normed)
+            grad_residual = grad_hidden + grad_residual_norm
+            # residual = input + dropout(o_proj(dropout(context)))
+            mask = record.masks.get(("attention",) + key)
+            grad_mixed = grad_residual if mask is None else grad_residual * mask
+            products.add(prefix + "attention.o_proj.weight", grad_mixed, record.contexts[key].view(batch_size, -1))
+            grad_context = (grad_mixed @ attention.o_proj.weight).view(-1, head_dim)
+            mask = record.masks.get(("context",) + key)
+            grad_context = grad_context if mask is None else grad_context * mask
+            # context = softmax(q·Kᵀ/√d + bias) · V over the window (`attention_weights`)
+            weights, query = record.weights[key], record.queries[key]
+            if weights is None:  # no memory was visible: the attention term was zero
+                grad_query = torch.zeros_like(query)
+            else:
+                group = 0 if config.share_key_value else index
+                start, end = store.bounds(step)
+                keys = store.keys[group, :, :, start:end].flatten(0, 1)
+                values = store.values[group, :, :, start:end].flatten(0, 1)
+                grad_weights = torch.bmm(grad_context.unsqueeze(1), values.transpose(1, 2)).squeeze(1)
+                grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
+                grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
+                tape.add(group, start, end, grad_scores, query * scale, weights, grad_context)
+                if relative_gradients[index] is not None:  # bias[h, distance − 1]; invisible slots have dS = 0
+                    distance = positions[:, step, None] - store.positions[:, start:end]
+                    slots = (distance - 1).clamp(0, config.memory_span - 1)
+                    per_head = grad_scores.view(batch_size, num_heads, -1).transpose(0, 1).reshape(num_heads, -1)
+                    relative_gradients[index].index_add_(1, slots.flatten(), per_head)
+            grad_query = grad_query.view(batch_size, num_heads, head_dim)
+            if cos is not None:
+                grad_query = _rotary_backward(grad_query, cos[:, 0], sin[:, 0])
+            grad_query = grad_query.reshape(batch_size, -1)
+            # query = q_proj(input_norm(input)); the input also feeds the residual and the memory mix
+            grad_input_norm, normed = _rms_norm_backward(grad_query @ attention.q_proj.weight, record.inputs[key],
+                                                         layer.input_layernorm,
+                                                         norm_gradients[prefix + "input_layernorm.weight"])  # fmt: skip
+            products.add(prefix + "attention.q_proj.weight", grad_query, normed)
+            grad_hidden = grad_residual + grad_input_norm + mix[index] * grad_mixture
+        grad_embeddings[step] = grad_hidden
+        if step == block_first:
+            tape.end_block()
+
+    gradients = {name: gradient.sum(0) for name, gradient in norm_gradients.items()}
+    grad_mix = grad_mix.to(wide)  # the softmax's backward for the layer weights
+    gradients["layer_weights"] = (softmax * (grad_mix - (softmax * grad_mix).sum())).to(model.layer_weights.dtype)
+    for index, gradient in enumerate(relative_gradients):
+        gradients[f"layers.{index}.attention.relative_bias"] = gradient
+    for name, gradient in products.results().items():
+        if "key_value" in name:
+            gradients[name.replace("key_value", "k_proj")], gradients[name.replace("key_value", "v_proj")] = (
+                gradient.split(hidden_size)
+            )
+        elif "gate_up" in name:
+            gradients[name.replace("gate_up", "gate_proj")], gradients[name.replace("gate_up", "up_proj")] = (
+                gradient.split(config.intermediate_size)
+            )
+        else:
+            gradients[name] = gradient
+    return torch.stack(grad_embeddings, dim=1), gradients
+
+
+class _StepGradients:
+    """The `.grad` of a layer's stacked outputs (B, T, D), returned with `output_hidden_states`. Step t's output is
+    consumed at step t, before the stack exists, so no gradient flows through the stack into the model; instead each
+    step's output hands its gradient (everything the loss owes it, later steps included) to a buffer, and once every
+    step has, the stack's `.grad` is set to it if `retain_grad()` was called on the stack."""
+
+    def __init__(self, stacked: torch.Tensor, steps: list[torch.Tensor], restored):
+        self.stacked = weakref.ref(stacked)  # the graph holds the hooks, the hooks must not hold the graph's output
+        self.restored = restored
+        self.buffer = None
+        self.pending = set()
+        for step, state in enumerate(steps):
+            if state.requires_grad:
+                self.pending.add(step)
+                state.register_hook(functools.partial(self.receive, step, len(steps)))
+        self.waiting = set(self.pending)
+
+    def receive(self, step: int, length: int, gradient: torch.Tensor):
+        stacked = self.stacked()
+        if stacked is None or not stacked.retains_grad:
+            return
+        if self.buffer is None:
+            self.buffer = gradient.new_zeros(gradient.shape[0], length, *gradient.shape[1:])
+        self.buffer[:, step] = gradient
+        self.waiting.discard(step)
+        if not self.waiting:  # the last step of this backward: hand the whole gradient over
+            stacked.grad = self.restored(self.buffer)
+            self.buffer, self.waiting = None, set(self.pending)
