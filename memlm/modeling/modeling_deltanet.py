@@ -212,11 +212,13 @@ class DeltaNetAttention(nn.Module):
         convolution_tail: torch.Tensor | None = None,
         return_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_cpu: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """hidden_states (B, T, D); attention_mask (B, T), 1 for each row's real tokens, which come first, and 0 for
         the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32 and
         convolution_tail (B, kernel-1, C) carried from earlier tokens. With cu_seqlens (S + 1 offsets),
-        hidden_states (1, N, D) hold S sequences back to back (`DeltaNetPadding`) and nothing is padded."""
+        hidden_states (1, N, D) hold S sequences back to back (`DeltaNetPadding`) and nothing is padded; cu_seqlens_cpu
+        is the same offsets on the host, so that the kernels read nothing back from the device."""
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
         projected = torch.cat(
@@ -248,7 +250,7 @@ class DeltaNetAttention(nn.Module):
         if self.config.update_rule == "delta":
             output, new_state = delta_rule(
                 query, key, value, beta, initial_state=fast_weights, output_final_state=return_state,
-                chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens,
+                chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
             )  # fmt: skip
         else:
             if beta is not None:
@@ -258,7 +260,7 @@ class DeltaNetAttention(nn.Module):
                 value = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
             output, new_state = sum_rule(
                 query, key, value, initial_state=fast_weights, output_final_state=return_state,
-                chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens,
+                chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
             )  # fmt: skip
             if self.config.attention_normalizer:
                 output = output[..., :-1] / (output[..., -1:] + ATTENTION_NORMALIZER_EPS)
@@ -293,10 +295,11 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         convolution_tail: torch.Tensor | None = None,
         return_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_cpu: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         mixed, fast_weights, convolution_tail = self.attention(
             self.input_layernorm(hidden_states), attention_mask, fast_weights, convolution_tail, return_state,
-            cu_seqlens,
+            cu_seqlens, cu_seqlens_cpu,
         )  # fmt: skip
         hidden_states = hidden_states + self.dropout(mixed)
         hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
@@ -331,10 +334,11 @@ class DeltaNetPadding:
                 self.cu_seqlens = torch.cat([starts, row_offsets[-1:]]).to(torch.int32)
                 self.last_sequences = (1 + document_starts.sum(1)).cumsum(0) - 1  # a row's sequences are adjacent
             self.attention_mask = None
+            self.cu_seqlens_cpu = self.cu_seqlens.tolist()  # read back once for all layers, not once per layer
         else:
             self.order = torch.sort((~attention_mask).to(torch.uint8), dim=1, stable=True).indices
             self.attention_mask = torch.arange(self.shape[1], device=attention_mask.device) < self.lengths[:, None]
-            self.cu_seqlens = None
+            self.cu_seqlens = self.cu_seqlens_cpu = None
 
     def row_states(self, state: torch.Tensor | None) -> torch.Tensor | None:
         """Per-sequence memory (fast weights or convolution tails) → each row's: its last sequence's."""
@@ -520,6 +524,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                 convolution_tail=cache_layer.convolution_tail if cache_layer is not None else None,
                 return_state=cache_layer is not None,
                 cu_seqlens=None if padding is None else padding.cu_seqlens,
+                cu_seqlens_cpu=None if padding is None else padding.cu_seqlens_cpu,
             )
             if cache_layer is not None:
                 if padding is not None:  # packed documents: a row keeps its last document's memory

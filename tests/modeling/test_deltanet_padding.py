@@ -270,3 +270,23 @@ def test_padded_hidden_states_lie_on_the_path_to_the_loss(layout):
         assert hidden_states.grad is not None
         assert (hidden_states.grad.abs().sum(-1) > 0)[mask.bool()].all()
         assert (hidden_states.grad[~mask.bool()] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_offsets_are_read_back_once_per_forward_not_per_layer(backend, monkeypatch):
+    """The packed offsets go to every layer with their host copy, so no layer reads them back from the device (a
+    GPU→CPU sync each): a forward over padded rows reads as many values back with 4 layers as with 1."""
+    from tests.kernels.test_delta_rule import DeviceReads
+
+    monkeypatch.setenv("MEMLM_KERNELS", backend)
+    input_ids = torch.randint(0, 256, (3, WIDTH))
+    mask = _mask("right")
+    position_ids = torch.arange(WIDTH).repeat(3, 1)
+    position_ids[:, 6:] -= 6  # a second document in each row (position_ids restarting at 0)
+    reads = []
+    for layers in (1, 4):
+        model = DeltaNetForCausalLM(DELTANET_VARIANTS["favor_conv_gate"](num_hidden_layers=layers)).eval()
+        with torch.no_grad(), DeviceReads() as counted:
+            model(input_ids, attention_mask=mask, position_ids=position_ids)
+        reads.append(counted.count)
+    assert reads[0] == reads[1], reads
