@@ -236,14 +236,6 @@ TASKS_SCRIPT = textwrap.dedent(
     """
 )
 
-# Defects being fixed elsewhere, checked like pytest's strict xfail: the check fails while the defect is there with
-# another error, and fails once it is fixed, so that the entry is removed then. task → the error it raises today.
-KNOWN_TASK_DEFECTS = {
-    # memlm/training/tasks/__init__.py: tokenizer_for and solver_for pass only the options given, not the dataset's
-    # defaults, and associative_retrieval_tokenizer has no default num_keys.
-    "associative-retrieval": "missing 1 required positional argument: 'num_keys'",
-}
-
 
 def result(output: str):
     lines = [line for line in output.splitlines() if line.startswith(MARK)]
@@ -357,16 +349,9 @@ def check_training(train: Path, folder: Path, env: dict) -> None:
     errors = result(run([python, "-c", TASKS_SCRIPT, folder], cwd=folder, env=env))
     check(len(errors) >= 5, f"memlm.training.tasks.TASKS holds {sorted(errors)}")
     for task, error in errors.items():
-        known = KNOWN_TASK_DEFECTS.get(task)
-        if known is None:
-            check(error is None, f"make_dataset {task} failed: {error}")
-            data = folder / "data" / task
-            check(
-                (data / "task.json").is_file() and (data / "tokenizer").is_dir(), f"{task}: no task.json or tokenizer"
-            )
-        else:
-            check(error is not None, f"make_dataset {task} works now: remove it from KNOWN_TASK_DEFECTS")
-            check(known in error, f"make_dataset {task} failed otherwise than the known defect: {error}")
+        check(error is None, f"make_dataset {task} failed: {error}")
+        data = folder / "data" / task
+        check((data / "task.json").is_file() and (data / "tokenizer").is_dir(), f"{task}: no task.json or tokenizer")
     for model in ("deltanet", "feedback"):
         check((folder / "runs" / f"task-{model}" / "model.safetensors").is_file(), f"train_task --model {model}")
 

@@ -34,6 +34,17 @@ def test_every_task_builds_a_solvable_dataset_with_its_tokenizer(name):
     assert tokenizer(text).input_ids == dataset[0]["input_ids"]
 
 
+@pytest.mark.parametrize("name", list(TASKS))
+def test_make_dataset_with_no_options_uses_the_defaults(name, tmp_path):
+    """`make_dataset.py TASK` alone builds the dataset, its tokenizer and solver from the generator's defaults (the
+    tokenizer and the solver used to get only the options given on the command line)."""
+    folder = make_dataset([name, "--output-dir", str(tmp_path), "--train", "8", "--validation", "4", "--test", "4"])
+    chosen = task(name)
+    dataset = load_from_disk(str(folder))["train"]
+    assert solver_accuracy(dataset, chosen.solver_for()) == 1.0
+    assert len(AutoTokenizer.from_pretrained(folder / "tokenizer")) == len(chosen.tokenizer_for())
+
+
 def test_unknown_task_and_option_are_named():
     with pytest.raises(ValueError, match="Unknown task 'copy'; the tasks are: associative-retrieval"):
         task("copy")

@@ -43,12 +43,12 @@ class Task:
         return {key: value for key, value in options.items() if key in parameters}
 
     def tokenizer_for(self, **options):
-        """The task's tokenizer for a dataset built with these options."""
-        return self.tokenizer(**self._shared(self.tokenizer, options))
+        """The task's tokenizer for a dataset built with these options (the dataset's defaults for the rest)."""
+        return self.tokenizer(**self._shared(self.tokenizer, {**self.options(), **options}))
 
     def solver_for(self, **options) -> Callable[[list[int]], list[int]]:
-        """The brute-force solver for a dataset built with these options."""
-        shared = self._shared(self.solve, options)
+        """The brute-force solver for a dataset built with these options (the dataset's defaults for the rest)."""
+        shared = self._shared(self.solve, {**self.options(), **options})
         return lambda input_ids: self.solve(input_ids, **shared)
 
     def options(self) -> dict:
