@@ -17,8 +17,6 @@ import os
 import sys
 from pathlib import Path
 
-from memlm.configuration.validation import CONVERTIBLE_MODEL_TYPES, MEMLM_MODEL_TYPES
-
 # Files any of which makes a folder hold a tokenizer AutoTokenizer can load without converting a slow one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
@@ -51,6 +49,8 @@ def checkpoint_folder(path: str) -> tuple[Path, dict]:
     """The folder of a saved model and its config.json, or a clear error: the folder does not exist, holds no
     config.json, or names a model type neither memlm nor 🤗 Transformers knows (🤗 would otherwise ask to trust remote
     code)."""
+    from memlm.configuration.validation import CONVERTIBLE_MODEL_TYPES, MEMLM_MODEL_TYPES
+
     folder = Path(path)
     if not folder.exists():
         raise FileNotFoundError(f"the folder {path!r} does not exist; give a folder written by save_pretrained.")
@@ -233,15 +233,29 @@ def _one_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
 
 
+# What `memlm train` and `memlm finetune` import beyond memlm's required dependencies: the `train` extra.
+TRAIN_EXTRA = ("accelerate", "datasets", "matplotlib")
+
+
+def _training_command(command: str):
+    """The `main` of memlm.training's `pretrain` or `finetune`, or a one-line error naming the missing extra."""
+    try:
+        if command == "train":
+            from memlm.training.pretrain import main
+        else:
+            from memlm.training.finetune import main
+    except ModuleNotFoundError as error:
+        if error.name not in TRAIN_EXTRA:
+            raise
+        raise ValueError(
+            f"memlm {command} needs the train extra, and {error.name!r} is not installed: pip install 'memlm[train]'."
+        ) from error
+    return main
+
+
 def run(command: str, rest: list[str]) -> None:
-    if command == "train":
-        from memlm.training.pretrain import main as train
-
-        train(rest)
-    elif command == "finetune":
-        from memlm.training.finetune import main as finetune
-
-        finetune(rest)
+    if command in ("train", "finetune"):
+        _training_command(command)(rest)
     elif command == "generate":
         generate(rest)
     elif command == "plot-memory":

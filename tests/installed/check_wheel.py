@@ -286,7 +286,12 @@ def check_core(core: Path, folder: Path, env: dict) -> None:
         check(command in output, f"memlm --help does not mention {command!r}:\n{output}")
     output = run([memlm, "train", "--preset", "tiny-deltanet", "--output-dir", "runs/no-extra"], cwd=folder, env=env,
                  succeed=False)  # fmt: skip
-    check("accelerate" in output, f"memlm train without the train extra does not name accelerate:\n{output[-2000:]}")
+    check(
+        "memlm: error: memlm train needs the train extra, and 'accelerate' is not installed: pip install 'memlm[train]'."
+        in output
+        and "Traceback" not in output,
+        f"memlm train without the train extra does not say so in one line:\n{output[-2000:]}",
+    )
 
     (folder / "usage.py").write_text(readme_block("Usage", "python") + USAGE_LOGITS, encoding="utf-8")
     with_memlm = result(run([python, "usage.py"], cwd=folder, env=env))

@@ -21,7 +21,14 @@ Triton kernels for the rest.
 """
 
 import torch
-from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
+
+try:
+    from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
+except ImportError as error:
+    raise ImportError(
+        "The 'fla' kernel backend of memlm needs flash-linear-attention >= 0.6: pip install 'memlm[fla]', or choose "
+        "the 'triton' or 'torch' backend."
+    ) from error
 
 __all__ = ["CHUNK_DTYPES", "CHUNK_SIZES", "MAX_CHUNK_KEY_DIM", "delta_rule_fla", "fla_covers"]
 
