@@ -34,9 +34,8 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
-from ..kernels import resolve_backend
-from ..kernels.feedback.tape import _RingStore, _Tape
-from ..kernels.feedback.through_time import _Recording, _StepGradients, _ThroughTime
+from ..kernels.feedback import feedback_recurrence
+from ..kernels.feedback.through_time import _Recording, _StepGradients
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
     CountsOwnPositions,
@@ -168,6 +167,11 @@ class FeedbackTransformerPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
 
 
 class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
+    # The modules `step` runs: the hand-written backward of `memlm.kernels.feedback` knows these (and the config's
+    # activation) only; any other module, e.g. an adapter, runs the steps with autograd.
+    step_modules = (FeedbackDecoderLayer, FeedbackAttention, GatedMLP, RMSNorm, RotaryEmbedding, nn.Linear,
+                    nn.Dropout, nn.ModuleList)  # fmt: skip
+
     def __init__(self, config: FeedbackTransformerConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -187,33 +191,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_encoding == "rotary" else None
         )
         self.post_init()
-
-    def _recurrent_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The parameters the step loop uses (all but the token embedding and the final norm)."""
-        return [(name, parameter) for name, parameter in self.named_parameters()
-                if not name.startswith(("embed_tokens.", "norm."))]  # fmt: skip
-
-    def _backward_by_hand(self, inputs_embeds: torch.Tensor, output_hidden_states: bool) -> bool:
-        """Whether a training forward runs as `_ThroughTime` (the step loop without autograd and a hand-written
-        backward) rather than with autograd through every step (the `"reference"` kernel backend, float16/bfloat16
-        or autocast, and outputs of every layer keep autograd)."""
-        plain = (FeedbackDecoderLayer, FeedbackAttention, GatedMLP, RMSNorm, RotaryEmbedding, nn.Linear, nn.Dropout,
-                 nn.ModuleList)  # fmt: skip
-        activations = [layer.mlp.act_fn for layer in self.layers]  # the config's `hidden_act`
-        modules = [
-            module for name, module in self.named_modules() if name and not name.startswith(("embed_tokens", "norm"))
-        ]
-        return (
-            resolve_backend() != "reference"
-            and inputs_embeds.dtype in (torch.float32, torch.float64)
-            and not torch.is_autocast_enabled(inputs_embeds.device.type)
-            and not output_hidden_states
-            # The backward knows the plain modules only: a hook, an adapter (e.g. LoRA) or a quantised linear layer
-            # changes what the forward computes, so those keep autograd.
-            and all(type(module) in plain or any(module is act for act in activations) for module in modules)
-            and not any(module._forward_hooks or module._forward_pre_hooks for module in modules)
-            and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
-        )
 
     def _memory_bias(self, layer: FeedbackDecoderLayer | None, window, positions: torch.Tensor) -> torch.Tensor:
         """(B, H or 1, W) additive bias of one step: −inf for empty slots and memories outside [t − τ, t − 1], plus
@@ -377,35 +354,14 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
         positions = positions.masked_fill(~valid, -1)
 
-        training_graph = torch.is_grad_enabled() and (
-            inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in self.parameters())
-        )
-        store = (
-            _Tape(cache.layers, length, config, inputs_embeds, padding_steps)
-            if training_graph
-            else _RingStore(cache.layers, cache.next_positions, config, inputs_embeds)
-        )
-        all_states = []
-        if training_graph and self._backward_by_hand(inputs_embeds, output_hidden_states):
-            parameters = [parameter for _, parameter in self._recurrent_parameters()]
-            top = _ThroughTime.apply(self, store, inputs_embeds, positions, valid, *parameters)
-        else:
-            outputs = []
-            # unbind once: indexing step by step would give each step's gradient the size of the whole input.
-            step_embeddings, step_positions, step_valid = inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1)
-            for step in range(length):
-                hidden_states, states = self.step(
-                    step_embeddings[step], step_positions[step], step_valid[step], store, step
-                )
-                outputs.append(hidden_states)
-                if output_hidden_states:
-                    all_states.append(states)
-            top = torch.stack(outputs, dim=1)
-
-        if training_graph:
+        # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
+        top, all_states, window = feedback_recurrence(self, inputs_embeds, positions, valid, cache.layers,
+                                                      cache.next_positions, padding_steps=padding_steps,
+                                                      keep_states=output_hidden_states)  # fmt: skip
+        if window is not None:
             # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
             # training forward takes it as its prefix, inference lays it out as a ring.
-            keys, values, slot_positions, slot_valid = store.last_memories()
+            keys, values, slot_positions, slot_valid = window
             following = cache.next_positions + valid.sum(1)
             slot_valid = slot_valid & (following[:, None] - slot_positions <= config.memory_span)
             for group, layer in enumerate(cache.layers):

@@ -13,6 +13,31 @@ import weakref
 import torch
 
 
+def recurrent_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters the step loop uses (all but the token embedding and the final norm)."""
+    return [(name, parameter) for name, parameter in model.named_parameters()
+            if not name.startswith(("embed_tokens.", "norm."))]  # fmt: skip
+
+
+def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
+    """Whether the hand-written backward knows what the forward computes: float32/float64 without autocast, no
+    per-step outputs kept for the caller, and only the model's plain modules (`model.step_modules`, and the
+    activation of its config). A hook, an adapter (e.g. LoRA) or a quantised linear layer changes what the forward
+    computes, so those keep autograd."""
+    activations = [layer.mlp.act_fn for layer in model.layers]
+    modules = [
+        module for name, module in model.named_modules() if name and not name.startswith(("embed_tokens", "norm"))
+    ]
+    return (
+        inputs_embeds.dtype in (torch.float32, torch.float64)
+        and not torch.is_autocast_enabled(inputs_embeds.device.type)
+        and not keep_states
+        and all(type(module) in model.step_modules or any(module is act for act in activations) for module in modules)
+        and not any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+        and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+    )
+
+
 class _Recording:
     """What the hand-written backward needs from a training forward run without autograd, by (layer, step): the
     layer's input, rotated query, attention weights, context, the residual after attention, the MLP's gate and up
@@ -192,7 +217,7 @@ class _ThroughTime(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_outputs):
-        parameters = ctx.model._recurrent_parameters()
+        parameters = recurrent_parameters(ctx.model)
         needed = {name for (name, _), needs in zip(parameters, ctx.needs_input_grad[5:]) if needs}
         grad_embeddings, gradients = _backward_through_time(ctx.model, ctx.store, ctx.record, ctx.positions,
                                                             grad_outputs, needed)  # fmt: skip

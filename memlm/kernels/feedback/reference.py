@@ -1,0 +1,95 @@
+"""Readable definition of the Feedback recurrence (SPEC §3).
+
+Fan, Lavril, Grave, Joulin & Sukhbaatar (ICLR 2021), *Addressing Some Limitations of Transformers with Feedback
+Memory*, Sec. 3. At step t every layer l attends, with a query from its input, over the memories of the last τ steps,
+and the step's memory mixes the embedding and every layer's output (Eq. 1)::
+
+    z_t^l = Attn(x_t^{l−1}, {m_{t−τ}, …, m_{t−1}})        keys and values are projections of the memories
+    m_t   = Σ_{l=0..L} softmax(w)_l · x_t^l
+
+m_t needs the top layer at t, so the loop over t is sequential, in training too. The step itself (layers, the mix,
+the projections) is the model's `step` function; this file is the loop around it and the memory it reads and writes:
+Python lists with one entry per step, and plain autograd. Every step reads every memory so far; which ones it sees is
+decided by positions alone (`bias` is −inf outside [t − τ, t − 1], for padding and for empty slots). Slow (O(T²)) and
+plain on purpose: the fast path of `memlm.kernels.feedback` is tested against it.
+"""
+
+import torch
+
+__all__ = ["ListMemory", "feedback_recurrence_reference"]
+
+
+class ListMemory:
+    """The memory as Python lists, one entry per memory: keys and values (G, B, H, d) (G key/value sets: one when the
+    layers share their projections), the position (B,) and whether it holds a memory (B,; False for padding)."""
+
+    def __init__(self, cache_layers, like: torch.Tensor):
+        self.batch_size, self.device, self.dtype = like.shape[0], like.device, like.dtype
+        self.keys, self.values, self.positions, self.valid = [], [], [], []
+        if cache_layers[0].keys is not None:  # carried from the cache: every slot, its position says if it is seen
+            for slot in range(cache_layers[0].keys.shape[2]):
+                self.keys.append(torch.stack([layer.keys[:, :, slot] for layer in cache_layers]).to(like.dtype))
+                self.values.append(torch.stack([layer.values[:, :, slot] for layer in cache_layers]).to(like.dtype))
+                self.positions.append(cache_layers[0].positions[:, slot])
+                self.valid.append(cache_layers[0].valid[:, slot])
+
+    def window(self, group: int, step: int):
+        """Positions and validity (B, W) of the memories a step reads: all of them."""
+        if not self.positions:
+            empty = torch.zeros(self.batch_size, 0, dtype=torch.long, device=self.device)
+            return None, None, empty, empty.bool()
+        return None, None, torch.stack(self.positions, 1), torch.stack(self.valid, 1)
+
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """softmax(q·Kᵀ/√d + bias) · V for query (B·H, d) and bias (B·H, W); zero where no memory is visible (the
+        paper's "no attention term" before the first memory)."""
+        if not self.keys:
+            return torch.zeros_like(query)
+        keys = torch.stack([keys[group] for keys in self.keys], dim=2).flatten(0, 1)  # (B·H, W, d)
+        values = torch.stack([values[group] for values in self.values], dim=2).flatten(0, 1)
+        scores = torch.einsum("nd,nwd->nw", query, keys) * query.shape[-1] ** -0.5 + bias
+        seen = (bias > float("-inf")).any(-1, keepdim=True)
+        weights = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+        return torch.einsum("nw,nwd->nd", weights, values)
+
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+        """Append m_t's keys and values (G, B, H, d) at positions (B,); padding is appended too, never seen."""
+        self.keys.append(keys)
+        self.values.append(values)
+        self.positions.append(positions)
+        self.valid.append(valid)
+
+
+def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_layers, next_positions, memory_span):
+    """Run `step` over the T positions with a `ListMemory`.
+
+    Args:
+        step: the model's step function, `step(embeddings (B, D), positions (B,), valid (B,), memory, t)` →
+            (top layer's output (B, D), every layer's output).
+        inputs_embeds: (B, T, D). positions, valid: (B, T); padding has position −1 and valid False.
+        cache_layers: the key/value sets entering the sequence (`keys` None: empty).
+        next_positions: (B,) the position of each row's next real token before this call.
+        memory_span: τ.
+
+    Returns:
+        The top layer's outputs (B, T, D), the list of every step's layer outputs, and the memory to carry: keys and
+        values (G, B, H, W, d), positions and validity (B, W) of the memories some row can still see next.
+    """
+    memory = ListMemory(cache_layers, inputs_embeds)
+    outputs, states = [], []
+    for t, (embeddings, step_positions, step_valid) in enumerate(
+        zip(inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1))
+    ):
+        hidden_states, layer_states = step(embeddings, step_positions, step_valid, memory, t)
+        outputs.append(hidden_states)
+        states.append(layer_states)
+    _, _, memory_positions, memory_valid = memory.window(0, len(outputs))
+    following = next_positions + valid.sum(1)
+    carried = (memory_valid & (following[:, None] - memory_positions <= memory_span)).any(0).nonzero()[:, 0].tolist()
+    if carried:
+        keys = torch.stack([memory.keys[index] for index in carried], dim=3)
+        values = torch.stack([memory.values[index] for index in carried], dim=3)
+    else:  # nothing left to see: an empty window (T ≥ 1, so there is a memory to take the shape of)
+        keys = values = memory.keys[0].new_zeros(*memory.keys[0].shape[:3], 0, memory.keys[0].shape[3])
+    window = (keys, values, memory_positions[:, carried], memory_valid[:, carried])
+    return torch.stack(outputs, dim=1), states, window
