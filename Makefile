@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make main   set up .venv, then build a small DeltaNet and generate from a prompt (text and speed)
-#   make test   set up .venv, then run ruff, the whole test suite and the installed-wheel check
+#   make test   set up .venv, then run ruff, the test suite (without the tests marked slow) and the installed-wheel check
+#   make test-slow   the tests marked slow: every GPU-compile scenario, pipelining checks, long exports
 #   make wheel-check   the wheel installed alone (CPU torch, no Triton, no dev extras) and used from an empty folder
 # torch==2.13.0 is installed first and alone: an unpinned torch would pull a multi-GB CUDA build.
 
@@ -9,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: main test wheel-check benchmark papers clean
+.PHONY: main test test-slow wheel-check benchmark papers clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +25,11 @@ main: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
 	$(BIN)/python tests/installed/check_wheel.py --python $(PYTHON)
+
+test-slow: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
 
 wheel-check: $(STAMP)
 	$(BIN)/python tests/installed/check_wheel.py --python $(PYTHON)
