@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from transformers import AutoConfig, DynamicCache, pipeline
 
 from memlm import FeedbackCache, FeedbackTransformerConfig, FeedbackTransformerForCausalLM
-from memlm.kernels.feedback import through_time
 from tests.modeling.padding import LAYOUTS, check_rows_alone, padding_mask
 
 TINY = {
@@ -91,8 +90,10 @@ def naive_forward(model: FeedbackTransformerForCausalLM, input_ids: torch.Tensor
     return model.lm_head(body.norm(torch.stack(outputs, 1)))
 
 
+@pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_forward_and_gradients_match_the_naive_loop(variant):
+def test_forward_and_gradients_match_the_naive_loop(variant, backend, monkeypatch):
+    monkeypatch.setenv("MEMLM_KERNELS", backend)  # the hand-written backward, and the kernel's reference loop
     model = _model(variant)
     input_ids = torch.randint(0, 256, (2, 13))
     logits = model(input_ids).logits
@@ -147,26 +148,6 @@ def test_padding_anywhere_gives_each_row_alone(layout, mode):
         model.train()  # no dropout in TINY: the same numbers, through the training path
     check_rows_alone(model, _padding_mask(layout), 257, prefix_length=6, following_length=3,
                      training=mode == "training")  # fmt: skip
-
-
-@pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
-def test_padded_training_gradients_equal_autograd_through_the_steps(variant, monkeypatch):
-    """Right padding and holes, after a carried memory: the hand-written backward equals autograd (float64)."""
-    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 3)
-    model = _model(variant, memory_span=3).train().double()
-    mask = torch.cat([_padding_mask("right")[:2], _padding_mask("between")[2:]])
-    input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, 257)
-    with torch.no_grad():
-        carried = model(torch.randint(0, 256, (3, 4)), use_cache=True).past_key_values
-    results = {}
-    for backend in ("torch", "reference"):
-        inputs = {"input_ids": input_ids, "attention_mask": torch.cat([torch.ones(3, 4, dtype=torch.long), mask], 1),
-                  "labels": input_ids.masked_fill(mask == 0, -100), "past_key_values": copy.deepcopy(carried)}  # fmt: skip
-        results[backend] = _loss_and_gradients(model, backend, monkeypatch, **inputs)
-    (loss, gradients), (expected_loss, expected) = results["torch"], results["reference"]
-    torch.testing.assert_close(loss, expected_loss, atol=1e-12, rtol=1e-12)
-    for name, reference in expected.items():
-        assert (gradients[name] - reference).norm() <= 1e-10 * reference.norm(), name
 
 
 def test_the_top_layer_at_t_minus_1_reaches_the_first_layer_at_t():
@@ -352,103 +333,3 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     checkpointed = gradients()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
-
-
-def _runs_the_hand_written_backward(output: torch.Tensor) -> bool:
-    """Whether the autograd graph behind `output` holds the one `_ThroughTime` node of the hand-written backward."""
-    seen, frontier = set(), [output.grad_fn]
-    while frontier:
-        node = frontier.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "_ThroughTimeBackward":
-            return True
-        frontier.extend(next_node for next_node, _ in node.next_functions)
-    return False
-
-
-def _loss_and_gradients(model, backend, monkeypatch, seed=0, **inputs):
-    """Loss and every gradient (parameters, and the input embeddings) of one training step under a kernel backend."""
-    monkeypatch.setenv("MEMLM_KERNELS", backend)
-    model.zero_grad(set_to_none=True)
-    embeddings = model.model.embed_tokens(inputs.pop("input_ids")).detach().requires_grad_()
-    torch.manual_seed(seed)  # the same dropout masks under both backends
-    output = model(inputs_embeds=embeddings, **inputs)
-    assert _runs_the_hand_written_backward(output.loss) == (backend == "torch")
-    output.loss.backward()
-    gradients = {name: parameter.grad for name, parameter in model.named_parameters() if parameter.grad is not None}
-    return output.loss.detach(), {**gradients, "inputs_embeds": embeddings.grad}
-
-
-SETTINGS = {
-    "plain": {},
-    "dropout": {"hidden_dropout": 0.2, "attention_dropout": 0.1},
-    "gelu": {"hidden_act": "gelu"},
-    "relu": {"hidden_act": "relu"},
-    "span_beyond_length": {"memory_span": 40},
-}
-
-
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_hand_written_backward_equals_autograd_through_the_steps(variant, setting, monkeypatch):
-    # Blocks of 3 steps: reads add to slots inside their block at once and to earlier slots when the block ends.
-    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 3)
-    # float64: the two differ only by the order of float operations, so any real difference would show far above it.
-    model = _model(variant, **SETTINGS[setting]).train().double()
-    input_ids = torch.randint(0, 256, (3, 11))
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, :3] = 0  # left padding writes no memory
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids}
-    loss, gradients = _loss_and_gradients(model, "torch", monkeypatch, **dict(inputs))
-    expected_loss, expected = _loss_and_gradients(model, "reference", monkeypatch, **dict(inputs))
-    torch.testing.assert_close(loss, expected_loss, atol=1e-12, rtol=1e-12)
-    assert gradients.keys() == expected.keys()
-    for name, reference in expected.items():
-        assert (gradients[name] - reference).norm() <= 1e-10 * reference.norm(), name
-        assert reference.abs().sum() > 0, name
-
-
-@pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
-def test_hand_written_backward_with_checkpointing_a_carried_memory_and_frozen_weights(variant, monkeypatch):
-    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 4)
-    model = _model(variant).train()
-    model.activation_checkpointing_enable()
-    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
-    first, second = torch.randint(0, 256, (2, 7)), torch.randint(0, 256, (2, 9))
-    with torch.no_grad():
-        carried = model(first, use_cache=True).past_key_values  # a training forward leaves its window in the cache
-    results = {}
-    for backend in ("torch", "reference"):
-        cache = copy.deepcopy(carried)
-        results[backend] = _loss_and_gradients(model, backend, monkeypatch, input_ids=second, labels=second,
-                                               past_key_values=cache)  # fmt: skip
-        assert cache.get_seq_length() == 16
-    (loss, gradients), (expected_loss, expected) = results["torch"], results["reference"]
-    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-6)
-    assert gradients.keys() == expected.keys() and "model.layers.1.mlp.up_proj.weight" not in gradients
-    for name, reference in expected.items():
-        assert (gradients[name] - reference).norm() <= 1e-5 * reference.norm(), name
-
-
-def test_autograd_through_the_steps_where_the_backward_cannot_know_the_forward(monkeypatch):
-    """Hooks, adapters or other precisions change what the forward computes: those runs keep autograd."""
-    monkeypatch.setenv("MEMLM_KERNELS", "torch")
-    model = _model().train()
-    input_ids = torch.randint(0, 256, (2, 6))
-    assert _runs_the_hand_written_backward(model(input_ids, labels=input_ids).loss)
-    assert not _runs_the_hand_written_backward(model(input_ids, labels=input_ids, output_hidden_states=True).loss)
-    handle = model.model.layers[0].attention.q_proj.register_forward_hook(lambda module, inputs, output: output * 2)
-    assert not _runs_the_hand_written_backward(model(input_ids, labels=input_ids).loss)
-    handle.remove()
-
-    class ScaledLinear(torch.nn.Linear):  # stands for an adapter: a different forward under the same weight
-        def forward(self, inputs):
-            return 2 * super().forward(inputs)
-
-    plain = model.model.layers[0].mlp.down_proj
-    model.model.layers[0].mlp.down_proj = ScaledLinear(plain.in_features, plain.out_features, bias=False)
-    assert not _runs_the_hand_written_backward(model(input_ids, labels=input_ids).loss)
-    model.model.layers[0].mlp.down_proj = plain
-    assert not _runs_the_hand_written_backward(model.to(torch.bfloat16)(input_ids, labels=input_ids).loss)
