@@ -7,21 +7,14 @@ Memory". At step t the layers read one shared memory of earlier steps (SPEC §3,
     z_t^l = Attn(query x_t^l, keys/values of m_{t−τ} … m_{t−1})
 
 m_t needs the top layer at t, so the computation is sequential in t, in training too. One step function
-(`FeedbackTransformerModel.step`) serves the full forward (a loop over the T positions) and decoding, so they cannot
-drift apart. Its memory lives in preallocated buffers: a ring of τ slots written in place when no gradient is needed
-(prefill, decoding), and, in training, a tape of all steps, written once.
+(`FeedbackTransformerModel.step`: the layers, then the memory mix of Eq. 1 and its keys/values) serves the full
+forward and decoding, so they cannot drift apart. The loop over the steps and the memory it reads and writes are the
+operation `memlm.kernels.feedback.feedback_recurrence`: its `reference.py` is the plain loop; its fast path keeps the
+memory in preallocated buffers (the cache's ring of τ slots, a training tape) and differentiates the loop by hand.
+The `record` arguments of `step` keep what that hand-written backward needs (`Recording`).
 
-Training runs the step loop in one of two ways, with the same step function:
-- `_ThroughTime` (the default): the loop runs without autograd, recording what the backward needs, and
-  `_backward_through_time` walks the steps back by hand. A graph of ~160 small autograd nodes per step costs more
-  than the step itself on a CPU, and the weight gradients become products of many steps at once.
-- autograd through every step (`MEMLM_KERNELS=reference`, float16/bfloat16, autocast, `output_hidden_states`, or
-  modules the hand-written backward does not know, e.g. adapters or hooks): the tape's gradients are routed by hand
-  (`_TapeWrite`, `_TapeRead`), because autograd forbids reading a buffer that later steps write into.
-The tests check that both give the same gradients in float64 to 1e-10.
-
-The file reads top to bottom: attention over the memory → the two memory stores → the hand-written backward →
-decoder layer → cache → PreTrainedModel → FeedbackTransformerModel → FeedbackTransformerForCausalLM.
+The file reads top to bottom: attention → decoder layer → cache → PreTrainedModel → FeedbackTransformerModel (its
+step, then its forward) → FeedbackTransformerForCausalLM.
 """
 
 import torch
@@ -35,7 +28,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
-from ..kernels.feedback.through_time import _Recording, _StepGradients
+from ..kernels.feedback.through_time import Recording, StepGradients
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
     CountsOwnPositions,
@@ -99,14 +92,8 @@ class FeedbackCacheLayer(MemoryCacheLayer):
     def __init__(self):
         super().__init__()
         # True: τ slots with slot = position mod τ (written in place by inference). False: a window of memories in any
-        # order (what a training forward leaves), turned into a ring when inference needs one.
+        # order (what a training forward or the reference loop leaves), turned into a ring when inference needs one.
         self.ring = False
-
-    @classmethod
-    def window_of(cls, keys, values, positions, valid) -> "FeedbackCacheLayer":
-        layer = cls()
-        layer.keys, layer.values, layer.positions, layer.valid = keys, values, positions, valid
-        return layer
 
     def allocate_ring(self, batch_size: int, config: FeedbackTransformerConfig, dtype, device):
         self.ring = True
@@ -205,7 +192,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             bias = torch.zeros(visible.shape[0], 1, visible.shape[1], device=visible.device)
         return bias.to(torch.promote_types(bias.dtype, torch.float32)).masked_fill(~visible[:, None], float("-inf"))
 
-    def _dropout(self, states: torch.Tensor, probability: float, record: "_Recording | None", key) -> torch.Tensor:
+    def _dropout(self, states: torch.Tensor, probability: float, record: "Recording | None", key) -> torch.Tensor:
         """Dropout with an explicit mask, kept in `record` for the hand-written backward (both training paths draw
         the same masks from the same seed)."""
         if not self.training or probability == 0:
@@ -221,7 +208,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         normed = layer.post_attention_layernorm(residual)
         if record is None:
             output = mlp(normed)
-        else:  # the MLP's lines, to keep its projections (only for plain modules, see `_backward_by_hand`)
+        else:  # the MLP's lines, to keep its projections (only for plain modules, see `through_time.covers`)
             gate, up = F.linear(normed, record.gate_up[key[0]]).split(mlp.gate_proj.out_features, dim=-1)
             if not layer.gradient_checkpointing:
                 record.gates[key], record.ups[key] = gate, up
@@ -229,7 +216,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         return self._dropout(output, layer.dropout.p, record, ("mlp",) + key)
 
     def step(self, embeddings: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, store, step: int,
-             record: "_Recording | None" = None):  # fmt: skip
+             record: "Recording | None" = None):  # fmt: skip
         """One time step for a batch: embeddings (B, D) of the tokens at `positions` (B,); `valid` (B,) False for
         padding, which writes nothing into the memory. Returns the top layer's output (B, D) and every layer's.
         `record` (training without autograd) keeps what the hand-written backward needs."""
@@ -382,13 +369,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             # As in 🤗 Llama: the embeddings, each layer's output but the last, and the normed output. The embeddings
             # and the normed output are the very tensors on the path to the loss; a layer's outputs exist step by
             # step only (step t runs before step t + 1 exists), so their stack gets, after a backward, the gradient of
-            # each step's output as its `.grad` when `retain_grad()` was called (`_StepGradients`).
+            # each step's output as its `.grad` when `retain_grad()` was called (`StepGradients`).
             layer_states = []
             for index in range(1, len(self.layers)):
                 steps = [states[index] for states in all_states]
                 stacked = restored(torch.stack(steps, dim=1))
                 if stacked.requires_grad:
-                    _StepGradients(stacked, steps, restored)
+                    StepGradients(stacked, steps, restored)
                 layer_states.append(stacked)
             hidden_states_out = (given_embeds, *layer_states, hidden_states)
         output = BaseModelOutputWithPast(

@@ -1,6 +1,6 @@
 """The hand-written backward of the Feedback recurrence (the fast path of `memlm.kernels.feedback` in training).
 
-`_ThroughTime` runs the training step loop without autograd, recording what the backward needs (`_Recording`), and
+`_ThroughTime` runs the training step loop without autograd, recording what the backward needs (`Recording`), and
 `_backward_through_time` walks the steps back by hand. A graph of ~160 small autograd nodes per step costs more than
 the step itself on a CPU, and the weight gradients become products of many steps at once (`_WeightGradients`); the
 tape's key/value gradients are added block by block (`_TapeGradients`). The tests check it against autograd through
@@ -38,7 +38,7 @@ def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
     )
 
 
-class _Recording:
+class Recording:
     """What the hand-written backward needs from a training forward run without autograd, by (layer, step): the
     layer's input, rotated query, attention weights, context, the residual after attention, the MLP's gate and up
     projections (not kept under gradient checkpointing: recomputed), the dropout masks; by step: the layer mix,
@@ -205,7 +205,7 @@ class _ThroughTime(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, model, store, inputs_embeds, positions, valid, *parameters):
-        record = _Recording(model)
+        record = Recording(model)
         outputs = [
             model.step(embeddings, step_positions, step_valid, store, step, record)[0]
             for step, (embeddings, step_positions, step_valid) in enumerate(
@@ -356,7 +356,7 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
     return torch.stack(grad_embeddings, dim=1), gradients
 
 
-class _StepGradients:
+class StepGradients:
     """The `.grad` of a layer's stacked outputs (B, T, D), returned with `output_hidden_states`. Step t's output is
     consumed at step t, before the stack exists, so no gradient flows through the stack into the model; instead each
     step's output hands its gradient (everything the loss owes it, later steps included) to a buffer, and once every
