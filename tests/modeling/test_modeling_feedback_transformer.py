@@ -140,9 +140,11 @@ def _padding_mask(layout: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["inference", "training"])
-def test_padding_anywhere_gives_each_row_alone(layout, mode):
-    """Training runs the tape (and carries its window), inference the ring. τ = 5 < the padding, so a window counted
-    in steps rather than positions would lose memories."""
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_padding_anywhere_gives_each_row_alone(layout, mode, backend, monkeypatch):
+    """Training runs the tape (and carries its window), inference the ring; the reference its lists. τ = 5 < the
+    padding, so a window counted in steps rather than positions would lose memories."""
+    monkeypatch.setenv("MEMLM_KERNELS", backend)
     model = _model("unshared_rotary")
     if mode == "training":
         model.train()  # no dropout in TINY: the same numbers, through the training path
