@@ -150,7 +150,8 @@ def describe(path: str) -> list[str]:
         f"kernels: {resolve_backend(None, torch.device(device))} backend on {device} (MEMLM_KERNELS overrides)"
     )
     operation = {"memlm_deltanet": "sum_rule" if getattr(config, "update_rule", "delta") == "sum" else "delta_rule",
-                 "memlm_expire_span": "expire_span_attention"}.get(config.model_type)  # fmt: skip
+                 "memlm_expire_span": "expire_span_attention",
+                 "memlm_feedback_transformer": "feedback"}.get(config.model_type)  # fmt: skip
     if operation is not None:
         lines.append(f"kernels run: {describe_backend(operation, device, getattr(config, 'dtype', None))}")
     if (folder / "metrics.json").is_file():

@@ -43,7 +43,7 @@ __all__ = [
 ENVIRONMENT_VARIABLE = "MEMLM_KERNELS"
 BACKENDS = ("torch", "triton", "reference", "fla")
 # The public operations of memlm.kernels, and the ones flash-linear-attention implements.
-OPERATIONS = ("delta_rule", "sum_rule", "expire_span_attention")
+OPERATIONS = ("delta_rule", "sum_rule", "expire_span_attention", "feedback")
 FLA_OPERATIONS = ("delta_rule",)
 FLA_MINIMUM_VERSION = (0, 6)
 FLA_INSTALL_HINT = "pip install 'memlm[fla]'"
@@ -154,7 +154,7 @@ def describe_backend(operation: str, device="cpu", dtype=None, backend: str | No
     """Say in one line which implementation ``operation`` runs for tensors on ``device`` of ``dtype``.
 
     Args:
-        operation: ``"delta_rule"``, ``"sum_rule"`` or ``"expire_span_attention"``.
+        operation: ``"delta_rule"``, ``"sum_rule"``, ``"expire_span_attention"`` or ``"feedback"``.
         device: a ``torch.device`` or its name (``"cuda"``, ``"cpu"``).
         dtype: the inputs' dtype, a ``torch.dtype`` or its name (``"bfloat16"``, as a config's ``dtype`` may
             hold it); ``None`` means float32.
@@ -183,6 +183,12 @@ def describe_backend(operation: str, device="cpu", dtype=None, backend: str | No
     fla_chosen = operation not in FLA_OPERATIONS and resolve_backend(backend, device, "delta_rule") == "fla"
     if resolved == "reference":
         return "reference: memlm's readable reference implementation"
+    if operation == "feedback":  # one implementation beside the reference, whatever the backend
+        text = (
+            f"{resolved}: memlm's PyTorch step loop (a ring of τ slots to decode; a tape and a hand-written backward "
+            f"to train)"
+        )
+        return text + ("" if resolved == "torch" else " (no Triton kernel for this operation)")
     if resolved == "torch" or (dtype == torch.float64 and operation != "sum_rule"):
         prefix = resolved if resolved == "torch" else f"{resolved} (float64 runs PyTorch)"
         if operation == "expire_span_attention":

@@ -147,6 +147,11 @@ def test_describe_backend_says_what_runs(monkeypatch):
     assert describe_backend("delta_rule", "cpu").startswith("torch: memlm's PyTorch chunkwise implementation")
     assert describe_backend("delta_rule", "cuda", backend="triton").startswith("triton: memlm's Triton chunkwise")
     assert describe_backend("delta_rule", "cuda", backend="reference").startswith("reference:")
+    assert describe_backend("feedback", "cpu") == (
+        "torch: memlm's PyTorch step loop (a ring of τ slots to decode; a tape and a hand-written backward to train)"
+    )
+    assert describe_backend("feedback", "cuda").endswith("to train) (no Triton kernel for this operation)")
+    assert describe_backend("feedback", "cuda", backend="reference").startswith("reference:")
     assert describe_backend("delta_rule", "cuda", "bfloat16") == describe_backend("delta_rule", "cuda", torch.bfloat16)
     assert describe_backend("delta_rule", "cuda", "torch.float16") == describe_backend(
         "delta_rule", "cuda", torch.float16

@@ -53,6 +53,7 @@ def test_finetune_with_the_trainer_lowers_the_held_out_loss(trained, tmp_path, n
 def test_generate_and_info_describe_a_saved_model(trained):
     result = _memlm("generate", str(trained["feedback"]), "--prompt", "def ", "--max-new-tokens", "10", "--greedy")
     assert result.stdout.startswith("def ") and len(result.stdout) > len("def ")
+    assert "kernels run: torch: memlm's PyTorch step loop" in _memlm("info", str(trained["feedback"])).stdout
     info = _memlm("info", str(trained["expire_span"])).stdout
     assert "ExpireSpanConfig" in info and "parameters:" in info and "kernels: torch backend on cpu" in info
     assert "held-out bits per byte" in info
