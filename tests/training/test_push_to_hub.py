@@ -24,8 +24,9 @@ from tests.training.test_pretrain import MODELS, SIZES, TEXT, TRAINING
 
 TOKEN = "hf_fake_token_for_tests"
 PRETRAINED, TUNED = "someone/tiny-model", "someone/tuned"
-# Written beside the checkpoint, not part of what save_pretrained (and so a push) uploads.
-LOCAL_ONLY = {"metrics.json", "loss.png"}
+# Written beside the checkpoint, not part of what save_pretrained (and so a push) uploads: metrics, the loss curve,
+# the run's settings and its lock.
+LOCAL_ONLY = {"metrics.json", "loss.png", "run.json", ".lock"}
 
 
 @pytest.fixture(scope="module")
