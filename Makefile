@@ -25,7 +25,7 @@ main: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" --durations=20
 	$(BIN)/python tests/installed/check_wheel.py --python $(PYTHON)
 
 test-slow: $(STAMP)
