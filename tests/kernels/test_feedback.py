@@ -12,24 +12,8 @@ import torch
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.kernels.feedback import feedback_recurrence, through_time
 from tests.modeling.padding import padding_mask
+from tests.modeling.test_modeling_feedback_transformer import TINY, VARIANTS
 
-TINY = {
-    "vocab_size": 258,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 2,
-    "memory_span": 5,
-    "eos_token_id": 256,
-    "bos_token_id": 256,
-    "pad_token_id": 257,
-}
-VARIANTS = {
-    "shared_rotary": {},
-    "unshared_rotary": {"share_key_value": False},
-    "shared_relative_bias": {"position_encoding": "relative_bias"},
-    "unshared_relative_bias": {"share_key_value": False, "position_encoding": "relative_bias"},
-}
 SETTINGS = {
     "plain": {},
     "dropout": {"hidden_dropout": 0.2, "attention_dropout": 0.1},
