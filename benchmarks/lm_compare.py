@@ -396,7 +396,10 @@ def training_step_memory(requests: list[dict]) -> list[dict]:
             optimizer.zero_grad(set_to_none=True)
             memory = detach_memory(outputs.past_key_values) if request["carry"] else None
             del outputs
-        results.append({"model": request["model"], "peak_rise_bytes": (_resident_kib("VmHWM") - before) * 1024,
+        # Linux batches its per-thread RSS counters (a few pages), so a step that allocates nothing new can read a
+        # high-water mark a few KiB below `before`: that is a rise of 0.
+        rise = max(0, _resident_kib("VmHWM") - before)
+        results.append({"model": request["model"], "peak_rise_bytes": rise * 1024,
                         "peak_resident_bytes": _resident_kib("VmHWM") * 1024})  # fmt: skip
         del model, optimizer, memory
     return results
