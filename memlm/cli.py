@@ -239,18 +239,20 @@ TRAIN_EXTRA = ("accelerate", "datasets", "matplotlib")
 
 
 def _training_command(command: str):
-    """The `main` of memlm.training's `pretrain` or `finetune`, or a one-line error naming the missing extra."""
-    try:
-        if command == "train":
-            from memlm.training.pretrain import main
-        else:
-            from memlm.training.finetune import main
-    except ModuleNotFoundError as error:
-        if error.name not in TRAIN_EXTRA:
-            raise
+    """The `main` of memlm.training's `pretrain` or `finetune`, or a one-line error naming the missing extra (checked
+    first: the training code imports those packages only once it runs)."""
+    import importlib.util
+
+    missing = [name for name in TRAIN_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
         raise ValueError(
-            f"memlm {command} needs the train extra, and {error.name!r} is not installed: pip install 'memlm[train]'."
-        ) from error
+            f"memlm {command} needs the train extra, and {', '.join(map(repr, missing))} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: pip install 'memlm[train]'."
+        )
+    if command == "train":
+        from memlm.training.pretrain import main
+    else:
+        from memlm.training.finetune import main
     return main
 
 
