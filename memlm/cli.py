@@ -234,8 +234,9 @@ def _one_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
 
 
-# What `memlm train` and `memlm finetune` import beyond memlm's required dependencies: the `train` extra.
-TRAIN_EXTRA = ("accelerate", "datasets", "matplotlib")
+# What `memlm train` and `memlm finetune` cannot run without, from the `train` extra (matplotlib, also in it, only
+# draws loss.png: without it the picture is skipped). `datasets` is needed by train for non-text data files only.
+TRAIN_EXTRA_NEEDED = {"train": ("accelerate",), "finetune": ("accelerate", "datasets")}
 
 
 def _training_command(command: str):
@@ -243,7 +244,7 @@ def _training_command(command: str):
     first: the training code imports those packages only once it runs)."""
     import importlib.util
 
-    missing = [name for name in TRAIN_EXTRA if importlib.util.find_spec(name) is None]
+    missing = [name for name in TRAIN_EXTRA_NEEDED[command] if importlib.util.find_spec(name) is None]
     if missing:
         raise ValueError(
             f"memlm {command} needs the train extra, and {', '.join(map(repr, missing))} "
