@@ -639,7 +639,9 @@ def _dots_by_line(ttgir: str, filename: str, source: tuple[list[str], int]) -> d
     (not MMA) result layout runs on CUDA cores; ``warp_group_dot`` (wgmma), ``tc_gen5_mma`` and MMA layouts on
     tensor cores."""
     locations = dict(_LOCATION.findall(ttgir))
-    quoted = '"' + filename + '"'
+    # Triton's cache keys a kernel by its source and first line, not its file's path: a kernel compiled from another
+    # checkout of the same file comes back with that checkout's path, so only the file's name is compared.
+    own_file = re.compile(r'^"(?:[^"]*/)?' + re.escape(os.path.basename(filename)) + r'":(\d+):')
 
     def outer_line(name, depth=0):
         text = locations.get(name, "")
@@ -647,8 +649,9 @@ def _dots_by_line(ttgir: str, filename: str, source: tuple[list[str], int]) -> d
             return 0
         if text.startswith("callsite("):
             return outer_line(text.rsplit(" at ", 1)[1].rstrip(")"), depth + 1)
-        if text.startswith(quoted + ":"):
-            return int(text[len(quoted) + 1 :].split(":")[0])
+        found = own_file.match(text)
+        if found:
+            return int(found.group(1))
         inner = re.search(r"#loc\d*", text)
         return outer_line(inner.group(0), depth + 1) if inner else 0
 
