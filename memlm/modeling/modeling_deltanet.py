@@ -26,6 +26,7 @@ from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
 from ..kernels import describe_backend, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
+from ..kernels.delta_rule.packing import PaddingPacker
 from .layers import GatedMLP, RMSNorm
 from .memory import (
     CountsOwnPositions,
@@ -217,7 +218,7 @@ class DeltaNetAttention(nn.Module):
         """hidden_states (B, T, D); attention_mask (B, T), 1 for each row's real tokens, which come first, and 0 for
         the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32 and
         convolution_tail (B, kernel-1, C) carried from earlier tokens. With cu_seqlens (S + 1 offsets),
-        hidden_states (1, N, D) hold S sequences back to back (`DeltaNetPadding`) and nothing is padded; cu_seqlens_cpu
+        hidden_states (1, N, D) hold S sequences back to back (`PaddingPacker`) and nothing is padded; cu_seqlens_cpu
         is the same offsets on the host, so that the kernels read nothing back from the device."""
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
@@ -304,63 +305,6 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         hidden_states = hidden_states + self.dropout(mixed)
         hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
         return hidden_states, fast_weights, convolution_tail
-
-
-class DeltaNetPadding:
-    """How a padded batch, or a row of packed documents, runs. Padding is skipped: each row's real tokens give the
-    outputs and the memory they give alone, wherever the padding sits (left, right or between tokens). Documents
-    packed into a row (position_ids restarting, as 🤗's DataCollatorWithFlattening builds them) each start from an
-    empty memory, and the row's memory afterwards is its last document's.
-
-    - Packed (documents, or padding on the Triton delta rule): the real tokens of all rows go back to back into one
-      row, with `cu_seqlens` marking where each sequence (a row, or a document in it) starts, so the padding costs
-      nothing; the outputs at padding are zeros.
-    - Otherwise each row's real tokens move, in order, to the front of the row (a stable reordering, undone at the
-      end) and the padding behind them is masked: it writes nothing into the memory.
-    """
-
-    def __init__(self, attention_mask: torch.Tensor, pack: bool, document_starts: torch.Tensor | None = None):
-        self.shape = attention_mask.shape
-        self.lengths = attention_mask.sum(1)
-        self.last_sequences = None  # with documents: the index of each row's last sequence
-        if pack or document_starts is not None:
-            flat_mask = attention_mask.flatten()
-            self.indices = flat_mask.nonzero().squeeze(1)
-            row_offsets = F.pad(self.lengths.cumsum(0), (1, 0))
-            self.cu_seqlens = row_offsets.to(torch.int32)
-            if document_starts is not None:
-                packed_positions = flat_mask.long().cumsum(0) - 1
-                starts = torch.cat([row_offsets[:-1], packed_positions[document_starts.flatten()]]).sort().values
-                self.cu_seqlens = torch.cat([starts, row_offsets[-1:]]).to(torch.int32)
-                self.last_sequences = (1 + document_starts.sum(1)).cumsum(0) - 1  # a row's sequences are adjacent
-            self.attention_mask = None
-            self.cu_seqlens_cpu = self.cu_seqlens.tolist()  # read back once for all layers, not once per layer
-        else:
-            self.order = torch.sort((~attention_mask).to(torch.uint8), dim=1, stable=True).indices
-            self.attention_mask = torch.arange(self.shape[1], device=attention_mask.device) < self.lengths[:, None]
-            self.cu_seqlens = self.cu_seqlens_cpu = None
-
-    def row_states(self, state: torch.Tensor | None) -> torch.Tensor | None:
-        """Per-sequence memory (fast weights or convolution tails) → each row's: its last sequence's."""
-        if state is None or self.last_sequences is None:
-            return state
-        return state[self.last_sequences]
-
-    def gather(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(B, T, D) in the caller's order → the layout the layers run on: (1, N, D) packed, else (B, T, D)."""
-        if self.cu_seqlens is not None:
-            return hidden_states.flatten(0, 1)[self.indices][None]
-        return hidden_states.gather(1, self.order[..., None].expand_as(hidden_states))
-
-    def scatter(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The inverse of `gather`: back to (B, T, D) in the caller's order."""
-        if self.cu_seqlens is not None:
-            width = hidden_states.shape[-1]
-            restored = hidden_states.new_zeros(self.shape.numel(), width).index_copy(0, self.indices, hidden_states[0])
-            return restored.view(*self.shape, width)
-        return hidden_states.new_empty(hidden_states.shape).scatter(
-            1, self.order[..., None].expand_as(hidden_states), hidden_states
-        )
 
 
 class DeltaNetCacheLayer(MemoryCacheLayer):
@@ -465,7 +409,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             starts from an empty memory; otherwise they are not used (🤗 `generate` passes them).
         past_key_values: a `DeltaNetCache` carrying each layer's fast weights from earlier tokens.
         attention_mask: (B, T) or (B, past + T); positions with 0 are padding, anywhere in a row: they are skipped
-            (see `DeltaNetPadding`), so each row's real tokens give what they give alone.
+            (see `PaddingPacker`), so each row's real tokens give what they give alone.
         """
         check_extra_kwargs(kwargs, type(self).__name__)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -504,7 +448,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         ):
             if attention_mask is None:
                 attention_mask = torch.ones(batch_size, length, dtype=torch.bool, device=inputs_embeds.device)
-            padding = DeltaNetPadding(attention_mask, self.packs_padding(attention_mask), starts)
+            padding = PaddingPacker(attention_mask, self.packs_padding(attention_mask), starts)
             inputs_embeds = zero_padding(inputs_embeds, attention_mask)
 
         if self.training:
