@@ -569,6 +569,273 @@ def plot(results: dict, args, path: str) -> None:
     plt.close(figure)
 
 
+# --- the report: benchmarks/README.md and the hub cards, written from a run's JSON ------------------------------------
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+HUB_CARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hub_cards")
+BEGIN = "<!-- lm_compare: begin; written by `python benchmarks/lm_compare.py --report results.json`, do not edit -->"
+END = "<!-- lm_compare: end -->"
+# Each hub card's models (the first is the card's own), shown with Llama and Mamba for reference.
+CARD_MODELS = {
+    "deltanet.md": ("deltanet", "deltanet_fla", "linear_transformer"),
+    "expire_span.md": ("expire_span", "fixed_span"),
+    "feedback_transformer.md": ("feedback",),
+}
+# The papers' claims checked here: (key, claim, paper, model that should have the lower bits per byte, the other).
+CLAIMS = (
+    ("delta_rule", "the delta rule beats the sum rule (linear Transformer)", "Schlag et al., 2021, Table 2",
+     "deltanet", "linear_transformer"),
+    ("feedback", "the Feedback Transformer beats a Transformer of the same size", "Fan et al., 2021, Table 3",
+     "feedback", "llama"),
+    ("expire_span", "Expire-Span matches or beats a fixed span's bits per byte", "Sukhbaatar et al., 2021, Fig. 5",
+     "expire_span", "fixed_span"),
+)  # fmt: skip
+CARD_CLAIMS = {"deltanet.md": ("delta_rule",), "expire_span.md": ("expire_span", "expire_span_memory"),
+               "feedback_transformer.md": ("feedback",)}  # fmt: skip
+
+
+def verdict(lower: dict, higher: dict) -> str:
+    """Whether `lower` (mean, low, high over seeds) is below `higher`: "reproduced" when every seed of one lies below
+    every seed of the other, "not reproduced" when every one lies above, "within the spread" when the ranges meet;
+    marked "(one seed)" when either has a single seed, so no spread to judge by."""
+    if lower["high"] < higher["low"]:
+        result = "reproduced"
+    elif lower["low"] > higher["high"]:
+        result = "not reproduced"
+    else:
+        result = "within the spread"
+    return result + (" (one seed)" if min(len(lower["values"]), len(higher["values"])) < 2 else "")
+
+
+def claim_verdicts(results: dict) -> list[dict]:
+    """The papers' claims (CLAIMS) judged on held-out bits per byte at equal tokens, per corpus, and Expire-Span's
+    memory against the fixed span's (cache bytes at the longest decoding context, one measurement)."""
+    summary, verdicts = results["summary"], []
+    for key, claim, paper, lower, higher in CLAIMS:
+        for corpus, entries in summary.items():
+            if lower in entries and higher in entries:
+                verdicts.append({"key": key, "claim": claim, "paper": paper, "corpus": corpus, "lower": lower,
+                                 "higher": higher, "values": (entries[lower]["final"], entries[higher]["final"]),
+                                 "verdict": verdict(entries[lower]["final"], entries[higher]["final"])})  # fmt: skip
+    speed = results["speed"]
+    if "expire_span" in speed and "fixed_span" in speed:
+        expire, fixed = speed["expire_span"]["decode"][-1], speed["fixed_span"]["decode"][-1]
+        share = expire["cache_bytes"] / fixed["cache_bytes"]
+        verdicts.append({"key": "expire_span_memory", "claim": "Expire-Span keeps far less memory than a fixed span",
+                         "paper": "Sukhbaatar et al., 2021, Fig. 5", "corpus": None, "context": expire["context"], "seed": results["settings"]["seeds"][0],
+                         "share": share, "verdict": "reproduced" if share <= 0.5 else "not reproduced"})  # fmt: skip
+    return verdicts
+
+
+def verdict_lines(verdicts: list[dict]) -> list[str]:
+    """One markdown item per claim: its verdict on each corpus with the numbers behind it."""
+    from memlm.training.tasks.common import format_across_seeds
+
+    lines = {}
+    for entry in verdicts:
+        if entry["key"] == "expire_span_memory":
+            said = (f"**{entry['verdict']}**: its cache after {entry['context']:,} tokens of context is "
+                    f"{entry['share']:.2f} of the fixed span's (reproduced when at most half; seed {entry['seed']})")  # fmt: skip
+        else:
+            lower, higher = entry["values"]
+            said = (f"{entry['corpus']} **{entry['verdict']}** ({format_across_seeds(lower)} against "
+                    f"{format_across_seeds(higher)} bits per byte)")  # fmt: skip
+        lines.setdefault((entry["claim"], entry["paper"]), []).append(said)
+    return [f"- {claim} ({paper}): {'; '.join(said)}." for (claim, paper), said in lines.items()]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def seed_count(results: dict, corpus: str, name: str) -> int:
+    return len(results["summary"][corpus][name]["final"]["values"])
+
+
+def duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def run_description(results: dict) -> str:
+    """How the run was made: sizes, tokens, seeds, machine and wall time."""
+    from memlm.hub_card import human_count
+
+    settings, host = results["settings"], results.get("machine", {})
+    tokens = settings["steps"] * settings["batch_size"] * settings["length"]
+    seeds = " ".join(map(str, settings["seeds"]))
+    where = (f"torch {host['torch']}, {host['threads']} threads on {host['cores']} cores ({host['cpu']}), "
+             f"{host['date']}" if host else "machine not recorded")  # fmt: skip
+    return (
+        f"hidden {settings['hidden_size']}, {settings['num_layers']} layers, {settings['num_heads']} heads, about "
+        f"{human_count(results['parameters'][REFERENCE])} parameters each; {settings['steps']} steps of {settings['batch_size']} × "
+        f"{settings['length']} tokens ({tokens:,} training tokens per model), {settings['eval_tokens']:,} "
+        f"held-out tokens; seeds {seeds}; {where}; the whole run took {duration(results['seconds'])}"
+    )
+
+
+def quality_table(results: dict, corpus: str, models) -> str:
+    from memlm.training.tasks.common import format_across_seeds
+
+    entries, parameters = results["summary"][corpus], results["parameters"]
+    reference = entries[REFERENCE]
+    rows = []
+    for name in models:
+        entry = entries[name]
+        alone = entry.get("final_segments_alone")
+        rows.append([LABELS[name], f"{parameters[name]:,}", str(seed_count(results, corpus, name)),
+                     format_across_seeds(entry["final"]), format_across_seeds(alone) if alone else "—",
+                     format_across_seeds(entry["at_equal_seconds"]),
+                     format_across_seeds(entry["tokens_per_second"], ".0f"),
+                     ratio(entry["tokens_per_second"]["mean"], reference["tokens_per_second"]["mean"])])  # fmt: skip
+    return markdown_table(["model", "parameters", "seeds", "bpb, equal tokens", "bpb, memory not carried",
+                           "bpb, equal time", "train tokens/s", "/ Llama"], rows)  # fmt: skip
+
+
+def speed_table(results: dict, models) -> str:
+    speed, memory = results["speed"], results["memory"]
+    contexts = [row["context"] for row in speed[REFERENCE]["decode"]]
+    rows = []
+    for name in models:
+        measured = {row["context"]: row for row in speed[name]["decode"]}
+        reference = {row["context"]: row for row in speed[REFERENCE]["decode"]}
+        line = [LABELS[name]]
+        for context in contexts:
+            tokens_per_second = measured[context]["decode_tokens_per_second"]
+            line += [
+                f"{tokens_per_second:.1f}",
+                ratio(tokens_per_second, reference[context]["decode_tokens_per_second"]),
+            ]
+        line += [f"{measured[contexts[-1]]['cache_bytes'] / 2**10:,.0f}",
+                 f"{memory[name]['peak_rise_bytes'] / 2**20:.1f}"]  # fmt: skip
+        rows.append(line)
+    header = ["model"]
+    for context in contexts:
+        header += [f"decode tokens/s after {context:,}", "/ Llama"]
+    header += [f"cache KiB after {contexts[-1]:,}", "training step peak MiB"]
+    return markdown_table(header, rows)
+
+
+def readme_section(results: dict, plot_path: str | None) -> str:
+    """The section of benchmarks/README.md: tables, plot and the verdicts, every number from `results`."""
+    settings, models = results["settings"], list(results["models"])
+    command = "python benchmarks/lm_compare.py --json results.json --write-docs"
+    parts = [
+        "## Language modelling on real text: memlm's models against 🤗 Llama and 🤗 Mamba of the same size",
+        f"```bash\n{command}    # or, from a saved run: --report results.json\n```",
+        f"Measured by `benchmarks/lm_compare.py` ({run_description(results)}). Every model has Llama's parameter "
+        "count within 5 % and trains on the same tokens with the same optimiser and schedule; the memlm models carry "
+        "their memory from segment to segment, Llama and Mamba read each segment alone (see the script's docstring). "
+        'Cells are "mean (low–high)" over the seeds in the column "seeds"; bits per byte (bpb) are held-out, '
+        'lower is better; "equal time" is each curve read at the training seconds of the fastest model of the same '
+        "corpus and seed.",
+    ]
+    for corpus in settings["corpus"]:
+        parts.append(f"**{corpus}** ({results['corpora'][corpus]})\n\n{quality_table(results, corpus, models)}")
+    first_corpus, first_seed = settings["corpus"][0], settings["seeds"][0]
+    parts.append(f"**Decoding** (batch 1, greedy, the models of seed {first_seed} on {first_corpus}), the cache's "
+                 f"size there, and the peak memory rise of one training step ({settings['batch_size']} × "
+                 f"{settings['length']} tokens)\n\n{speed_table(results, models)}")  # fmt: skip
+    if plot_path:
+        parts.append(f"![held-out bits per byte against training tokens and seconds]({plot_path})")
+    lines = verdict_lines(claim_verdicts(results))
+    parts.append("The papers' claims, judged from the numbers above (\"reproduced\" when every seed of the "
+                 "claimed winner beats every seed of the other, \"not reproduced\" when every seed loses, \"within "
+                 "the spread\" when the seeds' ranges overlap):\n\n" + "\n".join(lines))  # fmt: skip
+    parts.append(discussion(results))
+    return "\n\n".join(parts)
+
+
+def discussion(results: dict) -> str:
+    """A short reading of the run: what carries the comparison and what this scale cannot test."""
+    from memlm.hub_card import human_count
+
+    settings, summary, speed = results["settings"], results["summary"], results["speed"]
+    tokens = settings["steps"] * settings["batch_size"] * settings["length"]
+    best = {corpus: min(entries, key=lambda name: entries[name]["final"]["mean"]) for corpus, entries in
+            summary.items()}  # fmt: skip
+    fastest = {corpus: max(entries, key=lambda name: entries[name]["tokens_per_second"]["mean"])
+               for corpus, entries in summary.items()}  # fmt: skip
+    longest = speed[REFERENCE]["decode"][-1]["context"]
+    decoding = {name: rows["decode"][-1]["decode_tokens_per_second"] for name, rows in speed.items()}
+    quickest = max(decoding, key=decoding.get)
+    text = [
+        "Lowest bits per byte at equal tokens: "
+        + "; ".join(f"{LABELS[name]} on {corpus}" for corpus, name in best.items())
+        + ". Fastest training: "
+        + "; ".join(f"{LABELS[name]} on {corpus}" for corpus, name in fastest.items())
+        + f". Fastest decoding after {longest:,} tokens of context: {LABELS[quickest]} "
+        f"({decoding[quickest] / decoding[REFERENCE]:.2f}× Llama's).",
+        f"The scale is tiny next to the papers' ({human_count(results['parameters'][REFERENCE])} parameters and "
+        f"{human_count(tokens)} training tokens per model here, tens of millions of parameters and hundreds of millions "
+        "of tokens there): a verdict here says which way the mechanisms lean early in training on CPU, not what "
+        "they reach at the papers' sizes.",
+    ]
+    return " ".join(text)
+
+
+def card_section(results: dict, card: str) -> str:
+    """The "Measured comparison" section of a hub card: its models against Llama and Mamba, from `results`."""
+    from memlm.training.tasks.common import format_across_seeds
+
+    settings, summary, speed = results["settings"], results["summary"], results["speed"]
+    models = [name for name in (*CARD_MODELS[card], REFERENCE, "mamba") if name in results["models"]]
+    contexts = [row["context"] for row in speed[REFERENCE]["decode"]]
+    rows = []
+    for name in models:
+        decode = {row["context"]: row for row in speed[name]["decode"]}
+        rows.append([LABELS[name], f"{results['parameters'][name]:,}",
+                     *(format_across_seeds(summary[corpus][name]["final"]) for corpus in settings["corpus"]),
+                     format_across_seeds(summary[settings["corpus"][0]][name]["tokens_per_second"], ".0f"),
+                     *(f"{decode[context]['decode_tokens_per_second']:.1f}" for context in contexts),
+                     f"{decode[contexts[-1]]['cache_bytes'] / 2**10:,.0f}"])  # fmt: skip
+    header = ["model", "parameters", *(f"bpb, {corpus}" for corpus in settings["corpus"]),
+              f"train tokens/s ({settings['corpus'][0]})", *(f"decode tokens/s after {context:,}" for context in
+              contexts), f"cache KiB after {contexts[-1]:,}"]  # fmt: skip
+    verdicts = verdict_lines([entry for entry in claim_verdicts(results) if entry["key"] in CARD_CLAIMS[card]])
+    text = "\n\n".join([
+        "## Measured comparison",
+        "Small models of this architecture, not this checkpoint, trained side by side with 🤗 Llama and 🤗 Mamba of "
+        f"the same parameter count by memlm's `benchmarks/lm_compare.py` ({run_description(results)}). Held-out bits "
+        "per byte (bpb, lower is better) are \"mean (low–high)\" over the seeds; decoding is batch 1, greedy.",
+        markdown_table(header, rows),
+        *(["The paper's claim at this scale:\n\n" + "\n".join(verdicts)] if verdicts else []),
+    ])  # fmt: skip
+    return text.replace("$", "$$")  # the card is a string.Template: a "$" in the text must stay one
+
+
+def replace_section(text: str, section: str, before: str | None = None) -> str:
+    """`text` with the part between the markers replaced by `section`; without markers, the marked section is put
+    before the line starting with `before` (or at the end)."""
+    marked = f"{BEGIN}\n{section}\n{END}"
+    start, end = text.find(BEGIN), text.find(END)
+    if start >= 0 and end > start:
+        return text[:start] + marked + text[end + len(END) :]
+    if before is not None and (index := text.find("\n" + before)) >= 0:
+        return text[: index + 1] + marked + "\n\n" + text[index + 1 :]
+    return text.rstrip("\n") + "\n\n" + marked + "\n"
+
+
+def write_report(results: dict, readme: str = README, cards: str = HUB_CARDS, plot_path: str | None = None) -> None:
+    """Writes the section of `readme` and of every hub card in `cards` from `results` (a run's JSON), with the
+    plot `plot_path` (a PNG; linked from the README relative to it) when given."""
+    link = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(readme))) if plot_path else None
+    with open(readme, encoding="utf-8") as file:
+        text = file.read()
+    with open(readme, "w", encoding="utf-8") as file:
+        file.write(replace_section(text, readme_section(results, link)))
+    for card in CARD_MODELS:
+        path = os.path.join(cards, card)
+        if not os.path.isfile(path) or CARD_MODELS[card][0] not in results["models"]:
+            continue
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(replace_section(text, card_section(results, card), before="## Citation"))
+
+
 # --- the run ---------------------------------------------------------------------------------------------------------
 
 
@@ -594,9 +861,18 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write every run and the summaries to this JSON file")
     parser.add_argument("--plot", default=None, help=f"PNG of the curves (default {DEFAULT_PLOT}; '' for none)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="at the end, write the results into benchmarks/README.md and hub_cards/*.md")  # fmt: skip
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                        help="train nothing: write benchmarks/README.md's section and the hub cards' from this JSON "
+                        "of a run (and redraw its plot)")  # fmt: skip
+    parser.add_argument("--readme", default=README, help=argparse.SUPPRESS)
+    parser.add_argument("--hub-cards", default=HUB_CARDS, help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.measure_memory is not None:
+    if args.measure_memory is not None or args.report is not None:
+        if args.plot is None:
+            args.plot = DEFAULT_PLOT
         return args
     for option, full in FULL.items():
         if getattr(args, option) is None:
@@ -623,6 +899,28 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return args
 
 
+def machine() -> dict:
+    """What the run ran on, for the report."""
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "cpu": cpu,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+
+
+def report(path: str, args) -> dict:
+    """Writes the README's and the hub cards' sections from the JSON of a run, redrawing its plot (--report)."""
+    with open(path, encoding="utf-8") as file:
+        results = json.load(file)
+    if args.plot:
+        plot(results, argparse.Namespace(**results["settings"]), args.plot)
+    write_report(results, args.readme, args.hub_cards, args.plot or None)
+    print(f"wrote {args.readme} and the hub cards in {args.hub_cards} from {path}")
+    return results
+
+
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
     torch.set_num_threads(args.threads)
@@ -630,6 +928,8 @@ def main(argv=None) -> dict:
         result = training_step_memory(json.loads(args.measure_memory))
         print(json.dumps(result))
         return {"memory": result}
+    if args.report is not None:
+        return report(args.report, args)
     from tqdm.auto import tqdm
     from transformers.utils import logging
 
@@ -668,7 +968,12 @@ def main(argv=None) -> dict:
     progress.close()
     memory = measure_memory(configs, args)
     results = {
-        "settings": {key: value for key, value in vars(args).items() if key != "measure_memory"},
+        "settings": {
+            key: value
+            for key, value in vars(args).items()
+            if key not in ("measure_memory", "report", "readme", "hub_cards")
+        },
+        "machine": machine(),
         "corpora": {corpus: CORPORA[corpus] for corpus in args.corpus},
         "models": {name: LABELS[name] for name in args.models},
         "parameters": parameters,
@@ -689,6 +994,9 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=2, default=str)
+    if args.write_docs:
+        write_report(results, args.readme, args.hub_cards, args.plot or None)
+        print(f"wrote {args.readme} and the hub cards in {args.hub_cards}")
     return results
 
 

@@ -126,3 +126,56 @@ def test_unknown_corpus_and_bad_options_are_refused():
     for arguments in (["--steps", "0"], ["--seeds", "1", "1"], ["--warmup-steps", "5", "--steps", "5"]):
         with pytest.raises(SystemExit):
             benchmark.parse_arguments(["--smoke", *arguments])
+
+
+def test_report_writes_the_readme_and_hub_cards_from_the_json(smoke_run, tmp_path, monkeypatch):
+    """--report renders the README's section and each hub card's from a run's JSON: a number or a verdict changed in
+    the JSON changes the text, the rest of each file is kept, a second report replaces the section, and a saved
+    model's card (hub_card.render_model_card) still renders with it."""
+    from memlm import DeltaNetConfig, DeltaNetForCausalLM, hub_card
+
+    _, results, _ = smoke_run
+    benchmark = load_benchmark()
+    cards = tmp_path / "hub_cards"
+    cards.mkdir()
+    for card in (ROOT / "hub_cards").glob("*.md"):
+        (cards / card.name).write_text(card.read_text(encoding="utf-8"), encoding="utf-8")
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nKept as it is.\n", encoding="utf-8")
+    # Set bits per byte so that the delta rule wins on stdlib in every seed and loses on pydoc in every seed.
+    summary = results["summary"]
+    summary["stdlib"]["deltanet"]["final"] = {"mean": 1.2345, "low": 1.2, "high": 1.3, "values": [1.2, 1.3]}
+    summary["stdlib"]["linear_transformer"]["final"] = {"mean": 1.5, "low": 1.4, "high": 1.6, "values": [1.4, 1.6]}
+    summary["pydoc"]["deltanet"]["final"] = {"mean": 2.5, "low": 2.4, "high": 2.6, "values": [2.4, 2.6]}
+    summary["pydoc"]["linear_transformer"]["final"] = {"mean": 2.0, "low": 1.9, "high": 2.1, "values": [1.9, 2.1]}
+    results["seconds"] = 4321.0
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results), encoding="utf-8")
+    arguments = ["--report", str(path), "--readme", str(readme), "--hub-cards", str(cards), "--plot", ""]
+    benchmark.main(arguments)
+    text = readme.read_text(encoding="utf-8")
+    assert text.startswith("# Benchmarks\n\nKept as it is.\n") and text.count(benchmark.BEGIN) == 1
+    section = text[text.index(benchmark.BEGIN) : text.index(benchmark.END)]
+    assert "1.234 (1.200–1.300)" in section and "72 min 1 s" in section
+    delta_rule = next(line for line in section.splitlines() if line.startswith("- the delta rule"))
+    assert "stdlib **reproduced**" in delta_rule and "pydoc **not reproduced**" in delta_rule
+    assert results["machine"]["torch"] in section
+    for name in results["models"]:
+        assert benchmark.LABELS[name] in section
+    deltanet_card = (cards / "deltanet.md").read_text(encoding="utf-8")
+    assert deltanet_card.count("## Measured comparison") == 1 and "1.234 (1.200–1.300)" in deltanet_card
+    assert deltanet_card.index(benchmark.END) < deltanet_card.index("## Citation")  # the citation stays last
+    assert "Feedback Transformer |" not in deltanet_card  # each card shows its own models
+    assert "Feedback Transformer |" in (cards / "feedback_transformer.md").read_text(encoding="utf-8")
+    # Within the spread when the seeds' ranges overlap; a second report replaces the section.
+    summary["stdlib"]["linear_transformer"]["final"] = {"mean": 1.25, "low": 1.1, "high": 1.4, "values": [1.1, 1.4]}
+    path.write_text(json.dumps(results), encoding="utf-8")
+    benchmark.main(arguments)
+    text = readme.read_text(encoding="utf-8")
+    assert text.count(benchmark.BEGIN) == text.count(benchmark.END) == 1 and "stdlib **within the spread**" in text
+    # A saved model's card is rendered from the template with its generated section.
+    monkeypatch.setattr(hub_card, "_template_text", lambda name: (cards / name).read_text(encoding="utf-8"))
+    model = DeltaNetForCausalLM(DeltaNetConfig.from_preset("paper", vocab_size=258, hidden_size=16,
+                                                           num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    rendered = hub_card.render_model_card(model, "deltanet.md", model_id="someone/deltanet")
+    assert "## Measured comparison" in rendered and "1.234 (1.200–1.300)" in rendered and "$" not in rendered
