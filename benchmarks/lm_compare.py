@@ -103,11 +103,11 @@ REFERENCE = "llama"
 SMOKE = {"steps": 3, "eval_every": 2, "hidden_size": 16, "num_layers": 2, "num_heads": 2, "intermediate_size": 48,
          "length": 16, "batch_size": 2, "eval_tokens": 128, "eval_rows": 2, "max_span": 32, "memory_span": 16,
          "max_bytes": 200_000, "seeds": [0], "decode_contexts": [64, 256], "decode_steps": 2,
-         "warmup_steps": 1}  # fmt: skip
+         "warmup_steps": 1, "one_seed_models": ["mamba"]}  # fmt: skip
 FULL = {"steps": 120, "eval_every": 30, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256,
         "length": 128, "batch_size": 8, "eval_tokens": 4096, "eval_rows": 4, "max_span": 512, "memory_span": 128,
         "max_bytes": 8_000_000, "seeds": [0, 1, 2], "decode_contexts": [1024, 16384], "decode_steps": 16,
-        "warmup_steps": 12}  # fmt: skip
+        "warmup_steps": 12, "one_seed_models": ["mamba"]}  # fmt: skip
 PARAMETER_TOLERANCE = 0.05
 
 
@@ -433,14 +433,16 @@ def summarise(runs: dict, corpora: list[str], models: list[str]) -> dict:
     summary = {}
     for corpus in corpora:
         per_seed = runs[corpus]
-        for seed_runs in per_seed.values():  # the wall-clock budget of a seed: the fastest model's training time
-            budget = min(run["training_seconds"] for run in seed_runs.values())
+        # The wall-clock budget of a seed: the training time of the fastest of the models trained with every seed.
+        every_seed = [name for name in models if all(name in seed_runs for seed_runs in per_seed.values())]
+        for seed_runs in per_seed.values():
+            budget = min(seed_runs[name]["training_seconds"] for name in every_seed)
             for run in seed_runs.values():
                 run["equal_seconds_budget"] = budget
                 run["at_equal_seconds"] = at_seconds(run["curve"], budget)
         summary[corpus] = {}
         for name in models:
-            seeds = [seed_runs[name] for seed_runs in per_seed.values()]
+            seeds = [seed_runs[name] for seed_runs in per_seed.values() if name in seed_runs]
             entry = {key: across_seeds(run[key] for run in seeds)
                      for key in ("final", "at_equal_seconds", "tokens_per_second")}  # fmt: skip
             if "final_segments_alone" in seeds[0]:
@@ -486,8 +488,10 @@ def print_tables(results: dict, args) -> None:
         for name in models:
             entry = summary[corpus][name]
             alone = entry.get("final_segments_alone")
+            count = len(entry["final"]["values"])
             rows.append([
-                LABELS[name], format_across_seeds(entry["final"]),
+                LABELS[name] + (f" ({count} seed{'s' if count > 1 else ''})" if count < len(args.seeds) else ""),
+                format_across_seeds(entry["final"]),
                 f"{entry['final']['mean'] / reference['final']['mean']:.3f}",
                 format_across_seeds(alone) if alone else "—",
                 format_across_seeds(entry["at_equal_seconds"]),
@@ -853,6 +857,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.add_argument("--" + option.replace("_", "-"), type=kind, default=None,
                             help=f"default {FULL[option]} (smoke {SMOKE[option]})")  # fmt: skip
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=None, help="default 1024 16384")
+    parser.add_argument("--one-seed-models", nargs="*", choices=list(LABELS), default=None,
+                        help=f"models trained with the first seed only (default {' '.join(FULL['one_seed_models'])}; "
+                        "none: every model with every seed)")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -886,6 +893,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
             parser.error(f"--{option.replace('_', '-')} must be a positive integer, got {getattr(args, option)}")
     if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
         parser.error(f"--warmup-steps must be >= 0 and below --steps ({args.steps}), got {args.warmup_steps}")
+    if REFERENCE in args.one_seed_models:
+        parser.error(f"--one-seed-models cannot hold {REFERENCE}: it sets the equal-time budget of every seed")
     if any(context < 1 for context in args.decode_contexts):
         parser.error(f"--decode-contexts must be positive integers, got {args.decode_contexts}")
     if not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
@@ -897,6 +906,12 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     args.models = [name for name in LABELS if name in args.models or name == REFERENCE]
     args.corpus = list(dict.fromkeys(args.corpus))
     return args
+
+
+def trains(name: str, seed: int, args) -> bool:
+    """Whether model `name` is trained with `seed`: every model with the first seed, the others but --one-seed-models
+    with every seed."""
+    return seed == args.seeds[0] or name not in args.one_seed_models
 
 
 def machine() -> dict:
@@ -945,8 +960,8 @@ def main(argv=None) -> dict:
     configs = matched_configs(args, tokenizer)
     parameters = {name: parameter_count(config) for name, config in configs.items()}
     runs, speed, context_tokens = {}, {}, None
-    progress = tqdm(total=len(args.corpus) * len(args.seeds) * len(args.models) * args.steps, desc="training",
-                    disable=None)  # fmt: skip
+    trained = [(seed, name) for seed in args.seeds for name in args.models if trains(name, seed, args)]
+    progress = tqdm(total=len(args.corpus) * len(trained) * args.steps, desc="training", disable=None)
     for corpus in args.corpus:
         documents = corpus_documents(corpus, args.max_bytes)
         runs[corpus] = {}
@@ -954,6 +969,8 @@ def main(argv=None) -> dict:
             train_tokens, eval_tokens = split_held_out(documents, tokenizer, args.eval_tokens, seed=seed)
             runs[corpus][seed] = {}
             for name in args.models:
+                if not trains(name, seed, args):
+                    continue
                 model, run = train_model(name, configs[name], train_tokens, eval_tokens, byte_lengths, args, seed,
                                          progress)  # fmt: skip
                 runs[corpus][seed][name] = run

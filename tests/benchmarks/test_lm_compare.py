@@ -179,3 +179,24 @@ def test_report_writes_the_readme_and_hub_cards_from_the_json(smoke_run, tmp_pat
                                                            num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
     rendered = hub_card.render_model_card(model, "deltanet.md", model_id="someone/deltanet")
     assert "## Measured comparison" in rendered and "1.234 (1.200–1.300)" in rendered and "$" not in rendered
+
+
+def test_summary_of_a_model_trained_with_the_first_seed_only():
+    """--one-seed-models: such a model is summarised over its one seed, and the equal-time budget of every seed is
+    the fastest of the models trained with every seed (here Llama, though the one-seed model is faster)."""
+    benchmark = load_benchmark()
+
+    def run(seconds, final):
+        curve = [{"step": 0, "tokens": 0, "seconds": 0.0, "bits_per_byte": 8.0},
+                 {"step": 2, "tokens": 64, "seconds": seconds, "bits_per_byte": final}]  # fmt: skip
+        return {"curve": curve, "training_seconds": seconds, "tokens_per_second": 64 / seconds, "final": final}
+
+    runs = {"stdlib": {0: {"llama": run(2.0, 4.0), "mamba": run(1.0, 6.0)}, 1: {"llama": run(4.0, 5.0)}}}
+    summary = benchmark.summarise(runs, ["stdlib"], ["llama", "mamba"])["stdlib"]
+    assert summary["llama"]["final"]["values"] == [4.0, 5.0] and summary["mamba"]["final"]["values"] == [6.0]
+    assert runs["stdlib"][0]["mamba"]["at_equal_seconds"] == 6.0  # read at Llama's 2 s: past its end
+    assert runs["stdlib"][1]["llama"]["equal_seconds_budget"] == 4.0
+    arguments = benchmark.parse_arguments(["--smoke", "--seeds", "0", "1"])
+    assert [benchmark.trains(name, 1, arguments) for name in ("llama", "mamba")] == [True, False]
+    with pytest.raises(SystemExit):
+        benchmark.parse_arguments(["--smoke", "--one-seed-models", "llama"])
