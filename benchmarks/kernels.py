@@ -23,7 +23,7 @@ flash-linear-attention columns read "n/a" when the package (pip install flash-li
 backward, memlm's kernels and flash-linear-attention's ``chunk_delta_rule`` side by side:
 
 - shared memory, registers and spilled bytes (ptxas ``-v`` stores / loads) of the kernel compiled for sm_90 (or
-  ``--target sm_80``), and whether its PTX holds tensor-core instructions (``mma`` / ``wgmma``). The launches are
+  ``--target sm_80``) with the tiles and launch options chosen for that target, and whether its PTX holds tensor-core instructions (``mma`` / ``wgmma``). The launches are
   recorded at the full shape (so that Triton specialises the integer arguments as it would) and compiled with
   ``memlm.kernels.gpu_compile``, exactly as the CI check does;
 - global-memory bytes read and written: the elements that ``tl.load`` / ``tl.store`` (and atomics) touch, masked
@@ -239,8 +239,9 @@ def _static_inputs(batch, length, heads, width, heads_first):
     return [tensor.to(torch.bfloat16).requires_grad_() for tensor in (query, key, value, beta)]
 
 
-def _record_delta_rule(library, batch, length, heads, width, count):
-    """The launches of one forward and one backward, labelled by phase; counted (and run) when `count`."""
+def _record_delta_rule(library, batch, length, heads, width, count, target):
+    """The launches of one forward and one backward chosen for `target`, labelled by phase; counted (and run) when
+    `count`."""
     from memlm.kernels.gpu_compile import backward, on_gpu, record_launches
 
     if library == "memlm":
@@ -256,7 +257,10 @@ def _record_delta_rule(library, batch, length, heads, width, count):
 
     # FLA enters CUDA device contexts: its tensors stay plain CPU tensors (its tile choices do not read the device).
     as_if_on_gpu = library == "memlm"
-    with record_launches(all_configs=False, count=count, execute=count, as_if_on_gpu=as_if_on_gpu) as recorder:
+    recording = record_launches(
+        all_configs=False, count=count, execute=count, as_if_on_gpu=as_if_on_gpu, target=target
+    )
+    with recording as recorder:
         inputs = _static_inputs(batch, length, heads, width, heads_first=library == "memlm")
         if as_if_on_gpu:
             inputs = [on_gpu(tensor) for tensor in inputs]
@@ -275,8 +279,8 @@ def static_rows(widths, shape, target):
     rows = []
     for width in widths:
         for library in ("memlm", "fla"):
-            full = _record_delta_rule(library, batch, length, heads, width, count=False)
-            counted = _record_delta_rule(library, 1, length, 1, width, count=True)
+            full = _record_delta_rule(library, batch, length, heads, width, count=False, target=target)
+            counted = _record_delta_rule(library, 1, length, 1, width, count=True, target=target)
             names = [(launch.phase, launch.name) for launch in full]
             if names != [(launch.phase, launch.name) for launch in counted]:
                 raise RuntimeError(

@@ -5,7 +5,8 @@ kernels (or of any Triton code) launches and compiles exactly those launches for
 
 1. :func:`record_launches` runs a call inside Triton's interpreter (``TRITON_INTERPRET=1`` set before the kernels
    were imported) with CPU tensors that report ``cuda`` as their device, so that the dispatching code picks the
-   tiles and launch options it would pick on a GPU. Every launch is recorded: the kernel, its arguments (tensor
+   tiles and launch options it would pick on a GPU — on the ``target`` GPU, whose compute capability
+   ``torch.cuda.get_device_capability`` answers inside the block. Every launch is recorded (with its target): the kernel, its arguments (tensor
    dtypes and 16-byte alignment, integer values, compile-time constants), grid, ``num_warps`` and ``num_stages``.
    Autotuned kernels record every configuration (the GPU may pick any of them), or only the first.
    With ``count=True`` the interpreter also counts, per launch, the global-memory bytes that the loads, stores and
@@ -25,11 +26,12 @@ Example (a user checking the delta rule for an A100 and an H100)::
     import torch
     from memlm.kernels.delta_rule import delta_rule
     from memlm.kernels.gpu_compile import compile_launches, record_launches, on_gpu
-    with record_launches() as recorder:
-        q, k, v = (on_gpu(torch.randn(2, 4, 128, 64, dtype=torch.bfloat16)) for _ in range(3))
-        delta_rule(q, k, v, backend='triton')
-    for result in compile_launches(recorder.launches):
-        print(result)
+    for target in ('sm_80', 'sm_90'):
+        with record_launches(target=target) as recorder:
+            q, k, v = (on_gpu(torch.randn(2, 4, 128, 64, dtype=torch.bfloat16)) for _ in range(3))
+            delta_rule(q, k, v, backend='triton')
+        for result in compile_launches(recorder.launches):
+            print(result)
     "
 
 Nothing here imports Triton at ``import memlm``; Triton is imported when these functions run.
@@ -78,6 +80,8 @@ class Launch:
     keywords: dict
     grid: list
     phase: str = ""
+    # The GPU target the launch was chosen for (what get_device_capability answered); "" for any target.
+    target: str = ""
     bytes_read: int = 0
     bytes_written: int = 0
     tensor_core_flops: int = 0
@@ -89,7 +93,7 @@ class Launch:
     @property
     def key(self) -> str:
         """Identifies what gets compiled: the kernel and its specialisation, not the grid or the counts."""
-        return json.dumps([self.module, self.name, self.arguments, self.keywords], sort_keys=True)
+        return json.dumps([self.module, self.name, self.arguments, self.keywords, self.target], sort_keys=True)
 
     @property
     def constants(self) -> dict:
@@ -400,7 +404,13 @@ def _loop_range(*bounds):
 
 
 @contextlib.contextmanager
-def record_launches(all_configs: bool = True, count: bool = False, execute: bool = True, as_if_on_gpu: bool = True):
+def record_launches(
+    all_configs: bool = True,
+    count: bool = False,
+    execute: bool = True,
+    as_if_on_gpu: bool = True,
+    target: str = "sm_90",
+):
     """Record every Triton kernel launched inside the block (see the module docstring); yields a :class:`Recorder`.
 
     Args:
@@ -411,6 +421,9 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
             are left as allocated: only for code whose later launches do not depend on earlier results.
         as_if_on_gpu: tensors report ``cuda`` (see below). Turn it off for code that enters CUDA device contexts
             (e.g. flash-linear-attention's ``input_guard``); such code then takes its CPU decisions.
+        target: the GPU the launches are chosen for (a key of ``TARGETS``): ``torch.cuda.get_device_capability``
+            returns its compute capability inside the block, and :func:`compile_launches` compiles each launch for
+            its own target only.
 
     With ``as_if_on_gpu``, tensors created inside the block on ``"cuda"`` (or through :func:`on_gpu`) are CPU
     tensors reporting ``cuda``; run backward passes with :func:`backward`.
@@ -418,8 +431,12 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
     Raises:
         RuntimeError: if Triton's interpreter is off (``TRITON_INTERPRET=1`` must be set before the kernels are
             imported).
+        ValueError: for an unknown target.
     """
     from triton.runtime import autotuner, interpreter
+
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; allowed targets are {', '.join(map(repr, TARGETS))}.")
 
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise RuntimeError(
@@ -440,6 +457,7 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
             keywords={name: _encode(value) for name, value in kwargs.items() if name not in bound},
             grid=_grid(grid, {**bound, **kwargs}),
             phase=recorder.phase,
+            target=target,
         )
         recorder.launches.append(launch)
         if recorder._record_only or not execute:
@@ -481,6 +499,8 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
 
     interpreter.InterpretedFunction.run = run
     autotuner.Autotuner.run = autotune
+    original_capability = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: divmod(TARGETS[target], 10)
     mode = _AsIfOnGpu()
     # Tensors saved for backward come back as plain tensors: make them report cuda too.
     saved = torch._C._FunctionBase.saved_tensors
@@ -497,6 +517,7 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
     finally:
         interpreter.InterpretedFunction.run = original_run
         autotuner.Autotuner.run = original_autotune
+        torch.cuda.get_device_capability = original_capability
         if as_if_on_gpu:
             del context.saved_tensors
 
@@ -507,7 +528,8 @@ def record_launches(all_configs: bool = True, count: bool = False, execute: bool
 def compile_launches(
     launches: list[Launch], targets=("sm_80", "sm_90"), jobs: int | None = None, timeout: float = 1800
 ) -> list[CompiledLaunch]:
-    """Compile every distinct launch for every target, in ``jobs`` subprocesses without Triton's interpreter.
+    """Compile every distinct launch for every target, in ``jobs`` subprocesses without Triton's interpreter. A
+    launch recorded for one target (``Launch.target``) compiles for that target only, if it is in ``targets``.
 
     Compiled kernels land in Triton's cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), so a second
     check of unchanged kernels is fast. Returns one :class:`CompiledLaunch` per (distinct launch, target), in order.
@@ -521,7 +543,9 @@ def compile_launches(
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r}; allowed targets are {', '.join(map(repr, TARGETS))}.")
     distinct = list({launch.key: launch for launch in launches}.values())
-    work = [(index, target) for index in range(len(distinct)) for target in targets]
+    work = [
+        (index, target) for index, launch in enumerate(distinct) for target in targets if launch.target in ("", target)
+    ]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     processes = []

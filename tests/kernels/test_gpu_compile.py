@@ -133,12 +133,15 @@ def _cases(names):
 
 
 def _record(names):
+    """The launches of each scenario as chosen for each target (the launch options differ per target)."""
     launches = {}
     for name in names:
         function, arguments = SCENARIOS[name]
-        with record_launches(execute=False) as recorder:
-            function(**arguments)
-        launches[name] = recorder.launches
+        launches[name] = []
+        for target in SHARED_MEMORY_LIMITS:
+            with record_launches(execute=False, target=target) as recorder:
+                function(**arguments)
+            launches[name] += recorder.launches
     return launches
 
 
@@ -180,6 +183,23 @@ def test_every_scenario_compiles_for_sm80_and_sm90_without_spills(name, request)
     _check(name, request.getfixturevalue("slow_results")[name])
 
 
+def test_delta_rule_launch_options_follow_the_target():
+    # The chunk kernels take their warps and stages from LAUNCH_OPTIONS for the target they are recorded for, and
+    # the wide output kernel (64 × 128 accumulator at d_v = 128) its own entry.
+    from memlm.kernels.delta_rule.triton_chunk import LAUNCH_OPTIONS
+
+    kernels = {"_prepare_chunk_kernel": "prepare", "_state_forward_kernel": "state", "_output_kernel": "output_wide",
+               "_state_backward_kernel": "state", "_chunk_backward_kernel": "chunk_backward"}  # fmt: skip
+    for target in SHARED_MEMORY_LIMITS:
+        with record_launches(execute=False, target=target) as recorder:
+            delta_rule_training(torch.bfloat16, key_dim=128, value_dim=128)
+        chosen = {launch.name: (launch.keywords["num_warps"], launch.keywords["num_stages"])
+                  for launch in recorder.launches if launch.name in kernels}  # fmt: skip
+        assert chosen == {name: LAUNCH_OPTIONS[target][2][entry] for name, entry in kernels.items()}
+        assert {launch.target for launch in recorder.launches} == {target}
+    assert LAUNCH_OPTIONS["sm_80"] != LAUNCH_OPTIONS["sm_90"]
+
+
 @triton.jit
 def _product_kernel(left, right, output, rows, ROWS: tl.constexpr, INNER: tl.constexpr, COLUMNS: tl.constexpr):
     """``output = left @ right`` for the first ``rows`` rows of ``left`` (the rest masked): one tile, one program."""
@@ -217,12 +237,18 @@ def test_recording_counts_unmasked_bytes_and_dot_flops():
 
 
 def test_compiling_reports_shared_memory_over_the_limit_and_finds_tensor_cores():
-    with record_launches(execute=False) as recorder:
-        _product(64, rows=64)
-        _product(256, rows=256)  # two 256 × 256 fp16 operand tiles: 256 KB of shared memory
-    small, large = (recorder.launches[0], recorder.launches[1])
-    results = {(result.launch.key, result.target): result for result in compile_launches(recorder.launches, jobs=2)}
+    launches = {}
     for target in SHARED_MEMORY_LIMITS:
+        with record_launches(execute=False, target=target) as recorder:
+            _product(64, rows=64)
+            _product(256, rows=256)  # two 256 × 256 fp16 operand tiles: 256 KB of shared memory
+        launches[target] = recorder.launches
+    everything = [launch for recorded in launches.values() for launch in recorded]
+    results = compile_launches(everything, jobs=2)
+    assert len(results) == len(everything)  # each launch compiled for its own target only
+    results = {(result.launch.key, result.target): result for result in results}
+    for target in SHARED_MEMORY_LIMITS:
+        small, large = launches[target]
         fitting, overflowing = results[small.key, target], results[large.key, target]
         assert fitting.problems == [] and fitting.tensor_core_instructions and 0 < fitting.shared_memory
         assert fitting.dots_by_line == {"product = tl.dot(left_tile, right_tile)": [1, 1]}, fitting.dots_by_line

@@ -160,11 +160,12 @@ def test_float64_in_several_tiles(monkeypatch, register_key_dim):
     monkeypatch.setattr(triton_chunk, "BLOCK_WIDTH", 16)
     monkeypatch.setattr(triton_chunk, "MAX_REGISTER_KEY_DIM", register_key_dim)
     monkeypatch.setattr(triton_chunk, "STATE_TILE", 16 * 16)
+    monkeypatch.setattr(triton_chunk, "OUTPUT_BLOCK_WIDTH", 32)
     tensors, grad_output, grad_state = make_inputs(
         batch_size=1, length=21, key_dim=24, value_dim=40, dtype=torch.float64
     )
     layout = triton_chunk._Layout(tensors["query"], tensors["key"], tensors["value"], 7, None, None, torch.float64)
-    assert layout.block_k < 24 and layout.block_v < 40 and layout.state_block_v < 40
+    assert layout.block_k < 24 and layout.block_v < 40 and layout.state_block_v < 40 and layout.output_block_v < 40
     assert layout.state_in_registers == (register_key_dim == 64)  # float64: up to half of MAX_REGISTER_KEY_DIM
     assert_matches_reference(tensors, grad_output, grad_state, tolerance=1e-12, chunk_size=7)
 
@@ -233,7 +234,7 @@ def test_grids_launch_for_any_number_of_heads_and_sequences():
     key = torch.empty(5000, 16, 128, 64, device="meta")
     value = torch.empty(5000, 16, 128, 256, device="meta")
     layout = triton_chunk._Layout(key, key, value, 64, None, None, torch.float32)
-    grids = [layout.chunk_grid(value_blocks=True), layout.chunk_grid(value_blocks=False), layout.sequence_grid(16)]
+    grids = [layout.chunk_grid(layout.output_block_v), layout.chunk_grid(), layout.sequence_grid(16)]
     for grid in grids:
         assert grid[0] >= 5000 * 16 and all(size <= 65535 for size in grid[1:]), grid
 

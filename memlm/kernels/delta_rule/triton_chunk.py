@@ -38,9 +38,11 @@ CUDA cores). The block-doubling inverse keeps a float32 tile and multiplies with
 use exact float64 products.
 
 Tiles. The kernels use chunks of at most ``MAX_CHUNK_SIZE`` tokens whatever ``chunk_size`` asks (the result
-does not depend on the chunking), slices of d_k and d_v at most ``BLOCK_WIDTH`` wide, and the recurrence keeps
-its state in registers up to d_k = ``MAX_REGISTER_KEY_DIM`` (half that for float32) and in global memory, slice
-by slice, above: every width and chunk size fits the shared memory of sm_80 and sm_90. A tile's first row is
+does not depend on the chunking), slices of d_k and d_v at most ``BLOCK_WIDTH`` wide (``OUTPUT_BLOCK_WIDTH`` for
+the values of the output kernel, ``STATE_TILE`` elements for the forward recurrence's state tile), and the
+recurrence keeps its state in registers up to d_k = ``MAX_REGISTER_KEY_DIM`` (half that for float32) and in global
+memory, slice by slice, above: every width and chunk size fits the shared memory of sm_80 and sm_90. Warps and
+pipeline stages come from ``LAUNCH_OPTIONS``, per GPU target (``gpu_target``) and operand size. A tile's first row is
 addressed with a 64-bit scalar (token index × width can pass 2³¹), the rows and columns within it with 32-bit
 offsets; (chunk or sequence) × head runs along the first grid axis, which has no 65 535 limit.
 
@@ -77,8 +79,12 @@ BLOCK_WIDTH = 64
 # of d_k × BLOCK_V of the state in registers; wider keys keep the running state in the chunk-state buffer in global
 # memory, one slice of rows at a time.
 MAX_REGISTER_KEY_DIM = 128
-# Elements of the state tile a recurrence program holds in registers (for 2-byte operands; half for 4-byte ones).
-STATE_TILE = 64 * 64
+# Elements of the state tile the forward recurrence holds in registers (for 2-byte operands; half for 4-byte ones):
+# 128 × 64 at d_k = 128, so that each program reads W and K for half of d_v (FLA's tiling) rather than a quarter.
+STATE_TILE = 128 * 64
+# Columns of d_v the output kernel (4) covers at once (2-byte operands; half for 4-byte ones): up to d_v = 128 the
+# queries and P = causal(Q Kᵀ) of a chunk are read once, not once per slice of d_v.
+OUTPUT_BLOCK_WIDTH = 128
 # tl.dot needs every dimension to be at least 16.
 MIN_BLOCK = 16
 # Products of float32 operands: "tf32" (tensor cores) or "ieee" (exact, CUDA cores).
@@ -87,21 +93,31 @@ FLOAT32_PRECISION = "tf32"
 # (relative; random and nearly parallel keys, chunks of 64, measured in numpy), the size of one TF32 or float16
 # rounding and below bfloat16's; "tf32x3" (three TF32 products, near float32 accuracy) spills registers at 64 × 64.
 INVERSE_PRECISION = "tf32"
-# Warps and pipeline stages per kernel, for 2-byte operands (bfloat16, float16) and for 4- or 8-byte ones, whose
-# tiles take twice the shared memory and registers: the chunk-parallel kernels hold several BLOCK_T × BLOCK_T
-# float32 tiles, and the state kernels load whole rows of d_k per chunk.
+# (num_warps, num_stages) per GPU target, operand size in bytes (2: bfloat16 / float16; 4: float32 and float64,
+# whose tiles take twice the shared memory and registers) and kernel; "output_wide" is the output kernel with a
+# value slice wider than 64 columns (a 64 × 128 accumulator). "sm_90" is used on compute capability 9.x, "sm_80"
+# on every other GPU (and in Triton's interpreter). Chosen from the compiled kernels, not from timings
+# (tests/kernels/test_gpu_compile.py checks every entry: no spills, shared memory within the target's limit, for
+# d = 64 and 128 and the widest allowed d_k): the sm_90 entries pipeline the loads of the chunk-parallel kernels
+# one stage deeper where its 227 KB of shared memory (163 KB on sm_80) leave room.
 LAUNCH_OPTIONS = {
-    "prepare": {"num_warps": 8, "num_stages": 2},
-    "state": {"num_warps": 8, "num_stages": 2},
-    "output": {"num_warps": 4, "num_stages": 2},
-    "chunk_backward": {"num_warps": 8, "num_stages": 2},
+    "sm_80": {
+        2: {"prepare": (8, 2), "state": (8, 2), "output": (4, 2), "output_wide": (8, 2), "chunk_backward": (8, 2)},
+        4: {"prepare": (8, 2), "state": (8, 1), "output": (4, 2), "output_wide": (8, 2), "chunk_backward": (8, 2)},
+    },
+    "sm_90": {
+        2: {"prepare": (8, 3), "state": (8, 2), "output": (4, 3), "output_wide": (8, 3), "chunk_backward": (8, 3)},
+        4: {"prepare": (8, 3), "state": (8, 1), "output": (4, 3), "output_wide": (8, 3), "chunk_backward": (8, 3)},
+    },
 }
-LAUNCH_OPTIONS_FLOAT32 = {
-    "prepare": {"num_warps": 8, "num_stages": 2},
-    "state": {"num_warps": 8, "num_stages": 1},
-    "output": {"num_warps": 4, "num_stages": 2},
-    "chunk_backward": {"num_warps": 8, "num_stages": 2},
-}
+
+
+def gpu_target(device: torch.device) -> str:
+    """The column of ``LAUNCH_OPTIONS`` for ``device``: "sm_90" on compute capability 9.x, else "sm_80"."""
+    if device.type != "cuda":
+        return "sm_80"  # Triton's interpreter: one configuration
+    return "sm_90" if torch.cuda.get_device_capability(device)[0] == 9 else "sm_80"
+
 
 _TRITON_DTYPES = {
     torch.float64: tl.float64,
@@ -774,6 +790,7 @@ class _Layout:
         self.precision = "ieee" if compute_dtype == torch.float64 else FLOAT32_PRECISION
         self.inverse_precision = "ieee" if exact else INVERSE_PRECISION
         self.is_varlen = cu_seqlens is not None
+        self.target = gpu_target(key.device)
         # Chunks live in tiles of BLOCK_T ≥ 16 rows (a power of two); extra rows are masked.
         self.block_t = max(MIN_BLOCK, triton.next_power_of_2(self.chunk_size))
         full_key = max(MIN_BLOCK, triton.next_power_of_2(key_dim))
@@ -784,11 +801,14 @@ class _Layout:
         # The chunk backward holds three BLOCK_T × block_k accumulators besides its BLOCK_T × BLOCK_T tiles: half
         # as wide a slice of d_k keeps it from spilling registers on sm_80.
         self.backward_block_k = max(MIN_BLOCK, self.block_k // 2)
+        output_width = OUTPUT_BLOCK_WIDTH if self.storage_dtype.itemsize == 2 else OUTPUT_BLOCK_WIDTH // 2
+        self.output_block_v = min(full_value, output_width)
         # 4- and 8-byte operands: rows of d_k up to half as wide (a float32 reverse recurrence at d_k = 128 spills).
         register_key_dim = MAX_REGISTER_KEY_DIM if self.storage_dtype.itemsize == 2 else MAX_REGISTER_KEY_DIM // 2
         self.state_in_registers = full_key <= register_key_dim
         self.state_block_k = full_key if self.state_in_registers else self.block_k
-        # The state tile (state_block_k × state_block_v) is at most STATE_TILE elements (half for 4-byte operands).
+        # The forward state tile (state_block_k × state_block_v) is at most STATE_TILE elements (half for 4-byte
+        # operands).
         state_tile = STATE_TILE if self.storage_dtype.itemsize == 2 else STATE_TILE // 2
         self.state_block_v = min(full_value, max(MIN_BLOCK, state_tile // self.state_block_k))
         # The reverse recurrence loads Q, K, W and dO per chunk: at most 32 columns of the state keep it from
@@ -829,8 +849,10 @@ class _Layout:
         """The compile-time constants every kernel takes and the launch options of ``kernel``."""
         options = {"CHUNK_SIZE": self.chunk_size, "BLOCK_T": self.block_t, "IS_VARLEN": self.is_varlen}
         precision = {"DTYPE": self.triton_dtype, "OPERAND": self.operand, "PRECISION": self.precision}
-        launch = LAUNCH_OPTIONS if self.storage_dtype.itemsize == 2 else LAUNCH_OPTIONS_FLOAT32
-        return {**options, **precision, **launch[kernel]}
+        if kernel == "output" and self.output_block_v > BLOCK_WIDTH:
+            kernel = "output_wide"
+        num_warps, num_stages = LAUNCH_OPTIONS[self.target][min(self.storage_dtype.itemsize, 4)][kernel]
+        return {**options, **precision, "num_warps": num_warps, "num_stages": num_stages}
 
     def state_shape(self) -> tuple[int, int, int, int]:
         return (self.num_sequences, self.num_heads, self.key_dim, self.value_dim)
@@ -839,10 +861,11 @@ class _Layout:
         """The trailing runtime arguments every kernel takes, after its tensors and the chunk tables."""
         return (self.length, self.num_heads, self.num_chunks, self.key_dim, self.value_dim)
 
-    def chunk_grid(self, value_blocks: bool) -> tuple[int, ...]:
-        """(chunk × head) on the first grid axis (up to 2³¹ − 1 programs), slices of d_v on the second."""
+    def chunk_grid(self, block_v: int | None = None) -> tuple[int, ...]:
+        """(chunk × head) on the first grid axis (up to 2³¹ − 1 programs), slices of ``block_v`` columns of d_v on
+        the second if given."""
         grid = (self.total_chunks * self.num_heads,)
-        return (*grid, triton.cdiv(self.value_dim, self.block_v)) if value_blocks else grid
+        return grid if block_v is None else (*grid, triton.cdiv(self.value_dim, block_v))
 
     def sequence_grid(self, block_v: int) -> tuple[int, int]:
         """(sequence × head) on the first grid axis, slices of ``block_v`` columns of d_v on the second."""
@@ -866,7 +889,7 @@ def _forward(query, key, value, beta, initial_state, output_final_state, layout)
     output = torch.empty_like(value)
 
     if layout.total_chunks > 0:
-        _prepare_chunk_kernel[layout.chunk_grid(value_blocks=False)](
+        _prepare_chunk_kernel[layout.chunk_grid()](
             query, key, value, beta, inverse, scores, weights, updates, layout.cu_seqlens, layout.chunk_indices,
             *layout.arguments(), BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
             INVERSE_PRECISION=layout.inverse_precision, **layout.kernel_options("prepare"),
@@ -878,9 +901,9 @@ def _forward(query, key, value, beta, initial_state, output_final_state, layout)
         STORE_FINAL_STATE=need_final_state, **layout.kernel_options("state"),
     )  # fmt: skip
     if layout.total_chunks > 0:
-        _output_kernel[layout.chunk_grid(value_blocks=True)](
+        _output_kernel[layout.chunk_grid(layout.output_block_v)](
             query, scores, new_values, states, output, layout.cu_seqlens, layout.chunk_indices, *layout.arguments(),
-            BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, **layout.kernel_options("output"),
+            BLOCK_K=layout.block_k, BLOCK_V=layout.output_block_v, **layout.kernel_options("output"),
         )  # fmt: skip
     return output, (final_state if output_final_state else None), (inverse, scores, weights, new_values, states)
 
@@ -906,7 +929,7 @@ def _backward(query, key, value, beta, saved, grad_output, grad_final_state, nee
         **layout.kernel_options("state"),
     )  # fmt: skip
     if layout.total_chunks > 0:
-        _chunk_backward_kernel[layout.chunk_grid(value_blocks=False)](
+        _chunk_backward_kernel[layout.chunk_grid()](
             query, key, value, beta, inverse, new_values, states, grad_output, grad_states, grad_new_values,
             grad_query, grad_key, grad_value, grad_beta, layout.cu_seqlens, layout.chunk_indices,
             *layout.arguments(), BLOCK_K=layout.backward_block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
