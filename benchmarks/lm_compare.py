@@ -1,8 +1,9 @@
 """Language modelling on real text: memlm's three models against 🤗 Llama and 🤗 Mamba of the same size.
 
-What is trained. On each corpus of `--corpus` and each seed of `--seeds`, eight byte-level language models with the
-same parameter count (within 5 %; the table prints each count and its ratio to Llama's) are trained on the same
-tokens in the same order, with the same AdamW, linear warm-up then cosine decay, gradient clipping and learning rate:
+What is trained. On each corpus of `--corpus` and each seed of `--seeds` (the models of `--one-seed-models` with the
+first seed only), eight byte-level language models with the same parameter count (within 5 %; the table prints each
+count and its ratio to Llama's) are trained on the same tokens in the same order, with the same AdamW, linear
+warm-up then cosine decay, gradient clipping and learning rate:
 
 - DeltaNet, paper preset (DPFP-1, sum normalisation, delta rule) and fla preset (SiLU, L2, short convolution);
 - linear Transformer: DeltaNet's paper preset with the sum rule and no β (S_t = S_{t-1} + k_t v_tᵀ);
@@ -56,16 +57,31 @@ Seeds set the initialisation, the order of the training documents and nothing el
 
     python benchmarks/lm_compare.py [--smoke] [--corpus stdlib pydoc] [--seeds 0 1 2] [--json results.json]
                                     [--plot benchmarks/lm_compare.png] [--steps N --hidden-size D ...]
+                                    [--one-seed-models mamba] [--write-docs]
+    python benchmarks/lm_compare.py --report results.json
 
 Budget. The defaults (hidden 64, 2 layers, 4 heads, MLP 256 for Llama, so about 164K parameters each; 8 rows of
-128 tokens per step, 120 steps = 123K training tokens per model; 4096 held-out tokens; both corpora; 3 seeds) are
-meant to fit about 30 minutes on 2 quiet cores. The estimate comes from a timed 4-step run of every model on a
-loaded machine (2.3 times more wall-clock than CPU time) and a 30-step run: about 1.6 to 2 s per step of all eight
-models when quiet, so 20 to 25 minutes of training, about 2 of evaluations and 1 of decoding and memory. 🤗
-Mamba's PyTorch path takes about two thirds of the training time: in one profiled step its backward took about 80
-times its forward (its scan loops over tokens reading `discrete_A[:, :, t]`, and the backward of each such read
-likely writes a gradient of the whole (B, E, T, N) tensor). `--corpus stdlib` halves the budget; fewer `--seeds`
-cut it in proportion.
+128 tokens per step, 270 steps = 276K training tokens per model, warm-up 27 steps; 4096 held-out tokens read every 30
+steps; both corpora; seeds 0 1 2 for every model but 🤗 Mamba, which trains with seed 0 only, `--one-seed-models`)
+are meant to fit about 30 minutes on 2 quiet cores: the projection is 26 minutes. How it was made (on a machine
+loaded by other jobs, so from CPU time, which a quiet machine's wall-clock matches or undercuts, with one thread:
+most operations at these sizes are too small for a second one): each model's CPU seconds per training step, as the
+difference of a 12-step and a 4-step run at the default sizes, are DeltaNet 0.022, fla 0.018, sum rule 0.017,
+Expire-Span 0.033, fixed span 0.029, Feedback 0.25, Llama 0.019, Mamba 1.37 (1.76 for all eight); an evaluation
+costs 0.03 to 0.3 s (Feedback 0.9 s), decoding to 16K about 22 s for all (Feedback's prefill, token by token, 13 s),
+the memory processes about 45 s (mostly interpreter start-ups) and the held-out splits about 30 s. Summed over the
+runs: 23 minutes of training, 1.6 of evaluations, 1.6 of the rest. The same sum projected 180 CPU seconds for
+`--steps 16 --eval-every 8 --warmup-steps 2 --seeds 0 1 --threads 1`, which took 179 (user + system, `time`).
+🤗 Mamba is in none of the papers' comparisons and its PyTorch path costs three times the other seven models together
+(12 of the 26 minutes with seed 0 alone; with every seed it would take 37 of 51): in one profiled step its backward
+took about 80 times its forward (its scan loops over tokens reading `discrete_A[:, :, t]`, and the backward of each
+such read likely writes a gradient of the whole (B, E, T, N) tensor). `--corpus stdlib` about halves the budget;
+fewer `--seeds` cut it in proportion.
+
+Report. `--write-docs` ends the run by writing its results into benchmarks/README.md (a section between marker
+comments: the tables, the plot, the papers' claims judged from the seeds' ranges, a short reading) and a "Measured
+comparison" section into each of `hub_cards/*.md` (which become the model cards of saved checkpoints);
+`--report results.json` does the same from the JSON of an earlier run, without training, and redraws its plot.
 """
 
 import argparse
@@ -104,10 +120,10 @@ SMOKE = {"steps": 3, "eval_every": 2, "hidden_size": 16, "num_layers": 2, "num_h
          "length": 16, "batch_size": 2, "eval_tokens": 128, "eval_rows": 2, "max_span": 32, "memory_span": 16,
          "max_bytes": 200_000, "seeds": [0], "decode_contexts": [64, 256], "decode_steps": 2,
          "warmup_steps": 1, "one_seed_models": ["mamba"]}  # fmt: skip
-FULL = {"steps": 120, "eval_every": 30, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256,
+FULL = {"steps": 270, "eval_every": 30, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256,
         "length": 128, "batch_size": 8, "eval_tokens": 4096, "eval_rows": 4, "max_span": 512, "memory_span": 128,
         "max_bytes": 8_000_000, "seeds": [0, 1, 2], "decode_contexts": [1024, 16384], "decode_steps": 16,
-        "warmup_steps": 12, "one_seed_models": ["mamba"]}  # fmt: skip
+        "warmup_steps": 27, "one_seed_models": ["mamba"]}  # fmt: skip
 PARAMETER_TOLERANCE = 0.05
 
 
@@ -573,7 +589,7 @@ def plot(results: dict, args, path: str) -> None:
     plt.close(figure)
 
 
-# --- the report: benchmarks/README.md and the hub cards, written from a run's JSON ------------------------------------
+# --- the report: benchmarks/README.md and the hub cards, written from a run's JSON ----------------------------------
 
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 HUB_CARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hub_cards")
@@ -626,7 +642,8 @@ def claim_verdicts(results: dict) -> list[dict]:
         expire, fixed = speed["expire_span"]["decode"][-1], speed["fixed_span"]["decode"][-1]
         share = expire["cache_bytes"] / fixed["cache_bytes"]
         verdicts.append({"key": "expire_span_memory", "claim": "Expire-Span keeps far less memory than a fixed span",
-                         "paper": "Sukhbaatar et al., 2021, Fig. 5", "corpus": None, "context": expire["context"], "seed": results["settings"]["seeds"][0],
+                         "paper": "Sukhbaatar et al., 2021, Fig. 5", "corpus": None, "context": expire["context"],
+                         "seed": results["settings"]["seeds"][0],
                          "share": share, "verdict": "reproduced" if share <= 0.5 else "not reproduced"})  # fmt: skip
     return verdicts
 
@@ -639,11 +656,12 @@ def verdict_lines(verdicts: list[dict]) -> list[str]:
     for entry in verdicts:
         if entry["key"] == "expire_span_memory":
             said = (f"**{entry['verdict']}**: its cache after {entry['context']:,} tokens of context is "
-                    f"{entry['share']:.2f} of the fixed span's (reproduced when at most half; seed {entry['seed']})")  # fmt: skip
+                    f"{entry['share']:.2f} of the fixed span's (reproduced when at most half; seed "
+                    f"{entry['seed']})")  # fmt: skip
         else:
             lower, higher = entry["values"]
-            said = (f"{entry['corpus']} **{entry['verdict']}** ({format_across_seeds(lower)} against "
-                    f"{format_across_seeds(higher)} bits per byte)")  # fmt: skip
+            said = (f"{entry['corpus']} **{entry['verdict']}**, {format_across_seeds(lower)} against "
+                    f"{format_across_seeds(higher)} bits per byte")  # fmt: skip
         lines.setdefault((entry["claim"], entry["paper"]), []).append(said)
     return [f"- {claim} ({paper}): {'; '.join(said)}." for (claim, paper), said in lines.items()]
 
@@ -670,14 +688,14 @@ def run_description(results: dict) -> str:
     settings, host = results["settings"], results.get("machine", {})
     tokens = settings["steps"] * settings["batch_size"] * settings["length"]
     seeds = " ".join(map(str, settings["seeds"]))
-    where = (f"torch {host['torch']}, {host['threads']} threads on {host['cores']} cores ({host['cpu']}), "
-             f"{host['date']}" if host else "machine not recorded")  # fmt: skip
-    return (
-        f"hidden {settings['hidden_size']}, {settings['num_layers']} layers, {settings['num_heads']} heads, about "
-        f"{human_count(results['parameters'][REFERENCE])} parameters each; {settings['steps']} steps of {settings['batch_size']} × "
-        f"{settings['length']} tokens ({tokens:,} training tokens per model), {settings['eval_tokens']:,} "
-        f"held-out tokens; seeds {seeds}; {where}; the whole run took {duration(results['seconds'])}"
-    )
+    threads = f"{host['threads']} thread{'s' if host['threads'] > 1 else ''}" if host else ""
+    where = (f"torch {host['torch']}, {threads} on {host['cores']} cores ({host['cpu']}), {host['date']}"
+             if host else "machine not recorded")  # fmt: skip
+    parameters = human_count(results["parameters"][REFERENCE])
+    return (f"hidden {settings['hidden_size']}, {settings['num_layers']} layers, {settings['num_heads']} heads, about "
+            f"{parameters} parameters each; {settings['steps']} steps of {settings['batch_size']} × "
+            f"{settings['length']} tokens ({tokens:,} training tokens per model), {settings['eval_tokens']:,} "
+            f"held-out tokens; seeds {seeds}; {where}; the whole run took {duration(results['seconds'])}")  # fmt: skip
 
 
 def quality_table(results: dict, corpus: str, models) -> str:
@@ -752,6 +770,13 @@ def readme_section(results: dict, plot_path: str | None) -> str:
     return "\n\n".join(parts)
 
 
+def per_corpus(models: dict) -> str:
+    """ "A on stdlib; B on pydoc", or "A on every corpus" when one model is named for all."""
+    if len(set(models.values())) == 1 and len(models) > 1:
+        return f"{LABELS[next(iter(models.values()))]} on every corpus"
+    return "; ".join(f"{LABELS[name]} on {corpus}" for corpus, name in models.items())
+
+
 def discussion(results: dict) -> str:
     """A short reading of the run: what carries the comparison and what this scale cannot test."""
     from memlm.hub_card import human_count
@@ -766,16 +791,13 @@ def discussion(results: dict) -> str:
     decoding = {name: rows["decode"][-1]["decode_tokens_per_second"] for name, rows in speed.items()}
     quickest = max(decoding, key=decoding.get)
     text = [
-        "Lowest bits per byte at equal tokens: "
-        + "; ".join(f"{LABELS[name]} on {corpus}" for corpus, name in best.items())
-        + ". Fastest training: "
-        + "; ".join(f"{LABELS[name]} on {corpus}" for corpus, name in fastest.items())
-        + f". Fastest decoding after {longest:,} tokens of context: {LABELS[quickest]} "
+        f"Lowest bits per byte at equal tokens: {per_corpus(best)}. Fastest training: {per_corpus(fastest)}. "
+        f"Fastest decoding after {longest:,} tokens of context: {LABELS[quickest]} "
         f"({decoding[quickest] / decoding[REFERENCE]:.2f}× Llama's).",
         f"The scale is tiny next to the papers' ({human_count(results['parameters'][REFERENCE])} parameters and "
-        f"{human_count(tokens)} training tokens per model here, tens of millions of parameters and hundreds of millions "
-        "of tokens there): a verdict here says which way the mechanisms lean early in training on CPU, not what "
-        "they reach at the papers' sizes.",
+        f"{human_count(tokens)} training tokens per model here, tens of millions of parameters and hundreds of "
+        "millions of tokens there): a verdict here says which way the mechanisms lean early in training on CPU, "
+        "not what they reach at the papers' sizes.",
     ]
     return " ".join(text)
 
@@ -791,11 +813,12 @@ def card_section(results: dict, card: str) -> str:
     for name in models:
         decode = {row["context"]: row for row in speed[name]["decode"]}
         rows.append([LABELS[name], f"{results['parameters'][name]:,}",
+                     str(seed_count(results, settings["corpus"][0], name)),
                      *(format_across_seeds(summary[corpus][name]["final"]) for corpus in settings["corpus"]),
                      format_across_seeds(summary[settings["corpus"][0]][name]["tokens_per_second"], ".0f"),
                      *(f"{decode[context]['decode_tokens_per_second']:.1f}" for context in contexts),
                      f"{decode[contexts[-1]]['cache_bytes'] / 2**10:,.0f}"])  # fmt: skip
-    header = ["model", "parameters", *(f"bpb, {corpus}" for corpus in settings["corpus"]),
+    header = ["model", "parameters", "seeds", *(f"bpb, {corpus}" for corpus in settings["corpus"]),
               f"train tokens/s ({settings['corpus'][0]})", *(f"decode tokens/s after {context:,}" for context in
               contexts), f"cache KiB after {contexts[-1]:,}"]  # fmt: skip
     verdicts = verdict_lines([entry for entry in claim_verdicts(results) if entry["key"] in CARD_CLAIMS[card]])
@@ -922,7 +945,8 @@ def machine() -> dict:
             names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
         cpu = names[0] if names else cpu
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "cpu": cpu,
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
 
 
 def report(path: str, args) -> dict:
