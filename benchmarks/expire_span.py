@@ -11,11 +11,11 @@ Prints two side-by-side tables, measured on this machine in one run:
    resident set size tracks live tensors: peak = the rise of VmHWM (reset through /proc/self/clear_refs) during a
    step over the resident size before it.
 2. Generation: decode time per token and the number of cache entries per layer after a prefill of 1K, 8K and 32K
-   tokens, for the same two models at L = 16384.
+   tokens, for the same two models at L = 16384, measured in one process with their repeats interleaved.
 
 Model: hidden 128, 2 layers, 4 heads, ramp R = 128, byte vocabulary. Times are medians of `--repeats` steps.
 
-    python benchmarks/expire_span.py [--json results.json]
+    python benchmarks/expire_span.py [--json results.json] [--tables generation] [--contexts 1024 ...]
 """
 
 import argparse
@@ -85,22 +85,29 @@ def training_measurement(max_span: int, expire: bool, args) -> dict:
     return {"step_seconds": statistics.median(timings), "memory_entries": max(entries)}
 
 
-def decode_measurement(expire: bool, args) -> list[dict]:
-    model = build_model(DECODE_MAX_SPAN, expire, args.block_size).eval()
-    rows = []
+def decode_measurement(args) -> dict[str, list[dict]]:
+    """Both models in one process, their timing repeats interleaved, so that a busy machine slows both alike."""
+    models = {name: build_model(DECODE_MAX_SPAN, expire, args.block_size).eval()
+              for name, expire in (("expire_span", True), ("fixed", False))}  # fmt: skip
+    rows = {name: [] for name in models}
     with torch.no_grad():
-        for context in DECODE_CONTEXTS:
+        for context in args.contexts:
             prompt = torch.randint(0, 258, (1, context), generator=torch.Generator().manual_seed(1))
-            cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
-            token = prompt[:, -1:]
-            timings = []
+            caches, tokens, timings = {}, {}, {name: [] for name in models}
+            for name, model in models.items():
+                caches[name] = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+                tokens[name] = prompt[:, -1:]
             for _ in range(args.repeats):
-                start = time.perf_counter()
-                for _ in range(args.decode_steps):
-                    token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                timings.append((time.perf_counter() - start) / args.decode_steps)
-            rows.append({"context": context, "ms_per_token": statistics.median(timings) * 1e3,
-                         "memory_entries": max(cache.memory_entries())})  # fmt: skip
+                for name, model in models.items():
+                    token, cache = tokens[name], caches[name]
+                    start = time.perf_counter()
+                    for _ in range(args.decode_steps):
+                        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                    timings[name].append((time.perf_counter() - start) / args.decode_steps)
+                    tokens[name] = token
+            for name in models:
+                rows[name].append({"context": context, "ms_per_token": statistics.median(timings[name]) * 1e3,
+                                   "memory_entries": max(caches[name].memory_entries())})  # fmt: skip
     return rows
 
 
@@ -108,7 +115,7 @@ def run_isolated(kind: str, args, memory: bool = False, **values) -> dict | list
     """Run one measurement in a fresh interpreter and return its JSON result."""
     command = [sys.executable, __file__, "--measure", json.dumps({"kind": kind, **values})]
     command += ["--segment", str(args.segment), "--block-size", str(args.block_size), "--repeats", str(args.repeats),
-                "--decode-steps", str(args.decode_steps)]  # fmt: skip
+                "--decode-steps", str(args.decode_steps), "--contexts", *map(str, args.contexts)]  # fmt: skip
     environment = dict(os.environ)
     if memory:
         # Large buffers are mmap-ed and returned to the system when freed, so the resident size tracks live tensors.
@@ -132,6 +139,20 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        choices=["training", "generation"],
+        default=["training", "generation"],
+        help="which tables to measure (generation alone takes a few minutes)",
+    )
+    parser.add_argument(
+        "--contexts",
+        nargs="+",
+        type=int,
+        default=list(DECODE_CONTEXTS),
+        help="prefill lengths of the generation table",
+    )
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -141,14 +162,23 @@ def main(argv=None):
         if request["kind"] == "training":
             result = training_measurement(request["max_span"], request["expire"], args)
         else:
-            result = decode_measurement(request["expire"], args)
+            result = decode_measurement(args)
         print(json.dumps(result))
         return result
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
     results = {"training": [], "decode": {}}
+    try:
+        return run_tables(args, results)
+    finally:
+        if args.json:
+            with open(args.json, "w") as file:
+                json.dump(results, file, indent=2)
+
+
+def run_tables(args, results: dict) -> dict:
     rows = []
-    for max_span in MAX_SPANS:
+    for max_span in MAX_SPANS if "training" in args.tables else ():
         fixed = run_isolated("training", args, max_span=max_span, expire=False)
         fixed |= run_isolated("training", args, memory=True, max_span=max_span, expire=False)
         expiring = run_isolated("training", args, max_span=max_span, expire=True)
@@ -161,25 +191,24 @@ def main(argv=None):
             f"{expiring['peak_rise_mib']:.0f}", f"{fixed['peak_rise_mib']:.0f}",
             f"{fixed['peak_rise_mib'] / max(expiring['peak_rise_mib'], 1e-9):.2f}",
         ])  # fmt: skip
-    print_table(
-        f"Training step, segment {args.segment} tokens in blocks of {args.block_size}, steady-state memory "
-        "(Expire-Span spans = L/8 vs fixed span L)",
-        ["L", "memories (expire)", "memories (fixed)", "expire s", "fixed s", "speed-up", "expire MiB",
-         "fixed MiB", "memory ratio"],
-        rows,
-    )  # fmt: skip
-    expiring = run_isolated("decode", args, expire=True)
-    fixed = run_isolated("decode", args, expire=False)
-    results["decode"] = {"expire_span": expiring, "fixed": fixed}
+    if "training" in args.tables:
+        print_table(
+            f"Training step, segment {args.segment} tokens in blocks of {args.block_size}, steady-state memory "
+            "(Expire-Span spans = L/8 vs fixed span L)",
+            ["L", "memories (expire)", "memories (fixed)", "expire s", "fixed s", "speed-up", "expire MiB",
+             "fixed MiB", "memory ratio"],
+            rows,
+        )  # fmt: skip
+    if "generation" not in args.tables:
+        return results
+    results["decode"] = run_isolated("decode", args)
+    expiring, fixed = results["decode"]["expire_span"], results["decode"]["fixed"]
     print_table(
         f"Decoding after a prefill, L = {DECODE_MAX_SPAN}, batch 1 (cache entries = widest layer)",
         ["context", "expire ms/token", "fixed ms/token", "expire entries", "fixed entries"],
         [[str(e["context"]), f"{e['ms_per_token']:.2f}", f"{f['ms_per_token']:.2f}", str(e["memory_entries"]),
           str(f["memory_entries"])] for e, f in zip(expiring, fixed)],
     )  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2)
     return results
 
 

@@ -1,16 +1,16 @@
 """Expire-Span: a Transformer whose memories learn when to expire.
 
 Sukhbaatar, Ju, Poff, Roller, Szlam, Weston & Fan (ICML 2021), "Not All Memories are Created Equal: Learning to
-Forget by Expiring". Every memory h_i of a layer gets a span e_i = L·σ(w·h_i/p + b) (paper Eq. 5); query t reads it
-through the soft mask m_ti = clamp(1 + (e_i − (t − i))/R, 0, 1) (Eq. 6), renormalised over the memories (Eq. 4),
+Forget by Expiring". Every memory h_i of a layer gets a span e_i = L·σ(w·h_i/p + b) (paper Eq. 3); query t reads it
+through the soft mask m_ti = clamp(1 + (e_i − (t − i))/R, 0, 1) (Eq. 5), renormalised over the memories (Eq. 4),
 which is attention with the additive bias log m_ti. A memory with m = 0 never comes back and is deleted.
 
-The file reads top to bottom: the memory of one layer → attention (with the span predictor) → decoder layer → the memory of
-one layer and its pruning → the cache (`past_key_values`) → PreTrainedModel → ExpireSpanModel (block-parallel
-forward) → ExpireSpanForCausalLM.
+The file reads top to bottom: outputs → span predictor → attention → decoder layer → the cache (`past_key_values`) →
+PreTrainedModel → ExpireSpanModel → ExpireSpanForCausalLM. The machinery around the model lives in
+`memlm.kernels.expire_attention`: the attention itself, the memories of a layer with their pruning (`memory.py`) and
+the block-parallel forward (`blocks.py`).
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,9 @@ from transformers.utils import ModelOutput, logging
 
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
-from ..kernels.expire_attention import expire_span_attention, expire_span_mask, memory_statistics, visible_keys
+from ..kernels.expire_attention import expire_span_attention
+from ..kernels.expire_attention.blocks import compact_memories, run_layer_over_blocks, split_into_blocks
+from ..kernels.expire_attention.memory import ExpireSpanMemory, expired_memories, memory_counts
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
     CountsOwnPositions,
@@ -78,56 +80,8 @@ class ExpireSpanCausalLMOutput(ModelOutput):
     memory_size: torch.FloatTensor | None = None
 
 
-@dataclass
-class ExpireSpanMemory:
-    """The memories of one layer in a padded layout: row b holds valid[b].sum() live entries."""
-
-    keys: torch.Tensor  # (B, H, N, d), rotated by their positions
-    values: torch.Tensor  # (B, H, N, d)
-    positions: torch.Tensor  # (B, N) absolute position i of each memory
-    valid: torch.Tensor  # (B, N) False for empty slots
-    spans: torch.Tensor | None  # (B, N) float32 e_i (None when expiration is off)
-    span_inputs: torch.Tensor | None  # (B, N, D): h_i, kept in training so spans follow the current parameters
-
-    def select(self, keep: torch.Tensor, width: int | None = None) -> "ExpireSpanMemory":
-        """Compact: keep the entries where `keep` (B, N) is True, in order, padding rows to the longest (`width`, the
-        most entries a row keeps, when the caller has read it already)."""
-        if width is None:
-            width = int(keep.sum(1).max()) if keep.numel() else 0
-            if width == keep.shape[1] and bool(keep.all()):
-                return self
-        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # live entries first
-
-        def take(tensor, dim):
-            if tensor is None:
-                return None
-            index = order.view(*order.shape[:1], *([1] * (dim - 1)), width, *([1] * (tensor.dim() - dim - 1)))
-            return tensor.gather(dim, index.expand(*tensor.shape[:dim], width, *tensor.shape[dim + 1 :]))
-
-        return ExpireSpanMemory(
-            keys=take(self.keys, 2), values=take(self.values, 2), positions=take(self.positions, 1),
-            valid=take(keep, 1), spans=take(self.spans, 1), span_inputs=take(self.span_inputs, 1),
-        )  # fmt: skip
-
-    def append(self, other: "ExpireSpanMemory") -> "ExpireSpanMemory":
-        def join(first, second, dim):
-            return None if first is None or second is None else torch.cat([first, second], dim=dim)
-
-        return ExpireSpanMemory(
-            keys=join(self.keys, other.keys, 2), values=join(self.values, other.values, 2),
-            positions=join(self.positions, other.positions, 1), valid=join(self.valid, other.valid, 1),
-            spans=join(self.spans, other.spans, 1), span_inputs=join(self.span_inputs, other.span_inputs, 1),
-        )  # fmt: skip
-
-    def map(self, function) -> "ExpireSpanMemory":
-        """Apply `function` to every tensor along the batch dimension (reorder, repeat, select rows)."""
-        return ExpireSpanMemory(
-            **{name: None if tensor is None else function(tensor) for name, tensor in vars(self).items()}
-        )
-
-
 class ExpireSpanPredictor(nn.Linear):
-    """The span predictor of one layer (paper Eq. 5): w·h + b, one output shared by the heads."""
+    """The span predictor of one layer (paper Eq. 3): w·h + b, one output shared by the heads."""
 
     def __init__(self, hidden_size: int):
         super().__init__(hidden_size, 1, bias=True)
@@ -146,11 +100,11 @@ class ExpireSpanAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        # Paper Eq. 5: one span per memory, shared by the heads.
+        # Paper Eq. 3: one span per memory, shared by the heads.
         self.span_predictor = ExpireSpanPredictor(config.hidden_size) if config.expire_memories else None
 
     def predict_spans(self, span_inputs: torch.Tensor) -> torch.Tensor:
-        """e_i = L · σ(w · h_i / p + b) (paper Eq. 5), in float32: (B, N, D) → (B, N)."""
+        """e_i = L · σ(w · h_i / p + b) (paper Eq. 3), in float32: (B, N, D) → (B, N)."""
         logits = self.span_predictor(span_inputs / self.config.span_pre_divisor).squeeze(-1)
         return self.config.max_span * torch.sigmoid(logits.float())
 
@@ -166,8 +120,9 @@ class ExpireSpanAttention(nn.Module):
         counted_positions: bool = False,
     ) -> tuple[torch.Tensor, ExpireSpanMemory, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """hidden_states (B, T, D) normed; positions (B, T); token_valid (B, T); `counted_positions`: the positions
-        were counted from the padding mask (consecutive in each row). Returns the output, the block's new memories (not
-        detached), the block's spans, the span-loss sum and the number of attended memories."""
+        were counted from the padding mask (consecutive in each row). Returns the output, the memories after the block
+        (`memory` then the block's own, not detached), the block's spans, the span-loss sum and the number of attended
+        memories."""
         batch_size, length, _ = hidden_states.shape
         shape = (batch_size, length, self.num_heads, self.head_dim)
         query = apply_rotary(self.q_proj(hidden_states).view(shape).transpose(1, 2), cos, sin)
@@ -190,13 +145,13 @@ class ExpireSpanAttention(nn.Module):
 
         # Bookkeeping: which (query, memory) pairs are read (m > 0), and which are on the ramp (0 < m < 1), where the
         # span loss is computed (paper, "Loss Computation"): the loss is Σ_i e_i · (queries seeing i on the ramp) / R.
-        read_counts, ramp_counts = _memory_counts(
+        read_counts, ramp_counts = memory_counts(
             memory_spans, positions, token_valid, visible_memory, self.config.ramp, max_distance, counted_positions
         )
         span_loss_sum = (ramp_counts * memory_spans).sum() / self.config.ramp if memory_spans is not None else None
         if span_loss_sum is None:
             span_loss_sum = output.new_zeros((), dtype=torch.float32)
-        return output, block, spans, span_loss_sum, read_counts.sum()
+        return output, visible_memory, spans, span_loss_sum, read_counts.sum()
 
 
 class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
@@ -213,40 +168,32 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
     def prune(self, memory: ExpireSpanMemory, first_positions: torch.Tensor, delete_expired: bool):
         """The memory without empty slots and, with `delete_expired`, without the memories that are dead for each
-        row's first query of the coming block. Part of the layer (not the model) so that it runs inside the layer's
-        forward, where FSDP has gathered the span predictor's weights."""
-        keep = memory.valid
-        if delete_expired:
-            config = self.attention.config
-            if config.expire_memories:
-                spans = memory.spans
-                if memory.span_inputs is not None:
-                    with torch.no_grad():
-                        spans = self.attention.predict_spans(memory.span_inputs)
-                # m_ti = 0 ⇔ e_i − (t − i) <= −R ⇔ i + e_i + R <= t (paper Eq. 6); m only falls as t grows.
-                dead = memory.positions + spans + config.ramp <= first_positions[:, None]
-            else:
-                dead = first_positions[:, None] - memory.positions > config.max_span
-            keep = keep & ~dead
-        if torch.compiler.is_compiling():
-            # How many memories a row keeps is data, which torch.compile cannot trace: compiled, the dead memories are
-            # masked here (never read again, as if deleted) and the model compacts all layers at the end of its forward.
-            return dataclasses.replace(memory, valid=keep)
-        return memory.select(keep)
+        row's first query of the coming block (see `ExpireSpanMemory.prune`). Part of the layer (not the model) so
+        that it runs inside the layer's forward, where FSDP has gathered the span predictor's weights."""
+        config = self.attention.config
+
+        def dead():
+            spans = memory.spans if config.expire_memories else None
+            if spans is not None and memory.span_inputs is not None:
+                with torch.no_grad():  # spans follow the current parameters
+                    spans = self.attention.predict_spans(memory.span_inputs)
+            return expired_memories(memory.positions, spans, first_positions, config.ramp, config.max_span)
+
+        return memory.prune(dead if delete_expired else None)
 
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
                 first_positions=None, delete_expired=True, counted_positions=False):  # fmt: skip
-        """Returns the new hidden states, this block's memories, their spans, the span-loss sum, the number of
-        memories read, and the earlier memories after pruning (`first_positions`: each row's first query)."""
+        """Returns the new hidden states, the memories after this block (the earlier ones pruned for each row's first
+        query `first_positions`, then this block's), this block's spans, the span-loss sum and the memories read."""
         if memory is not None:
             memory = self.prune(memory, first_positions, delete_expired)
-        mixed, block, spans, span_loss_sum, read = self.attention(
+        mixed, memory, spans, span_loss_sum, read = self.attention(
             self.input_layernorm(hidden_states), positions, token_valid, cos, sin, memory, max_distance,
             counted_positions,
         )  # fmt: skip
         hidden_states = hidden_states + self.dropout(mixed)
         hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
-        return hidden_states, block, spans, span_loss_sum, read, memory
+        return hidden_states, memory, spans, span_loss_sum, read
 
 
 class ExpireSpanCacheLayer(MemoryCacheLayer):
@@ -259,8 +206,13 @@ class ExpireSpanCacheLayer(MemoryCacheLayer):
         return f"ExpireSpanCacheLayer(entries={self.num_entries()}, seen_tokens={self.seen_tokens})"
 
     def num_entries(self) -> int:
-        """Width of the padded layout: the largest number of live memories in any row."""
-        return 0 if self.memory is None else self.memory.positions.shape[1]
+        """Width of the padded layout: at least the largest number of live memories in any row (decoding compacts
+        the layout lazily, see `ExpireSpanMemory.prune`)."""
+        return 0 if self.memory is None else self.memory.width
+
+    def num_live_entries(self) -> int:
+        """The largest number of memories any row keeps valid."""
+        return 0 if self.memory is None else int(self.memory.valid.sum(1).max())
 
     def map(self, function):
         if self.memory is not None:
@@ -269,14 +221,19 @@ class ExpireSpanCacheLayer(MemoryCacheLayer):
 
 class ExpireSpanCache(MemoryCache):
     """`past_key_values` of Expire-Span: per layer the keys, values, spans and positions of the unexpired memories,
-    in a padded layout compacted as memories expire (rows of a batch expire at different rates), and per row the
+    in a padded layout compacted as memories expire (rows of a batch expire at different rates; decoding compacts
+    lazily, once dead slots fill a fraction of the layout), and per row the
     position of the next real token. Supports beam search, `num_return_sequences` and batch selection."""
 
     layer_class = ExpireSpanCacheLayer
 
     def memory_entries(self) -> list[int]:
-        """Per layer, the largest number of memories any row keeps (the width of the padded layout)."""
+        """Per layer, the width of the padded layout (what the memories occupy)."""
         return [layer.num_entries() for layer in self.layers]
+
+    def live_memory_entries(self) -> list[int]:
+        """Per layer, the largest number of memories any row keeps valid."""
+        return [layer.num_live_entries() for layer in self.layers]
 
 
 class ExpireSpanPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
@@ -398,56 +355,27 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             for index in range(config.num_hidden_layers)
         ]
         keep_span_inputs = self.training and torch.is_grad_enabled() and config.expire_memories
-        # What each block needs, the same in every layer: its slice, rotation and each row's first real query (rows
-        # without one delete nothing: -1).
-        blocks = []
-        for start in range(0, length, config.block_size):
-            block = slice(start, start + config.block_size)
-            block_positions, block_valid = positions[:, block], token_valid[:, block]
-            first_positions = torch.where(block_valid, block_positions, torch.iinfo(torch.long).max).amin(1)
-            first_positions = first_positions.masked_fill(~block_valid.any(1), -1)
-            blocks.append((block, block_positions, block_valid, *self.rotary_emb(block_positions), first_positions))
-        # Layer by layer, each over the blocks in order: a layer's memories come from its own inputs of earlier blocks
-        # only, so this equals block by block, and each layer's whole output is the next layer's input (the hidden
-        # states returned lie on the path to the loss).
+        blocks = split_into_blocks(positions, token_valid, config.block_size, self.rotary_emb)
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans = []
         span_loss_sum = inputs_embeds.new_zeros((), dtype=torch.float32)
         read_count = torch.zeros((), dtype=torch.long, device=device)
         for index, decoder_layer in enumerate(self.layers):
-            memory, block_outputs, layer_spans = memories[index], [], []
-            for block, block_positions, block_valid, cos, sin, first_positions in blocks:
-                block_output, new, spans, layer_span_loss, layer_read, memory = decoder_layer(
-                    hidden_states[:, block], block_positions, block_valid, cos, sin, memory=memory,
-                    max_distance=max_distance, first_positions=first_positions,
-                    delete_expired=self.prune_expired_memories, counted_positions=position_ids is None,
-                )  # fmt: skip
-                span_loss_sum = span_loss_sum + layer_span_loss
-                read_count = read_count + layer_read
-                # Memories of earlier blocks carry no gradient to the hidden states that made them.
-                new = ExpireSpanMemory(
-                    keys=new.keys.detach(), values=new.values.detach(), positions=new.positions, valid=new.valid,
-                    spans=None if new.spans is None else new.spans.detach(),
-                    span_inputs=new.span_inputs.detach() if keep_span_inputs else None,
-                )  # fmt: skip
-                # Appending drops span inputs unless both sides have them (a cache made in eval mode has none).
-                memory = new if memory is None else memory.append(new)
-                block_outputs.append(block_output)
-                if output_spans and spans is not None:
-                    layer_spans.append(spans)
-            memories[index] = memory
-            hidden_states = block_outputs[0] if len(block_outputs) == 1 else torch.cat(block_outputs, dim=1)
+            hidden_states, memories[index], layer_spans, layer_span_loss, layer_read = run_layer_over_blocks(
+                decoder_layer, hidden_states, blocks, memories[index], keep_span_inputs, max_distance=max_distance,
+                delete_expired=self.prune_expired_memories, counted_positions=position_ids is None,
+            )  # fmt: skip
+            span_loss_sum = span_loss_sum + layer_span_loss
+            read_count = read_count + layer_read
             if output_hidden_states:
                 all_hidden_states.append(hidden_states)
-            if layer_spans:
+            if output_spans and layer_spans:
                 all_spans.append(torch.cat(layer_spans, dim=1))
 
         if torch.compiler.is_compiling() and past_key_values is not None:
-            # Compiled, the layers masked their dead memories instead of deleting them (`prune`): delete them now,
-            # with one read of every layer's width.
-            widths = torch.stack([memory.valid.sum(1).amax() for memory in memories]).tolist()
-            memories = [memory.select(memory.valid, width) for memory, width in zip(memories, widths)]
+            # Compiled, the layers masked their dead memories instead of deleting them (`prune`): delete them now.
+            memories = compact_memories(memories)
 
         hidden_states = self.norm(hidden_states)
         hidden_states_out = None
@@ -522,27 +450,6 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
             spans=outputs.spans, lm_loss=lm_loss, span_loss=outputs.span_loss, memory_size=outputs.memory_size,
         )  # fmt: skip
         return output if return_dict else output.to_tuple()
-
-
-def _memory_counts(spans, positions, token_valid, memory, ramp, max_distance, counted_positions=False):
-    """Per memory (B, N): how many of the block's queries read it and how many see it on the ramp. When the valid
-    queries of each row hold consecutive positions (always when `counted_positions`: counted from the padding mask;
-    else checked, which torch.compile cannot trace), the counts come from their first and last position without
-    building the (T, N) mask; other position_ids fall back to the mask."""
-    valid_positions = positions.masked_fill(~token_valid, torch.iinfo(torch.long).max)
-    first = valid_positions.amin(1)
-    last = positions.masked_fill(~token_valid, torch.iinfo(torch.long).min).amax(1)
-    count = token_valid.sum(1)
-    if counted_positions or bool(torch.where(count > 0, last - first + 1 == count, True).all()):
-        first = torch.where(count > 0, first, 0)
-        last = torch.where(count > 0, last, -1)
-        return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance)
-    visible = visible_keys(positions, memory.positions, memory.valid, max_distance) & token_valid[:, :, None]
-    if spans is None:
-        return visible.sum(1).float(), torch.zeros_like(memory.positions, dtype=torch.float32)
-    with torch.no_grad():
-        mask = expire_span_mask(spans.detach(), positions, memory.positions, ramp)
-    return (visible & (mask > 0)).sum(1).float(), (visible & (mask > 0) & (mask < 1)).sum(1).float()
 
 
 __all__ = ["ExpireSpanCache", "ExpireSpanForCausalLM", "ExpireSpanModel", "ExpireSpanPreTrainedModel"]

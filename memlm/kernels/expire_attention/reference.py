@@ -100,17 +100,17 @@ def memory_statistics(
     if max_distance is not None:
         last = torch.minimum(last, key_positions + int(math.floor(max_distance)))
     start = torch.maximum(first, key_positions)
-    if spans is not None:
-        with torch.no_grad():
-            reach = key_positions + spans.detach().double() + ramp  # m > 0 ⇔ t < reach
-            last = torch.minimum(last, torch.ceil(reach).long() - 1)
-            ramp_start = torch.maximum(start, torch.floor(key_positions + spans.detach().double()).long() + 1)
-            on_ramp = (last - ramp_start + 1).clamp_min(0)
-    else:
-        on_ramp = torch.zeros_like(key_positions)
-    read = (last - start + 1).clamp_min(0)
-    valid = key_valid.to(torch.float32)
-    return read.to(torch.float32) * valid, on_ramp.to(torch.float32) * valid
+    if spans is None:
+        read = (last - start).add_(1).clamp_min_(0)
+        return torch.where(key_valid, read, 0).float(), torch.zeros_like(key_positions, dtype=torch.float32)
+    with torch.no_grad():
+        # In float64, exact for integer positions and float32 spans; the (integer) query ranges as float64 too.
+        expiry = spans.detach().double() + key_positions  # i + e_i
+        last = torch.minimum(last, (expiry + ramp).ceil_().sub_(1))  # m > 0 ⇔ t < i + e_i + R
+        read = (last - start).add_(1).clamp_min_(0)
+        ramp_start = torch.maximum(start, expiry.floor_().add_(1))  # 0 < m < 1 ⇔ i + e_i < t < i + e_i + R
+        on_ramp = (last - ramp_start).add_(1).clamp_min_(0)
+    return torch.where(key_valid, read, 0).float(), torch.where(key_valid, on_ramp, 0).float()
 
 
 def expire_span_attention_reference(

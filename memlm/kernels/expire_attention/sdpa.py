@@ -58,10 +58,14 @@ def expire_span_bias(spans, query_positions, key_positions, ramp, key_valid=None
     visible = visible_keys(query_positions, key_positions, key_valid, max_distance)
     if spans is None:
         return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-    key_term = 1 + (spans.to(dtype) + (key_positions - origin).to(dtype)) / ramp  # c_i
+    key_term = (spans.to(dtype) + (key_positions - origin)).div_(ramp).add_(1)  # c_i = 1 + (e_i + i) / R
     query_term = (query_positions - origin).to(dtype) / ramp  # t / R
-    log_mask = _LogRamp.apply(key_term[:, None, :] - query_term[:, :, None])  # log m_ti, Eq. 5
-    return log_mask.masked_fill(~visible, float("-inf"))
+    ramp_position = key_term[:, None, :] - query_term[:, :, None]  # 1 + (e_i − (t − i)) / R
+    if torch.is_grad_enabled() and spans.requires_grad:
+        log_mask = _LogRamp.apply(ramp_position)  # log m_ti, Eq. 5
+        return log_mask.masked_fill(~visible, float("-inf"))
+    # Without gradient (decoding), in place: a decoding step is a handful of passes over the memories.
+    return ramp_position.clamp_(0, 1).log_().masked_fill_(~visible, float("-inf"))
 
 
 def expire_span_attention_sdpa(

@@ -1,0 +1,69 @@
+"""Expire-Span's block-parallel forward (SPEC §2): the input is cut into blocks, and each layer runs over the blocks in
+order, each block attending to the layer's memories of earlier blocks and to itself.
+
+Sukhbaatar et al. (2021), *Not All Memories are Created Equal: Learning to Forget by Expiring*: a layer's memories
+are its own inputs h_i of earlier tokens, with spans e_i (paper Eq. 3) that decide when they expire (Eq. 5). A layer's
+memories depend only on that layer's inputs of earlier blocks, so running layer by layer, each over all blocks, equals
+running block by block, and each layer's whole output is the next layer's input.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from .memory import ExpireSpanMemory
+
+__all__ = ["Block", "compact_memories", "run_layer_over_blocks", "split_into_blocks"]
+
+
+class Block(NamedTuple):
+    """What one block needs, the same in every layer."""
+
+    tokens: slice  # the block's slice of the input
+    positions: torch.Tensor  # (B, T_block) absolute positions, -1 at padding
+    valid: torch.Tensor  # (B, T_block) False at padding
+    cos: torch.Tensor  # rotation of the block's positions
+    sin: torch.Tensor
+    first_positions: torch.Tensor  # (B,) each row's first real query, -1 when the row has none (deletes nothing)
+
+
+def split_into_blocks(positions, token_valid, block_size: int, rotary_embedding) -> list[Block]:
+    """The blocks of `block_size` tokens of an input with `positions` and `token_valid` (B, T)."""
+    blocks = []
+    for start in range(0, positions.shape[1], block_size):
+        tokens = slice(start, start + block_size)
+        block_positions, block_valid = positions[:, tokens], token_valid[:, tokens]
+        first_positions = torch.where(block_valid, block_positions, torch.iinfo(torch.long).max).amin(1)
+        first_positions = first_positions.masked_fill(~block_valid.any(1), -1)
+        blocks.append(Block(tokens, block_positions, block_valid, *rotary_embedding(block_positions), first_positions))
+    return blocks
+
+
+def run_layer_over_blocks(layer, hidden_states, blocks: list[Block], memory, keep_span_inputs: bool, **options):
+    """One layer over the blocks in order. `layer(block_hidden_states, positions, valid, cos, sin, memory=...,
+    first_positions=..., **options)` returns the block's output, the memories after the block (the earlier ones,
+    pruned, then the block's), its spans, its span-loss sum and its number of memories read.
+
+    Returns the layer's output (B, T, D), its memories after the last block, the spans of each block, and the summed
+    span loss and reads. Memories carry no gradient to the hidden states that made them (`detached`)."""
+    outputs, spans, span_loss_sum, read_count = [], [], 0, 0
+    for block in blocks:
+        output, memory, block_spans, block_span_loss, block_read = layer(
+            hidden_states[:, block.tokens], block.positions, block.valid, block.cos, block.sin, memory=memory,
+            first_positions=block.first_positions, **options,
+        )  # fmt: skip
+        memory = memory.detached(keep_span_inputs)
+        outputs.append(output)
+        if block_spans is not None:
+            spans.append(block_spans)
+        span_loss_sum = span_loss_sum + block_span_loss
+        read_count = read_count + block_read
+    hidden_states = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return hidden_states, memory, spans, span_loss_sum, read_count
+
+
+def compact_memories(memories: list[ExpireSpanMemory]) -> list[ExpireSpanMemory]:
+    """Delete the slots marked invalid in every layer, with one read of all the layers' widths (compiled, the layers
+    mask their dead memories instead of deleting them)."""
+    widths = torch.stack([memory.valid.sum(1).amax() for memory in memories]).tolist()
+    return [memory.select(memory.valid, width) for memory, width in zip(memories, widths)]
