@@ -73,6 +73,20 @@ def test_full_forward_equals_prefill_then_token_by_token_decoding(overrides):
     assert cache.get_seq_length() == 45
 
 
+@pytest.mark.parametrize("overrides", [{"max_span": 12, "ramp": 3}, {"expire_memories": False, "max_span": 10}])
+def test_lazily_pruned_decoding_equals_the_full_forward_over_many_compactions(overrides):
+    model = _model(block_size=16, **overrides)
+    input_ids = torch.randint(0, 256, (2, 260))
+    with torch.no_grad():
+        full = model(input_ids).logits
+    decoded, cache = _decode(model, input_ids, prefill=5)
+    torch.testing.assert_close(decoded, full, atol=1e-4, rtol=0)
+    buffer = cache.layers[0].memory.buffer
+    assert buffer is not None  # decoded in place, in a preallocated buffer
+    # Memories live at most max_span + R + 1 tokens: the layout is bounded, far below the 260 tokens decoded.
+    assert max(cache.memory_entries()) <= lazy_width_bound(overrides["max_span"] + overrides.get("ramp", 0) + 1)
+
+
 def test_block_size_does_not_change_the_result():
     input_ids = torch.randint(0, 256, (2, 40))
     torch.manual_seed(3)

@@ -96,10 +96,9 @@ class ExpireSpanMemory:
     def append(self, other: "ExpireSpanMemory") -> "ExpireSpanMemory":
         """These memories followed by `other`'s. Span inputs are kept only when both sides have them. Without
         gradients (decoding), `other` is written in place into the buffer when this memory is its newest prefix."""
-        if torch.compiler.is_compiling() or any(
-            tensor is not None and tensor.requires_grad
-            for tensor in (*self.tensors().values(), *other.tensors().values())
-        ):
+        tensors = (*self.tensors().values(), *other.tensors().values())
+        needs_grad = torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
+        if torch.compiler.is_compiling() or needs_grad:
             return self._joined(other)
         return self._appended_in_place(other)
 
