@@ -9,12 +9,25 @@ Prints two side-by-side tables, all measured in this one process:
 2. forward time per token of the chunkwise op (no autograd) at a short and a long context, with their ratio;
 3. decode time per generated token of a small ``DeltaNetForCausalLM`` (paper preset, hidden 256, 4 layers, 4 heads)
    after a prefill of 1K, 8K and 32K tokens, with the ratio to 1K: the fast-weight memory has a fixed size, so a
-   decoding step should cost the same at any context length.
+   decoding step should cost the same at any context length;
+4. the same DeltaNet next to a 🤗 ``LlamaForCausalLM`` (SDPA attention) and a 🤗 ``MambaForCausalLM`` (its PyTorch
+   path) of about the same number of parameters (printed; within 5 %): training tokens/s (forward + backward of the
+   language-model loss, the same number of tokens per step at T = 2K and 8K) and decode tokens/s (batch 1, greedy
+   steps through the model's forward with its cache, the same path for all three) after 2K and 16K tokens of
+   context, with the ratios DeltaNet/Llama and DeltaNet/Mamba (memlm issue 15 asks for training ≥ 1× Llama at 2K
+   and ≥ 2× at 8K; decode ≥ 1× Llama at 2K, ≥ 3× at 16K, and ≥ 1× Mamba).
+
+Without mamba-ssm, 🤗 Mamba's PyTorch path scans the sequence one token at a time in Python: training it takes
+minutes per step, so its training is timed only with ``--mamba-training``, and its prefill (which is not timed) is
+capped at ``--mamba-prefill`` tokens. Its decoding step reads only a fixed-size state, so its cost does not depend on
+how many tokens built that state.
 
 Times are medians of ``--repeats`` runs after ``--warmup`` runs, with ``time.perf_counter`` and PyTorch's
 default number of threads. Absolute numbers depend on the machine; the ratios are the point.
 
-    python benchmarks/delta_rule.py [--json results.json]
+    python benchmarks/delta_rule.py [--json results.json]     # about 10 minutes on 2 quiet cores
+    python benchmarks/delta_rule.py --quick                   # short sizes: a smoke run
+    python benchmarks/delta_rule.py --tables models           # only the model-level table
 """
 
 import argparse
@@ -32,6 +45,17 @@ from memlm.kernels.delta_rule import delta_rule
 TRAINING_LENGTHS = (512, 2048, 8192)
 FORWARD_LENGTHS = (2048, 32768)
 DECODE_CONTEXTS = (1024, 8192, 32768)
+MODEL_TRAINING_LENGTHS = (2048, 8192)
+MODEL_DECODE_CONTEXTS = (2048, 16384)
+# --quick: the same tables at short sizes.
+QUICK_SIZES = {
+    "training_lengths": (256, 1024),
+    "forward_lengths": (512, 2048),
+    "decode_contexts": (128, 1024),
+    "model_training_lengths": (256, 1024),
+    "model_decode_contexts": (128, 1024),
+}
+VOCAB_SIZE = 258  # bytes and two special tokens, as memlm's byte-level runs use
 
 
 def median_time(function, warmup: int, repeats: int) -> float:
@@ -95,7 +119,7 @@ def delta_rule_forward_time_per_token(length: int, args) -> float:
 
 def training_table(args) -> list[dict]:
     rows = []
-    for length in tqdm(TRAINING_LENGTHS, desc="forward + backward", leave=False):
+    for length in tqdm(args.training_lengths, desc="forward + backward", leave=False):
         chunk = delta_rule_training_time("torch", length, args)
         reference = (
             delta_rule_training_time("reference", length, args) if length <= args.reference_max_length else None
@@ -117,39 +141,132 @@ def training_table(args) -> list[dict]:
 def forward_table(args) -> list[dict]:
     rows = [
         {"tokens": length, "us_per_token": delta_rule_forward_time_per_token(length, args) * 1e6}
-        for length in tqdm(FORWARD_LENGTHS, desc="forward", leave=False)
+        for length in tqdm(args.forward_lengths, desc="forward", leave=False)
     ]
     for row in rows:
         row["over_shortest"] = row["us_per_token"] / rows[0]["us_per_token"]
     return rows
 
 
-def decode_time_per_token(model, context: int, args) -> float:
-    """Seconds per generated token: greedy steps of one token each, after a prefill of `context` tokens."""
+def decode_time_per_token(model, context: int, args, cache_argument: str = "past_key_values", prefill=None) -> float:
+    """Seconds per generated token: greedy steps of one token each through the model's forward with its cache
+    (`cache_argument` names it: ``past_key_values``, or ``cache_params`` for 🤗 Mamba), after a prefill of
+    `context` tokens (or `prefill` tokens, for a model whose step cost does not depend on the context)."""
     with torch.no_grad():
-        prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
-        cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+        prompt_length = context if prefill is None else min(prefill, context)
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, model.config.vocab_size, (1, prompt_length), generator=generator)
+        cache = getattr(model(prompt, use_cache=True, logits_to_keep=1), cache_argument)
         token = prompt[:, -1:]
 
         def step():
             nonlocal token
             for _ in range(args.decode_steps):
-                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                token = model(token, use_cache=True, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
 
         return median_time(step, warmup=1, repeats=args.repeats) / args.decode_steps
 
 
-def decode_table(args) -> list[dict]:
+def deltanet_model():
+    """The DeltaNet of the decode and model tables: paper preset, hidden 256, 4 layers, 4 heads."""
     from memlm import DeltaNetConfig, DeltaNetForCausalLM
 
     torch.manual_seed(0)
     config = DeltaNetConfig.from_preset(
-        "paper", vocab_size=258, hidden_size=256, num_hidden_layers=4, num_attention_heads=4
+        "paper", vocab_size=VOCAB_SIZE, hidden_size=256, num_hidden_layers=4, num_attention_heads=4
     )
-    model = DeltaNetForCausalLM(config).eval()
+    return DeltaNetForCausalLM(config)
+
+
+def comparison_models() -> dict:
+    """DeltaNet, 🤗 Llama and 🤗 Mamba of about the same size. Llama: the same hidden size, layers, heads and MLP
+    as DeltaNet (it lacks only DeltaNet's β projection); Mamba: hidden 256 and 8 layers (a Mamba layer holds about
+    as many parameters as a DeltaNet layer's attention and MLP together: 8 of them match 4 DeltaNet layers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
+
+    deltanet = deltanet_model()
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=256,
+            intermediate_size=deltanet.config.intermediate_size,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=max(MODEL_DECODE_CONTEXTS) + 4096,
+            tie_word_embeddings=deltanet.config.tie_word_embeddings,
+            attn_implementation="sdpa",
+        )
+    )
+    torch.manual_seed(0)
+    mamba = MambaForCausalLM(
+        MambaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=256,
+            num_hidden_layers=8,
+            tie_word_embeddings=deltanet.config.tie_word_embeddings,
+        )
+    )
+    return {"deltanet": deltanet, "llama": llama, "mamba": mamba}
+
+
+def training_tokens_per_second(model, length: int, args) -> float:
+    """Tokens per second of one forward + backward of the language-model loss on batches of
+    ``args.model_tokens // length`` rows of `length` tokens (gradients dropped between steps)."""
+    batch_size = max(1, args.model_tokens // length)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model.config.vocab_size, (batch_size, length), generator=generator)
+    model.train()
+
+    def step():
+        model(input_ids, labels=input_ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    seconds = median_time(step, warmup=1, repeats=args.model_repeats)
+    model.eval()
+    return batch_size * length / seconds
+
+
+def model_table(args) -> tuple[dict, list[dict], list[dict]]:
+    """Parameter counts, then training rows (per T) and decode rows (per context), with the DeltaNet ratios."""
+    models = comparison_models()
+    parameters = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
+    for model in models.values():
+        model.eval()
+    training_rows = []
+    for length in tqdm(args.model_training_lengths, desc="model training", leave=False):
+        row = {"tokens": length, "batch_size": max(1, args.model_tokens // length)}
+        for name, model in models.items():
+            timed = name != "mamba" or args.mamba_training
+            row[f"{name}_tokens_per_s"] = training_tokens_per_second(model, length, args) if timed else None
+        training_rows.append(row)
+    decode_rows = []
+    for context in tqdm(args.model_decode_contexts, desc="model decode", leave=False):
+        row = {"context": context}
+        for name, model in models.items():
+            is_mamba = name == "mamba"
+            seconds = decode_time_per_token(
+                model,
+                context,
+                args,
+                cache_argument="cache_params" if is_mamba else "past_key_values",
+                prefill=args.mamba_prefill if is_mamba else None,
+            )
+            row[f"{name}_tokens_per_s"] = 1 / seconds
+        decode_rows.append(row)
+    for row in training_rows + decode_rows:
+        for other in ("llama", "mamba"):
+            theirs = row[f"{other}_tokens_per_s"]
+            row[f"deltanet_over_{other}"] = None if theirs is None else row["deltanet_tokens_per_s"] / theirs
+    return parameters, training_rows, decode_rows
+
+
+def decode_table(args) -> list[dict]:
+    model = deltanet_model().eval()
     rows = [
         {"context": context, "ms_per_token": decode_time_per_token(model, context, args) * 1e3}
-        for context in tqdm(DECODE_CONTEXTS, desc="decode", leave=False)
+        for context in tqdm(args.decode_contexts, desc="decode", leave=False)
     ]
     for row in rows:
         row["over_shortest"] = row["ms_per_token"] / rows[0]["ms_per_token"]
@@ -182,8 +299,73 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         "--reference-max-length", type=int, default=2048, help="longest T at which the slow reference is timed"
     )
     parser.add_argument("--decode-steps", type=int, default=32, help="tokens generated per decode timing")
+    parser.add_argument(
+        "--model-tokens", type=int, default=8192, help="tokens per training step of the model table (batch × T)"
+    )
+    parser.add_argument("--model-repeats", type=int, default=3, help="timed training steps per model and T")
+    parser.add_argument(
+        "--mamba-training", action="store_true", help="also time 🤗 Mamba's training (minutes per step on CPU)"
+    )
+    parser.add_argument(
+        "--mamba-prefill", type=int, default=256, help="most tokens 🤗 Mamba prefills before its decode timing"
+    )
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        choices=("kernel", "decode", "models"),
+        default=("kernel", "decode", "models"),
+        help="which tables to measure: the delta rule op (1, 2), DeltaNet's decode (3), the model comparison (4)",
+    )
+    parser.add_argument("--quick", action="store_true", help="short sequences and contexts, fewer repeats")
     parser.add_argument("--json", type=str, default=None, help="also write the results to this JSON file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    sizes = {
+        "training_lengths": TRAINING_LENGTHS,
+        "forward_lengths": FORWARD_LENGTHS,
+        "decode_contexts": DECODE_CONTEXTS,
+        "model_training_lengths": MODEL_TRAINING_LENGTHS,
+        "model_decode_contexts": MODEL_DECODE_CONTEXTS,
+    }
+    if args.quick:
+        sizes = QUICK_SIZES
+        args.warmup, args.repeats, args.model_repeats, args.decode_steps = 1, 2, 1, 4
+        args.model_tokens = min(args.model_tokens, max(sizes["model_training_lengths"]))
+        args.reference_max_length = min(args.reference_max_length, max(sizes["training_lengths"]))
+        args.mamba_prefill = min(args.mamba_prefill, 32)
+    for name, lengths in sizes.items():
+        setattr(args, name, lengths)
+    return args
+
+
+def print_model_tables(parameters: dict, training_rows: list[dict], decode_rows: list[dict], args) -> None:
+    counts = ", ".join(f"{name} {count / 1e6:.3f}M" for name, count in parameters.items())
+    spread = max(parameters.values()) / min(parameters.values()) - 1
+    print(f"\nModels (parameters within {spread:.1%}): {counts}")
+    ratios = [("DeltaNet/Llama", "deltanet_over_llama", ".2f"), ("DeltaNet/Mamba", "deltanet_over_mamba", ".2f")]
+    mamba_note = "" if args.mamba_training else "; Mamba's PyTorch training not timed (--mamba-training)"
+    print_table(
+        f"Training tokens/s (forward + backward of the LM loss, {args.model_tokens} tokens per step{mamba_note})",
+        [
+            ("T", "tokens", "d"),
+            ("batch", "batch_size", "d"),
+            ("DeltaNet", "deltanet_tokens_per_s", ".0f"),
+            ("Llama", "llama_tokens_per_s", ".0f"),
+            ("Mamba", "mamba_tokens_per_s", ".0f"),
+            *ratios,
+        ],
+        training_rows,
+    )
+    print_table(
+        f"Decode tokens/s, batch 1, greedy steps with the cache (Mamba prefills at most {args.mamba_prefill} tokens)",
+        [
+            ("context", "context", "d"),
+            ("DeltaNet", "deltanet_tokens_per_s", ".1f"),
+            ("Llama", "llama_tokens_per_s", ".1f"),
+            ("Mamba", "mamba_tokens_per_s", ".1f"),
+            *ratios,
+        ],
+        decode_rows,
+    )
 
 
 def main(argv=None) -> dict:
@@ -192,42 +374,47 @@ def main(argv=None) -> dict:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
     )
-    results = {
-        "settings": vars(args) | {"torch": torch.__version__, "threads": torch.get_num_threads()},
-        "training": training_table(args),
-    }
-    print_table(
-        f"Forward + backward, {shape} (reference timed up to T={args.reference_max_length} only)",
-        [
-            ("T", "tokens", "d"),
-            ("chunk ms", "chunk_ms", ".1f"),
-            ("reference ms", "reference_ms", ".1f"),
-            ("SDPA causal ms", "sdpa_ms", ".1f"),
-            ("reference/chunk", "reference_over_chunk", ".1f"),
-            ("chunk/SDPA", "chunk_over_sdpa", ".2f"),
-        ],
-        results["training"],
-    )
-    results["forward"] = forward_table(args)
-    print_table(
-        f"Chunkwise forward without autograd, {shape}: time per token (of B·H·T)",
-        [
-            ("T", "tokens", "d"),
-            ("us/token", "us_per_token", ".3f"),
-            (f"ratio to T={FORWARD_LENGTHS[0]}", "over_shortest", ".2f"),
-        ],
-        results["forward"],
-    )
-    results["decode"] = decode_table(args)
-    print_table(
-        "Decode time per token, DeltaNetForCausalLM (paper preset, hidden 256, 4 layers, 4 heads), batch 1",
-        [
-            ("context", "context", "d"),
-            ("ms/token", "ms_per_token", ".2f"),
-            (f"ratio to {DECODE_CONTEXTS[0]}", "over_shortest", ".2f"),
-        ],
-        results["decode"],
-    )
+    settings = {key: list(value) if isinstance(value, tuple) else value for key, value in vars(args).items()}
+    results = {"settings": settings | {"torch": torch.__version__, "threads": torch.get_num_threads()}}
+    if "kernel" in args.tables:
+        results["training"] = training_table(args)
+        print_table(
+            f"Forward + backward, {shape} (reference timed up to T={args.reference_max_length} only)",
+            [
+                ("T", "tokens", "d"),
+                ("chunk ms", "chunk_ms", ".1f"),
+                ("reference ms", "reference_ms", ".1f"),
+                ("SDPA causal ms", "sdpa_ms", ".1f"),
+                ("reference/chunk", "reference_over_chunk", ".1f"),
+                ("chunk/SDPA", "chunk_over_sdpa", ".2f"),
+            ],
+            results["training"],
+        )
+        results["forward"] = forward_table(args)
+        print_table(
+            f"Chunkwise forward without autograd, {shape}: time per token (of B·H·T)",
+            [
+                ("T", "tokens", "d"),
+                ("us/token", "us_per_token", ".3f"),
+                (f"ratio to T={args.forward_lengths[0]}", "over_shortest", ".2f"),
+            ],
+            results["forward"],
+        )
+    if "decode" in args.tables:
+        results["decode"] = decode_table(args)
+        print_table(
+            "Decode time per token, DeltaNetForCausalLM (paper preset, hidden 256, 4 layers, 4 heads), batch 1",
+            [
+                ("context", "context", "d"),
+                ("ms/token", "ms_per_token", ".2f"),
+                (f"ratio to {args.decode_contexts[0]}", "over_shortest", ".2f"),
+            ],
+            results["decode"],
+        )
+    if "models" in args.tables:
+        parameters, training_rows, decode_rows = model_table(args)
+        results["models"] = {"parameters": parameters, "training": training_rows, "decode": decode_rows}
+        print_model_tables(parameters, training_rows, decode_rows, args)
     if args.json:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=2)
