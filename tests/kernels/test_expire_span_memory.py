@@ -137,14 +137,20 @@ def test_compact_memories_deletes_the_invalid_slots():
     assert compacted.valid.tolist() == [[True, True, True], [True, False, False]]
 
 
-@pytest.mark.parametrize("consecutive", [True, False])
+QUERIES = {
+    "consecutive": [[12, 13, 14, 15], [-1, 16, 17, -1]],
+    "gaps": [[12, 14, 15, 19], [12, 14, 15, 19]],
+    "one query": [[13], [-1]],  # decoding: one query per row, or a padded one
+}
+
+
+@pytest.mark.parametrize("spans", [True, False])
+@pytest.mark.parametrize("queries", QUERIES)
 @pytest.mark.parametrize("max_distance", [None, 4.0])
-def test_memory_counts_equal_the_dense_mask(consecutive, max_distance):
-    memory = make_memory(0, 20)
+def test_memory_counts_equal_the_dense_mask(queries, max_distance, spans):
+    memory = make_memory(0, 20, spans=spans)
     memory.valid[1, 3] = False
-    positions = (
-        torch.tensor([[12, 13, 14, 15], [-1, 16, 17, -1]]) if consecutive else torch.tensor([[12, 14, 15, 19]] * 2)
-    )
+    positions = torch.tensor(QUERIES[queries])
     token_valid = positions >= 0
     read, on_ramp = memory_counts(memory.spans, positions, token_valid, memory, RAMP, max_distance)
     visible = visible_keys(positions, memory.positions, memory.valid, max_distance) & token_valid[:, :, None]

@@ -195,6 +195,10 @@ def memory_counts(spans, positions, token_valid, memory, ramp, max_distance, cou
     When the valid queries of each row hold consecutive positions (always when `counted_positions`: counted from the
     padding mask; else checked, which torch.compile cannot trace), the counts come from their first and last position
     without building the (T, N) mask; other position_ids fall back to the mask."""
+    if positions.shape[1] == 1:  # one query per row (decoding): its position is the range
+        query = positions[:, 0]
+        first, last = query.masked_fill(~token_valid[:, 0], 0), query.masked_fill(~token_valid[:, 0], -1)
+        return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance)
     valid_positions = positions.masked_fill(~token_valid, torch.iinfo(torch.long).max)
     first = valid_positions.amin(1)
     last = positions.masked_fill(~token_valid, torch.iinfo(torch.long).min).amax(1)
