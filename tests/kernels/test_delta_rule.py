@@ -228,6 +228,17 @@ def test_single_token_step(rule, reference, step):
     assert_matches(rule, tensors, grad_output, grad_state, tolerance=1e-6)  # outputs, state and gradients
 
 
+@pytest.mark.parametrize("beta", [True, False])
+@pytest.mark.parametrize("initial_state", [True, False])
+def test_delta_rule_step_matches_reference_in_float64(beta, initial_state):
+    # The decoding step (one bmm per product over B·H rows) against the recurrent loop, with and without β and an
+    # entering state, output and gradients.
+    tensors, grad_output, grad_state = make_inputs(
+        length=1, beta=beta, initial_state=initial_state, dtype=torch.float64
+    )
+    assert_matches(delta_rule, tensors, grad_output, grad_state, tolerance=1e-12)
+
+
 @pytest.mark.parametrize("rule", [delta_rule, sum_rule])
 def test_token_by_token_decoding_equals_reference(rule):
     tensors, _, _ = make_inputs(length=12)

@@ -346,19 +346,24 @@ def delta_rule_step(
 
     Same arguments and returns as :func:`delta_rule_chunk` with ``T == 1``.
     """
+    batch_size, num_heads, _, key_dim = key.shape
+    value_dim = value.shape[-1]
     dtype = _compute_dtype(query, key, value, beta, initial_state)
-    query_step, key_step, value_step = query.to(dtype), key.to(dtype), value.to(dtype)  # (B, H, 1, d)
+    # One row per (batch, head): (B·H, 1, d), so each product is a single bmm (decoding is bound by per-op overhead).
+    query_step = query.to(dtype).reshape(-1, 1, key_dim)
+    key_step = key.to(dtype).reshape(-1, 1, key_dim)
+    value_step = value.to(dtype).reshape(-1, 1, value_dim)
     if initial_state is None:
-        state = key_step.new_zeros(*key.shape[:2], key.shape[-1], value.shape[-1])
+        state = key_step.new_zeros(batch_size * num_heads, key_dim, value_dim)
     else:
-        state = initial_state.to(dtype)
-    retrieved = key_step @ state  # v̄ = Sᵀ k, as a row
-    delta = value_step - retrieved
+        state = initial_state.to(dtype).reshape(-1, key_dim, value_dim)
+    delta = torch.baddbmm(value_step, key_step, state, alpha=-1)  # v − v̄ with v̄ = Sᵀ k, as a row
     if beta is not None:
-        delta = delta * beta.to(dtype)[..., None]
-    state = state + key_step.mT @ delta  # S + β k (v − v̄)ᵀ
-    output = query_step @ state  # (Sᵀ q)ᵀ
-    return output.to(value.dtype), (state if output_final_state else None)
+        delta = delta * beta.to(dtype).reshape(-1, 1, 1)
+    state = torch.baddbmm(state, key_step.mT, delta)  # S + β k (v − v̄)ᵀ
+    output = torch.bmm(query_step, state).view(batch_size, num_heads, 1, value_dim)  # (Sᵀ q)ᵀ
+    final_state = state.view(batch_size, num_heads, key_dim, value_dim) if output_final_state else None
+    return output.to(value.dtype), final_state
 
 
 def sum_rule_step(
