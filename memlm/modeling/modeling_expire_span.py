@@ -105,7 +105,8 @@ class ExpireSpanAttention(nn.Module):
 
     def predict_spans(self, span_inputs: torch.Tensor) -> torch.Tensor:
         """e_i = L · σ(w · h_i / p + b) (paper Eq. 3), in float32: (B, N, D) → (B, N)."""
-        logits = self.span_predictor(span_inputs / self.config.span_pre_divisor).squeeze(-1)
+        divisor = self.config.span_pre_divisor
+        logits = self.span_predictor(span_inputs if divisor == 1 else span_inputs / divisor).squeeze(-1)
         return self.config.max_span * torch.sigmoid(logits.float())
 
     def forward(

@@ -54,13 +54,17 @@ def expire_span_bias(spans, query_positions, key_positions, ramp, key_valid=None
     1 + (e_i − (t − i)) / R is formed as c_i − t/R with c_i = 1 + (e_i + i)/R: one pass over the (T, N) pairs.
     Positions are taken relative to each row's first query so the float32 terms stay small."""
     dtype = torch.float64 if spans is not None and spans.dtype == torch.float64 else torch.float32
-    origin = query_positions.amin(dim=1, keepdim=True)
     visible = visible_keys(query_positions, key_positions, key_valid, max_distance)
     if spans is None:
         return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    single_query = query_positions.shape[1] == 1  # decoding: the origin is the query, t/R = 0
+    origin = query_positions if single_query else query_positions.amin(dim=1, keepdim=True)
     key_term = (spans.to(dtype) + (key_positions - origin)).div_(ramp).add_(1)  # c_i = 1 + (e_i + i) / R
-    query_term = (query_positions - origin).to(dtype) / ramp  # t / R
-    ramp_position = key_term[:, None, :] - query_term[:, :, None]  # 1 + (e_i − (t − i)) / R
+    if single_query:
+        ramp_position = key_term[:, None, :]  # 1 + (e_i − (t − i)) / R
+    else:
+        query_term = (query_positions - origin).to(dtype) / ramp  # t / R
+        ramp_position = key_term[:, None, :] - query_term[:, :, None]  # 1 + (e_i − (t − i)) / R
     if torch.is_grad_enabled() and spans.requires_grad:
         log_mask = _LogRamp.apply(ramp_position)  # log m_ti, Eq. 5
         return log_mask.masked_fill(~visible, float("-inf"))
