@@ -195,7 +195,16 @@ def memory_counts(spans, positions, token_valid, memory, ramp, max_distance, cou
     When the valid queries of each row hold consecutive positions (always when `counted_positions`: counted from the
     padding mask; else checked, which torch.compile cannot trace), the counts come from their first and last position
     without building the (T, N) mask; other position_ids fall back to the mask."""
-    if positions.shape[1] == 1:  # one query per row (decoding): its position is the range
+    if positions.shape[1] == 1 and spans is not None:
+        # One query t per row (decoding), Eq. 5 with r_ti = e_i − (t − i): read ⇔ visible and r > −R; on the ramp
+        # ⇔ also r < 0. In float64, exact for integer positions and float32 spans.
+        distance = positions - memory.positions  # t − i
+        remaining = spans.detach().double() - distance
+        read = (remaining > -ramp) & (distance >= 0) & memory.valid & token_valid
+        if max_distance is not None:
+            read = read & (distance <= max_distance)
+        return read.float(), (read & (remaining < 0)).float()
+    if positions.shape[1] == 1:  # one query per row: its position is the range
         query = positions[:, 0]
         first, last = query.masked_fill(~token_valid[:, 0], 0), query.masked_fill(~token_valid[:, 0], -1)
         return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance)
