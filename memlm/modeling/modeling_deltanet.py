@@ -49,6 +49,16 @@ SUM_NORM_EPS = 1e-6
 ATTENTION_NORMALIZER_EPS = 1e-6
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether a forward hook (the module's own or a global one) would see `module` run."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
+    )
+
+
 class DeltaNetShortConvolution(nn.Module):
     """Causal depthwise convolution over time (kernel `convolution_size`), applied to the concatenated query, key and
     value projections. It keeps the last `convolution_size - 1` inputs as its state, so decoding a token costs O(1)."""
@@ -144,7 +154,8 @@ class DeltaNetFeatureMap(nn.Module):
         if self.kind == "dpfp":
             # Paper Eq. 37: r = [relu(x), relu(−x)], φ(x) = concat_{j=1..ν} r ⊙ roll(r, j).
             rectified = torch.cat([F.relu(hidden_states), F.relu(-hidden_states)], dim=-1)
-            features = torch.cat([rectified * rectified.roll(shifts=j, dims=-1) for j in range(1, self.nu + 1)], -1)
+            products = [rectified * rectified.roll(shifts=j, dims=-1) for j in range(1, self.nu + 1)]
+            features = products[0] if self.nu == 1 else torch.cat(products, -1)
         elif self.kind == "elu+1":
             features = F.elu(hidden_states) + 1
         elif self.kind == "silu":
@@ -222,9 +233,13 @@ class DeltaNetAttention(nn.Module):
         is the same offsets on the host, so that the kernels read nothing back from the device."""
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
-        projected = torch.cat(
-            [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
-        )
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if all(type(projection) is nn.Linear and not _has_hooks(projection) for projection in projections):
+            # The three projections as one matrix product (their weights side by side): one pass over the activations
+            # and no concatenation of (B, T, ·) outputs, forward or backward.
+            projected = F.linear(hidden_states, torch.cat([projection.weight for projection in projections]))
+        else:  # an adapter (e.g. LoRA), a quantised layer or a hook: each module runs as it is
+            projected = torch.cat([projection(hidden_states) for projection in projections], dim=-1)
         keep = lengths = None
         if attention_mask is not None:
             keep = attention_mask[:, :, None].bool()
@@ -233,10 +248,11 @@ class DeltaNetAttention(nn.Module):
         new_tail = None
         if self.convolution is not None:
             projected, new_tail = self.convolution(projected, convolution_tail, lengths, cu_seqlens)
-        query, key, value = projected.split([key_width, key_width, projected.shape[-1] - 2 * key_width], dim=-1)
+        query_key, value = projected.split([2 * key_width, projected.shape[-1] - 2 * key_width], dim=-1)
 
-        query = self.feature_map(query.view(batch_size, length, self.num_heads, -1).transpose(1, 2))
-        key = self.feature_map(key.view(batch_size, length, self.num_heads, -1).transpose(1, 2))
+        # φ acts on each head's vector alone: queries and keys go through it together, as 2H heads (one call).
+        query_key = self.feature_map(query_key.view(batch_size, length, 2 * self.num_heads, -1).transpose(1, 2))
+        query, key = query_key.split(self.num_heads, dim=1)
         value = value.view(batch_size, length, self.num_heads, -1).transpose(1, 2)
         if self.config.value_activation == "silu":
             value = F.silu(value)

@@ -110,6 +110,27 @@ def test_attention_matches_the_token_by_token_reference(deltanet_config):
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=1e-4)
 
 
+def test_projection_hooks_and_adapters_are_honoured(preset_config):
+    # Plain projections run as one product of their stacked weights; a hook (or an adapter replacing the module)
+    # must still see the projections run and change what they give.
+    model = _randomised(DeltaNetModel(preset_config).eval())
+    attention = model.layers[0].attention
+    hidden_states = torch.randn(2, 9, preset_config.hidden_size)
+    output, _, _ = attention(hidden_states)
+    expected = reference_attention(attention, hidden_states)
+    torch.testing.assert_close(output, expected, atol=2e-5, rtol=1e-4)
+    calls = []
+    handle = attention.v_proj.register_forward_hook(lambda module, inputs, result: calls.append(1) or result * 2)
+    try:
+        hooked, _, _ = attention(hidden_states)
+    finally:
+        handle.remove()
+    assert calls == [1] and not torch.allclose(hooked, output)
+    with torch.no_grad():
+        attention.v_proj.weight.mul_(2)
+    torch.testing.assert_close(hooked, attention(hidden_states)[0], atol=2e-5, rtol=1e-4)
+
+
 def test_full_forward_equals_prefill_then_token_by_token_decoding(deltanet_config):
     model = _randomised(DeltaNetForCausalLM(deltanet_config).eval())
     input_ids = torch.randint(0, 256, (2, 23))
