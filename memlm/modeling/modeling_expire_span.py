@@ -375,8 +375,10 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 all_spans.append(torch.cat(layer_spans, dim=1))
 
         if torch.compiler.is_compiling() and past_key_values is not None:
-            # Compiled, the layers masked their dead memories instead of deleting them (`prune`): delete them now.
-            memories = compact_memories(memories)
+            # Compiled, the layers masked their dead memories instead of deleting them (`prune`): delete them now,
+            # with one read of every layer's width.
+            widths = torch.stack([memory.valid.sum(1).amax() for memory in memories]).tolist()
+            memories = compact_memories(memories, widths)
 
         hidden_states = self.norm(hidden_states)
         hidden_states_out = None

@@ -132,7 +132,7 @@ def test_lazy_pruning_marks_dead_memories_invalid_in_place():
 def test_compact_memories_deletes_the_invalid_slots():
     memory = make_memory(0, 6)
     memory.valid = torch.tensor([[True, False, True, True, False, False], [False, True, False, False, False, False]])
-    (compacted,) = compact_memories([memory])
+    (compacted,) = compact_memories([memory], [3])
     assert compacted.positions.tolist() == [[0, 2, 3], [1, 0, 2]]  # live first, in order; then unused slots
     assert compacted.valid.tolist() == [[True, True, True], [True, False, False]]
 

@@ -62,8 +62,8 @@ def run_layer_over_blocks(layer, hidden_states, blocks: list[Block], memory, kee
     return hidden_states, memory, spans, span_loss_sum, read_count
 
 
-def compact_memories(memories: list[ExpireSpanMemory]) -> list[ExpireSpanMemory]:
-    """Delete the slots marked invalid in every layer, with one read of all the layers' widths (compiled, the layers
-    mask their dead memories instead of deleting them)."""
-    widths = torch.stack([memory.valid.sum(1).amax() for memory in memories]).tolist()
+def compact_memories(memories: list[ExpireSpanMemory], widths: list[int]) -> list[ExpireSpanMemory]:
+    """Delete the slots marked invalid in every layer (compiled, the layers mask their dead memories instead of
+    deleting them); `widths`: per layer, the most valid slots of any row, read by the caller in one go (a graph
+    break, which torch.compile takes best in the compiled frame itself)."""
     return [memory.select(memory.valid, width) for memory, width in zip(memories, widths)]
