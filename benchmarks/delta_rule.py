@@ -15,7 +15,8 @@ Prints two side-by-side tables, all measured in this one process:
    language-model loss, the same number of tokens per step at T = 2K and 8K) and decode tokens/s (batch 1, greedy
    steps through the model's forward with its cache, the same path for all three) after 2K and 16K tokens of
    context, with the ratios DeltaNet/Llama and DeltaNet/Mamba (memlm issue 15 asks for training ≥ 1× Llama at 2K
-   and ≥ 2× at 8K; decode ≥ 1× Llama at 2K, ≥ 3× at 16K, and ≥ 1× Mamba).
+   and ≥ 2× at 8K; decode ≥ 1× Llama at 2K, ≥ 3× at 16K, and ≥ 1× Mamba). The three models are timed in turns,
+   one run of each per round, so that other jobs on the machine weigh on all of them alike.
 
 Without mamba-ssm, 🤗 Mamba's PyTorch path scans the sequence one token at a time in Python: training it takes
 minutes per step, so its training is timed only with ``--mamba-training``, and its prefill (which is not timed) is
@@ -148,23 +149,10 @@ def forward_table(args) -> list[dict]:
     return rows
 
 
-def decode_time_per_token(model, context: int, args, cache_argument: str = "past_key_values", prefill=None) -> float:
-    """Seconds per generated token: greedy steps of one token each through the model's forward with its cache
-    (`cache_argument` names it: ``past_key_values``, or ``cache_params`` for 🤗 Mamba), after a prefill of
-    `context` tokens (or `prefill` tokens, for a model whose step cost does not depend on the context)."""
-    with torch.no_grad():
-        prompt_length = context if prefill is None else min(prefill, context)
-        generator = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, model.config.vocab_size, (1, prompt_length), generator=generator)
-        cache = getattr(model(prompt, use_cache=True, logits_to_keep=1), cache_argument)
-        token = prompt[:, -1:]
-
-        def step():
-            nonlocal token
-            for _ in range(args.decode_steps):
-                token = model(token, use_cache=True, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
-
-        return median_time(step, warmup=1, repeats=args.repeats) / args.decode_steps
+def decode_time_per_token(model, context: int, args) -> float:
+    """Seconds per generated token: greedy steps of one token each, after a prefill of `context` tokens."""
+    steps = decode_steps(model, context, args, cache_argument="past_key_values", prefill=None)
+    return median_time(steps, warmup=1, repeats=args.repeats) / args.decode_steps
 
 
 def deltanet_model():
@@ -211,50 +199,92 @@ def comparison_models() -> dict:
     return {"deltanet": deltanet, "llama": llama, "mamba": mamba}
 
 
-def training_tokens_per_second(model, length: int, args) -> float:
-    """Tokens per second of one forward + backward of the language-model loss on batches of
-    ``args.model_tokens // length`` rows of `length` tokens (gradients dropped between steps)."""
+def interleaved_median_times(functions: dict, warmup: int, repeats: int) -> dict:
+    """Median seconds of each of `functions` (name → callable), timed in turns: one run of each per round, so
+    that a change in the machine's load (other jobs) weighs on all of them alike."""
+    for _ in range(warmup):
+        for function in functions.values():
+            function()
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def training_step(model, length: int, args):
+    """One forward + backward of the language-model loss on ``args.model_tokens // length`` rows of `length`
+    tokens (gradients dropped after each step)."""
     batch_size = max(1, args.model_tokens // length)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, model.config.vocab_size, (batch_size, length), generator=generator)
-    model.train()
 
     def step():
+        model.train()
         model(input_ids, labels=input_ids).loss.backward()
         model.zero_grad(set_to_none=True)
+        model.eval()
 
-    seconds = median_time(step, warmup=1, repeats=args.model_repeats)
-    model.eval()
-    return batch_size * length / seconds
+    return step
+
+
+def decode_steps(model, context: int, args, cache_argument: str, prefill: int | None):
+    """Prefill `context` tokens (at most `prefill`), then return a function running ``args.decode_steps`` greedy
+    steps of one token each through the model's forward with its cache (`cache_argument` names it:
+    ``past_key_values``, or ``cache_params`` for 🤗 Mamba)."""
+    with torch.no_grad():
+        prompt_length = context if prefill is None else min(prefill, context)
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, model.config.vocab_size, (1, prompt_length), generator=generator)
+        cache = getattr(model(prompt, use_cache=True, logits_to_keep=1), cache_argument)
+    token = prompt[:, -1:]
+
+    def steps():
+        nonlocal token
+        with torch.no_grad():
+            for _ in range(args.decode_steps):
+                token = model(token, use_cache=True, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
+
+    return steps
 
 
 def model_table(args) -> tuple[dict, list[dict], list[dict]]:
-    """Parameter counts, then training rows (per T) and decode rows (per context), with the DeltaNet ratios."""
+    """Parameter counts, then training rows (per T) and decode rows (per context), with the DeltaNet ratios. The
+    models are timed in turns (see `interleaved_median_times`)."""
     models = comparison_models()
     parameters = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
     for model in models.values():
         model.eval()
     training_rows = []
     for length in tqdm(args.model_training_lengths, desc="model training", leave=False):
-        row = {"tokens": length, "batch_size": max(1, args.model_tokens // length)}
-        for name, model in models.items():
-            timed = name != "mamba" or args.mamba_training
-            row[f"{name}_tokens_per_s"] = training_tokens_per_second(model, length, args) if timed else None
+        timed = {name: model for name, model in models.items() if name != "mamba" or args.mamba_training}
+        seconds = interleaved_median_times(
+            {name: training_step(model, length, args) for name, model in timed.items()}, 1, args.model_repeats
+        )
+        batch_size = max(1, args.model_tokens // length)
+        row = {"tokens": length, "batch_size": batch_size}
+        for name in models:
+            row[f"{name}_tokens_per_s"] = batch_size * length / seconds[name] if name in seconds else None
         training_rows.append(row)
     decode_rows = []
     for context in tqdm(args.model_decode_contexts, desc="model decode", leave=False):
-        row = {"context": context}
-        for name, model in models.items():
-            is_mamba = name == "mamba"
-            seconds = decode_time_per_token(
+        functions = {
+            name: decode_steps(
                 model,
                 context,
                 args,
-                cache_argument="cache_params" if is_mamba else "past_key_values",
-                prefill=args.mamba_prefill if is_mamba else None,
+                cache_argument="cache_params" if name == "mamba" else "past_key_values",
+                prefill=args.mamba_prefill if name == "mamba" else None,
             )
-            row[f"{name}_tokens_per_s"] = 1 / seconds
-        decode_rows.append(row)
+            for name, model in models.items()
+        }
+        seconds = interleaved_median_times(functions, 1, args.repeats)
+        decode_rows.append(
+            {"context": context} | {f"{name}_tokens_per_s": args.decode_steps / seconds[name] for name in models}
+        )
+        del functions  # the caches (Llama's grows with the context)
     for row in training_rows + decode_rows:
         for other in ("llama", "mamba"):
             theirs = row[f"{other}_tokens_per_s"]
