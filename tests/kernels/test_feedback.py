@@ -11,6 +11,8 @@ import torch
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.kernels.feedback import feedback_recurrence, through_time
+from memlm.kernels.feedback.tape import _RingStore
+from memlm.modeling.modeling_feedback_transformer import FeedbackCacheLayer
 from tests.modeling.padding import padding_mask
 from tests.modeling.test_modeling_feedback_transformer import TINY, VARIANTS
 
@@ -197,3 +199,25 @@ def test_bad_inputs_raise_value_errors():
     for message, (inputs, step_positions, step_valid, layers, options) in cases.items():
         with pytest.raises(ValueError, match=message):
             feedback_recurrence(body, inputs, step_positions, step_valid, layers, next_positions, **options)
+
+
+def test_ring_read_is_softmax_attention_and_zero_where_nothing_is_visible():
+    """The ring's fused read equals softmax(q·Kᵀ/√d + bias)·V written out (float64); a (row, head) whose bias is −inf
+    everywhere reads a zero attention term (the paper's "no attention term"), whatever the fused op gives."""
+    config = FeedbackTransformerConfig(**{**TINY, "memory_span": 5})
+    layer = FeedbackCacheLayer()
+    layer.allocate_ring(2, config, torch.float64, "cpu")
+    layer.keys.normal_()
+    layer.values.normal_()
+    store = _RingStore([layer], torch.full((2,), 5), config, layer.keys)
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    query = torch.randn(2 * heads, head_dim, dtype=torch.float64)
+    bias = torch.randn(2 * heads, 5, dtype=torch.float64)
+    bias[0, 1:] = float("-inf")  # sees one memory
+    bias[heads] = float("-inf")  # row 1, head 0 sees nothing
+    keys, values = layer.keys.flatten(0, 1), layer.values.flatten(0, 1)
+    weights = torch.softmax(torch.einsum("nd,nwd->nw", query, keys) * head_dim**-0.5 + bias, dim=-1)
+    expected = torch.einsum("nw,nwd->nd", weights.nan_to_num(0.0), values)
+    read = store.read(0, 0, query, bias)
+    torch.testing.assert_close(read, expected, atol=1e-12, rtol=0)
+    assert read[heads].abs().sum() == 0 and read[0].abs().sum() > 0
