@@ -114,8 +114,19 @@ def decode_measurement(args) -> dict[str, list[dict]]:
 def run_isolated(kind: str, args, memory: bool = False, **values) -> dict | list:
     """Run one measurement in a fresh interpreter and return its JSON result."""
     command = [sys.executable, __file__, "--measure", json.dumps({"kind": kind, **values})]
-    command += ["--segment", str(args.segment), "--block-size", str(args.block_size), "--repeats", str(args.repeats),
-                "--decode-steps", str(args.decode_steps), "--contexts", *map(str, args.contexts)]  # fmt: skip
+    command += [
+        "--segment",
+        str(args.segment),
+        "--block-size",
+        str(args.block_size),
+        "--repeats",
+        str(args.repeats),
+        "--decode-steps",
+        str(args.decode_steps),
+        "--contexts",
+        *map(str, args.contexts),
+    ]
+    command += [] if args.threads is None else ["--threads", str(args.threads)]  # fmt: skip
     environment = dict(os.environ)
     if memory:
         # Large buffers are mmap-ed and returned to the system when freed, so the resident size tracks live tensors.
@@ -153,10 +164,18 @@ def main(argv=None):
         default=list(DECODE_CONTEXTS),
         help="prefill lengths of the generation table",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 keeps a busy machine's other jobs from stalling a step",
+    )
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.measure is not None:
         request = json.loads(args.measure)
         if request["kind"] == "training":
