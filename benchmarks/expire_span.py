@@ -114,19 +114,10 @@ def decode_measurement(args) -> dict[str, list[dict]]:
 def run_isolated(kind: str, args, memory: bool = False, **values) -> dict | list:
     """Run one measurement in a fresh interpreter and return its JSON result."""
     command = [sys.executable, __file__, "--measure", json.dumps({"kind": kind, **values})]
-    command += [
-        "--segment",
-        str(args.segment),
-        "--block-size",
-        str(args.block_size),
-        "--repeats",
-        str(args.repeats),
-        "--decode-steps",
-        str(args.decode_steps),
-        "--contexts",
-        *map(str, args.contexts),
-    ]
-    command += [] if args.threads is None else ["--threads", str(args.threads)]  # fmt: skip
+    command += ["--segment", str(args.segment), "--block-size", str(args.block_size), "--repeats", str(args.repeats),
+                "--decode-steps", str(args.decode_steps), "--contexts", *map(str, args.contexts)]  # fmt: skip
+    if args.threads is not None:
+        command += ["--threads", str(args.threads)]
     environment = dict(os.environ)
     if memory:
         # Large buffers are mmap-ed and returned to the system when freed, so the resident size tracks live tensors.
