@@ -234,7 +234,10 @@ class DeltaNetAttention(nn.Module):
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if all(type(projection) is nn.Linear and not _has_hooks(projection) for projection in projections):
+        if all(
+            type(projection) is nn.Linear and projection.bias is None and not _has_hooks(projection)
+            for projection in projections
+        ):
             # The three projections as one matrix product (their weights side by side): one pass over the activations
             # and no concatenation of (B, T, ·) outputs, forward or backward.
             projected = F.linear(hidden_states, torch.cat([projection.weight for projection in projections]))

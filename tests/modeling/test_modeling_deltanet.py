@@ -128,7 +128,19 @@ def test_projection_hooks_and_adapters_are_honoured(preset_config):
     assert calls == [1] and not torch.allclose(hooked, output)
     with torch.no_grad():
         attention.v_proj.weight.mul_(2)
-    torch.testing.assert_close(hooked, attention(hidden_states)[0], atol=2e-5, rtol=1e-4)
+    doubled = attention(hidden_states)[0]
+    torch.testing.assert_close(hooked, doubled, atol=2e-5, rtol=1e-4)
+    # A projection given a bias (a plain nn.Linear, no hook) runs as a module too: the bias is not dropped.
+    biased = torch.nn.Linear(preset_config.hidden_size, attention.v_proj.out_features)
+    with torch.no_grad():
+        biased.weight.copy_(attention.v_proj.weight)
+        biased.bias.normal_()
+    attention.v_proj = biased
+    with_bias = attention(hidden_states)[0]
+    assert not torch.allclose(with_bias, doubled)
+    with torch.no_grad():
+        biased.bias.zero_()
+    torch.testing.assert_close(attention(hidden_states)[0], doubled, atol=2e-5, rtol=1e-4)
 
 
 def test_full_forward_equals_prefill_then_token_by_token_decoding(deltanet_config):
