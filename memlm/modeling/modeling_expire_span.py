@@ -14,6 +14,7 @@ the block-parallel forward (`blocks.py`).
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -26,7 +27,13 @@ from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels.expire_attention import expire_span_attention
 from ..kernels.expire_attention.blocks import compact_memories, run_layer_over_blocks, split_into_blocks
-from ..kernels.expire_attention.memory import ExpireSpanMemory, expired_memories, memory_counts
+from ..kernels.expire_attention.memory import (
+    ExpireSpanMemory,
+    decoding_slack,
+    expired_memories,
+    memory_counts,
+    next_decoding_slack,
+)
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
     CountsOwnPositions,
@@ -137,10 +144,29 @@ class ExpireSpanAttention(nn.Module):
         if self.span_predictor is not None and visible_memory.span_inputs is not None and memory is not None:
             # Spans of earlier memories are recomputed from the current span parameters, so they keep learning.
             memory_spans = torch.cat([self.predict_spans(memory.span_inputs), spans], dim=1)
+        # Decoding without gradient: while no memory the query sees can be on the ramp (slack >= 0), the mask is 1
+        # wherever visible (Eq. 5), so the step is plain attention and counts nothing on the ramp (no span loss).
+        slack = None
+        if length == 1 and memory_spans is visible_memory.spans and not torch.compiler.is_compiling():
+            if memory_spans is not None and not (torch.is_grad_enabled() and memory_spans.requires_grad):
+                slack = decoding_slack(memory, positions, token_valid)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        if slack is not None and slack >= 0:
+            memory_spans = None
+            if max_distance is None:
+                # Every query sees every memory (valid, i ≤ t) too: no mask at all, and every memory is read.
+                seen = visible_memory.valid & (visible_memory.positions <= positions)
+                if bool(seen.all()):
+                    output = F.scaled_dot_product_attention(
+                        query, visible_memory.keys, visible_memory.values, dropout_p=dropout
+                    )
+                    output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
+                    visible_memory.expiry_slack = next_decoding_slack(slack, spans)
+                    read_count = torch.full((), seen.numel(), dtype=torch.float32, device=output.device)
+                    return output, visible_memory, spans, output.new_zeros((), dtype=torch.float32), read_count
         output = expire_span_attention(
             query, visible_memory.keys, visible_memory.values, memory_spans, positions, visible_memory.positions,
-            ramp=self.config.ramp, key_valid=visible_memory.valid, max_distance=max_distance,
-            dropout=self.config.attention_dropout if self.training else 0.0,
+            ramp=self.config.ramp, key_valid=visible_memory.valid, max_distance=max_distance, dropout=dropout,
         )  # fmt: skip
         output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
 
@@ -152,6 +178,8 @@ class ExpireSpanAttention(nn.Module):
         span_loss_sum = (ramp_counts * memory_spans).sum() / self.config.ramp if memory_spans is not None else None
         if span_loss_sum is None:
             span_loss_sum = output.new_zeros((), dtype=torch.float32)
+        if slack is not None:
+            visible_memory.expiry_slack = next_decoding_slack(slack, spans)
         return output, visible_memory, spans, span_loss_sum, read_counts.sum()
 
 

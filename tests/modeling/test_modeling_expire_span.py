@@ -359,3 +359,74 @@ def test_rows_expire_at_their_own_rate_in_a_compacted_layout():
             kept = set(layer.memory.positions[row][layer.memory.valid[row]].tolist())
             assert set(full.positions[row][readable[row]].tolist()) <= kept
         assert layer.memory.positions.shape[1] < full.positions.shape[1]  # and the dead were deleted
+
+
+def _decode_steps(model, input_ids, prefill):
+    """Prefill, then one token at a time: per step the logits, span loss and memory size."""
+    steps = []
+    with torch.no_grad():
+        cache = model(input_ids[:, :prefill], use_cache=True).past_key_values
+        for t in range(prefill, input_ids.shape[1]):
+            output = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append((output.logits, output.span_loss, output.memory_size))
+    return steps
+
+
+@pytest.mark.parametrize("span_bias", [2.0, -0.5])
+def test_decoding_without_the_mask_while_no_memory_is_on_the_ramp_equals_the_masked_step(monkeypatch, span_bias):
+    """Decoding skips the soft mask while the slack (least e_i − (t − i)) is >= 0. With long spans (bias 2: e ≈ 0.88
+    L, all 36 tokens fit) every step takes that path; with shorter ones (bias -0.5: e ≈ 0.38 L) the memories reach
+    the ramp and later steps must mask. Either way each step equals the masked step (the path forced off) and the full
+    forward, span loss and memory size included."""
+    import memlm.modeling.modeling_expire_span as modeling
+
+    model = _model(span_weight=0.05, span_bias=span_bias, max_span=64, ramp=4, block_size=4)
+    model.config.span_loss_coefficient = 1.0
+    input_ids = torch.randint(0, 256, (2, 36))
+    slacks = []
+
+    def recorded(*arguments):
+        slacks.append(modeling_slack(*arguments))
+        return slacks[-1]
+
+    modeling_slack = modeling.decoding_slack
+    monkeypatch.setattr(modeling, "decoding_slack", recorded)
+    fast = _decode_steps(model, input_ids, prefill=6)
+    monkeypatch.setattr(modeling, "decoding_slack", lambda *arguments: None)
+    masked = _decode_steps(model, input_ids, prefill=6)
+    for (logits, span_loss, memory_size), (masked_logits, masked_span_loss, masked_memory_size) in zip(fast, masked):
+        torch.testing.assert_close(logits, masked_logits, atol=1e-6, rtol=0)
+        torch.testing.assert_close(span_loss, masked_span_loss, atol=1e-9, rtol=1e-6)
+        torch.testing.assert_close(memory_size, masked_memory_size, atol=0, rtol=0)
+    with torch.no_grad():
+        full = model(input_ids).logits
+    torch.testing.assert_close(torch.cat([step[0] for step in fast], 1), full[:, 6:], atol=1e-4, rtol=0)
+    assert all(slack is not None for slack in slacks)
+    if span_bias > 0:
+        assert min(slacks) >= 0  # the unmasked path throughout
+    else:
+        assert max(slacks) >= 0 and min(slacks) < 0  # both paths
+        assert max(float(step[1]) for step in masked) > 0  # memories on the ramp: a span loss the fast path must keep
+
+
+def test_decoding_slack_is_a_lower_bound_of_the_remaining_spans():
+    """The slack kept across steps never exceeds the least r_ti = e_i − (t − i) of a valid memory (paper Eq. 5), so
+    the unmasked path is never taken with a memory on the ramp."""
+    from memlm.kernels.expire_attention.memory import ExpireSpanMemory, decoding_slack
+
+    model = _model(span_weight=0.3, span_bias=-1.0, max_span=24, ramp=3, block_size=4)
+    input_ids = torch.randint(0, 256, (3, 50))
+    with torch.no_grad():
+        cache = model(input_ids[:, :5], use_cache=True).past_key_values
+        for t in range(5, 50):
+            cache = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True).past_key_values
+            for layer in cache.layers:
+                memory = layer.memory
+                if memory.expiry_slack is None:
+                    continue
+                exact = decoding_slack(
+                    ExpireSpanMemory(memory.keys, memory.values, memory.positions, memory.valid, memory.spans, None),
+                    torch.full((3, 1), t + 1),
+                    torch.ones(3, 1, dtype=torch.bool),
+                )
+                assert memory.expiry_slack <= exact

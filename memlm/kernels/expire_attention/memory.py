@@ -15,6 +15,7 @@ of :func:`memory_counts` skip them, just as for the memories that die inside a b
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,15 @@ import torch
 
 from .reference import expire_span_mask, memory_statistics, visible_keys
 
-__all__ = ["COMPACT_FRACTION", "ExpireSpanMemory", "check_interval", "expired_memories", "memory_counts"]
+__all__ = [
+    "COMPACT_FRACTION",
+    "ExpireSpanMemory",
+    "check_interval",
+    "decoding_slack",
+    "expired_memories",
+    "next_decoding_slack",
+    "memory_counts",
+]
 
 # Lazy pruning: the layout is compacted once the slots that no row needs (dead or empty) exceed this fraction of it.
 COMPACT_FRACTION = 1 / 8
@@ -66,6 +75,9 @@ class ExpireSpanMemory:
     spans: torch.Tensor | None  # (B, N) float32 e_i (None when expiration is off)
     span_inputs: torch.Tensor | None  # (B, N, D): h_i, kept in training so spans follow the current parameters
     buffer: _Buffer | None = dataclasses.field(default=None, repr=False, compare=False)
+    # Decoding: a lower bound on min over rows and valid memories of (i + e_i) − t, t the row's next query; None
+    # when unknown. While it is >= 0 no memory is on the ramp or expired (see `decoding_slack`).
+    expiry_slack: float | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def width(self) -> int:
@@ -144,12 +156,14 @@ class ExpireSpanMemory:
         tensors = {name: None if tensor is None else tensor.detach() for name, tensor in self.tensors().items()}
         if not keep_span_inputs:
             tensors["span_inputs"] = None
-        return ExpireSpanMemory(**tensors, buffer=self.buffer)
+        return ExpireSpanMemory(**tensors, buffer=self.buffer, expiry_slack=self.expiry_slack)
 
     def map(self, function) -> "ExpireSpanMemory":
-        """Apply `function` to every tensor along the batch dimension (reorder, repeat, select rows)."""
+        """Apply `function` to every tensor along the batch dimension (reorder, repeat, select rows). Every new row
+        is a copy of an old one, so the expiry slack stays a lower bound."""
         return ExpireSpanMemory(
-            **{name: None if tensor is None else function(tensor) for name, tensor in self.tensors().items()}
+            **{name: None if tensor is None else function(tensor) for name, tensor in self.tensors().items()},
+            expiry_slack=self.expiry_slack,
         )
 
     def prune(self, dead: Callable[[], torch.Tensor] | None) -> "ExpireSpanMemory":
@@ -173,8 +187,33 @@ class ExpireSpanMemory:
         width = int(keep.sum(1).max()) if keep.numel() else 0
         buffer.next_check = self.width + check_interval(self.width)
         if self.width - width > self.width * COMPACT_FRACTION:
-            return self.select(keep, width)
+            return self.select(keep, width)  # a new memory: its slack is computed again at the next step
+        self.expiry_slack = None  # recomputed at the next step: without the dead memories it may have grown
         return self
+
+
+def decoding_slack(
+    memory: "ExpireSpanMemory | None", positions: torch.Tensor, token_valid: torch.Tensor
+) -> float | None:
+    """For a decoding step (one query t per row, `positions` (B, 1)): a lower bound on r_ti = e_i − (t − i) over the
+    rows and the valid memories, or None when unknown. When it is >= 0, every memory the query sees has m_ti = 1
+    (paper Eq. 5: 1 + r/R >= 1, also after float32 rounding, which keeps the sign), so the attention is plain
+    attention over the visible memories and nothing is on the ramp. Kept across steps in `memory.expiry_slack` (see
+    `next_decoding_slack`); computed here (one pass and a read) when unknown and every row's token is real."""
+    if memory is None:
+        return math.inf
+    if memory.expiry_slack is not None:
+        return memory.expiry_slack
+    if memory.spans is None or not bool(token_valid.all()):
+        return None
+    expiry = (memory.spans.double() + memory.positions).masked_fill_(~memory.valid, math.inf)  # i + e_i
+    return float((expiry - positions).min()) if expiry.numel() else math.inf
+
+
+def next_decoding_slack(slack: float, spans: torch.Tensor) -> float:
+    """The slack for the next step, from this step's `slack` and the spans e_t (B, 1) of its memories: every row's
+    next query is at most one position further, and a memory made at t has r = e_t − 1 for the query at t + 1."""
+    return min(slack, float(spans.min())) - 1
 
 
 def expired_memories(
