@@ -177,6 +177,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.rotary_emb = (
             RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_encoding == "rotary" else None
         )
+        # The config values `step` reads, as plain attributes: a 🤗 config's attribute lookup costs microseconds,
+        # and `step` runs once per token (about a tenth of a decoded token's time went to these lookups).
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.memory_span = config.memory_span
+        self.share_key_value = config.share_key_value
+        self.shared_bias = config.position_encoding == "rotary"  # no learned bias: one bias serves every layer
         self.post_init()
 
     def _memory_bias(self, layer: FeedbackDecoderLayer | None, window, positions: torch.Tensor) -> torch.Tensor:
@@ -184,9 +191,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         `layer`'s learned relative bias when configured (`layer=None`: the visibility alone)."""
         _, _, slot_positions, slot_valid = window
         distance = positions[:, None] - slot_positions  # (B, W)
-        visible = slot_valid & (distance >= 1) & (distance <= self.config.memory_span)
+        visible = slot_valid & (distance >= 1) & (distance <= self.memory_span)
         if layer is not None and hasattr(layer.attention, "relative_bias"):
-            index = (distance - 1).clamp(0, self.config.memory_span - 1)
+            index = (distance - 1).clamp(0, self.memory_span - 1)
             bias = layer.attention.relative_bias[:, index].permute(1, 0, 2)  # (B, H, W)
         else:
             bias = torch.zeros(visible.shape[0], 1, visible.shape[1], device=visible.device)
@@ -220,7 +227,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         """One time step for a batch: embeddings (B, D) of the tokens at `positions` (B,); `valid` (B,) False for
         padding, which writes nothing into the memory. Returns the top layer's output (B, D) and every layer's.
         `record` (training without autograd) keeps what the hand-written backward needs."""
-        config = self.config
         batch_size = embeddings.shape[0]
         cos = sin = None
         if self.rotary_emb is not None:
@@ -229,21 +235,21 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         hidden_states = embeddings
         # Every group's slots hold the same positions, so without relative bias one bias serves all layers.
         shared_bias = None
-        if config.position_encoding == "rotary":
+        if self.shared_bias:
             shared_bias = self._memory_bias(None, store.window(0, step), positions)
-            shared_bias = shared_bias.expand(batch_size, config.num_attention_heads, -1).flatten(0, 1)
+            shared_bias = shared_bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
         for layer_idx, layer in enumerate(self.layers):
             attention = layer.attention
             key = (layer_idx, step)
-            query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, config.head_dim)
+            query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, self.head_dim)
             if cos is not None:
                 query = apply_rotary(query[:, :, None], cos, sin)[:, :, 0]
-            query = query.reshape(-1, config.head_dim)
-            group = 0 if config.share_key_value else layer_idx
+            query = query.reshape(-1, self.head_dim)
+            group = 0 if self.share_key_value else layer_idx
             bias = shared_bias
             if bias is None:
                 bias = self._memory_bias(layer, store.window(group, step), positions)  # (B, H, W)
-                bias = bias.expand(batch_size, config.num_attention_heads, -1).flatten(0, 1)
+                bias = bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
             context = store.read(group, step, query, bias.to(query.dtype))
             context = self._dropout(context, attention.dropout.p, record, ("context",) + key)
             mixed = self._dropout(attention.o_proj(context.reshape(batch_size, -1)), layer.dropout.p, record,
@@ -266,13 +272,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         memory = self.memory_norm(mixture)
         if record is not None:
             keys, values = torch.stack([F.linear(memory, weight) for weight in record.key_value]).chunk(2, dim=-1)
-        elif config.share_key_value:
+        elif self.share_key_value:
             keys, values = self.k_proj(memory)[None], self.v_proj(memory)[None]
         else:
             keys = torch.stack([layer.attention.k_proj(memory) for layer in self.layers])
             values = torch.stack([layer.attention.v_proj(memory) for layer in self.layers])
-        keys = keys.view(keys.shape[0], batch_size, -1, config.head_dim)
-        values = values.view(values.shape[0], batch_size, -1, config.head_dim)
+        keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
+        values = values.view(values.shape[0], batch_size, -1, self.head_dim)
         if cos is not None:
             keys = apply_rotary(keys[:, :, :, None], cos, sin)[:, :, :, 0]
         store.write(step, keys, values, positions, valid)

@@ -31,6 +31,7 @@ class _RingStore:
 
     def __init__(self, cache_layers: list, next_positions: torch.Tensor, config, like):
         self.layers = cache_layers
+        self._blind_bias = self._blind = None  # the last bias `read` saw, and its rows that see no memory
         window = None
         if not cache_layers[0].ring:
             # An empty cache, or the window a training forward left: lay it out as a ring of τ slots.
@@ -65,8 +66,11 @@ class _RingStore:
         # One fused op for softmax(q·Kᵀ/√d + bias)·V (~30% faster than `attend`'s five for one query over 2K slots).
         context = F.scaled_dot_product_attention(query.reshape(batch_size, num_heads, 1, head_dim), keys, values,
                                                  attn_mask=bias.view(batch_size, num_heads, 1, -1))  # fmt: skip
-        # A query that sees no memory gets a zero attention term, whatever the backend makes of an all −inf row.
-        return context.view_as(query).masked_fill(bias.amax(-1, keepdim=True) == float("-inf"), 0.0)
+        # A query that sees no memory gets a zero attention term, whatever the backend makes of an all −inf row. The
+        # layers of a step often share one bias (the same tensor): its rows that see nothing are found once.
+        if bias is not self._blind_bias:
+            self._blind_bias, self._blind = bias, bias.amax(-1, keepdim=True) == float("-inf")
+        return context.view_as(query).masked_fill(self._blind, 0.0)
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing (its slot
@@ -76,6 +80,13 @@ class _RingStore:
         slots = positions.clamp_min(0) % span
         if not torch.compiler.is_compiling():  # padding has position −1, so an all-padding step changes nothing
             self.filled = max(self.filled, min(span, int(positions.max()) + 1))
+        if not torch.compiler.is_compiling() and bool(valid.all()):  # no padding (decoding): plain writes
+            for group, layer in enumerate(self.layers):
+                layer.keys[rows, :, slots] = keys[group].to(layer.keys.dtype)
+                layer.values[rows, :, slots] = values[group].to(layer.values.dtype)
+                layer.positions[rows, slots] = positions
+                layer.valid[rows, slots] = True
+            return
         keep = valid[:, None, None]
         for group, layer in enumerate(self.layers):
             layer.keys[rows, :, slots] = torch.where(
