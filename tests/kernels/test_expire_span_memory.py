@@ -10,8 +10,10 @@ from memlm.kernels.expire_attention.memory import (
     COMPACT_FRACTION,
     ExpireSpanMemory,
     check_interval,
+    decoding_slack,
     expired_memories,
     memory_counts,
+    next_decoding_slack,
 )
 
 RAMP = 2.0
@@ -166,3 +168,21 @@ def test_blocks_cover_the_input_with_each_rows_first_query():
     blocks = split_into_blocks(positions, positions >= 0, 2, lambda p: (p.float(), p.float()))
     assert [block.tokens for block in blocks] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
     assert [block.first_positions.tolist() for block in blocks] == [[-1, 0], [0, 2], [2, 4], [4, 6]]
+
+
+def test_decoding_slack_is_the_least_remaining_span_of_the_valid_memories():
+    """r_ti = e_i − (t − i) (paper Eq. 5) over the valid slots; a dead slot on the ramp does not count; unknown (None)
+    when a row's token is padding and nothing was kept; kept slacks are returned as they are."""
+    memory = make_memory(0, 4, batch_size=2)
+    memory.spans = torch.tensor([[5.0, 0.5, 3.0, 10.0], [9.0, 9.0, 9.0, 1.5]])
+    memory.valid[0, 1] = False  # r = 0.5 − 3 < 0, but dead
+    query = torch.tensor([[4], [4]])
+    real = torch.ones(2, 1, dtype=torch.bool)
+    assert decoding_slack(memory, query, real) == 0.5  # row 1, slot 3: 1.5 − (4 − 3)
+    assert decoding_slack(memory, query, torch.tensor([[True], [False]])) is None
+    assert decoding_slack(None, query, real) == float("inf")
+    memory.expiry_slack = -2.0
+    assert decoding_slack(memory, query, real) == -2.0
+    # The next query is one further; the memory just made has r = e_t − 1 for it.
+    assert next_decoding_slack(0.5, torch.tensor([[3.0], [0.25]])) == -0.75
+    assert next_decoding_slack(0.5, torch.tensor([[3.0], [7.0]])) == -0.5
