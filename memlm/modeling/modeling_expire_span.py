@@ -146,8 +146,10 @@ class ExpireSpanAttention(nn.Module):
             memory_spans = torch.cat([self.predict_spans(memory.span_inputs), spans], dim=1)
         # Decoding without gradient: while no memory the query sees can be on the ramp (slack >= 0), the mask is 1
         # wherever visible (Eq. 5), so the step is plain attention and counts nothing on the ramp (no span loss).
+        # The slack is kept only while positions are counted (a query at most one position after the last).
         slack = None
-        if length == 1 and memory_spans is visible_memory.spans and not torch.compiler.is_compiling():
+        decoding = length == 1 and counted_positions and not torch.compiler.is_compiling()
+        if decoding and memory_spans is visible_memory.spans:
             if memory_spans is not None and not (torch.is_grad_enabled() and memory_spans.requires_grad):
                 slack = decoding_slack(memory, positions, token_valid)
         dropout = self.config.attention_dropout if self.training else 0.0

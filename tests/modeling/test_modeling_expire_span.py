@@ -430,3 +430,36 @@ def test_decoding_slack_is_a_lower_bound_of_the_remaining_spans():
                     torch.ones(3, 1, dtype=torch.bool),
                 )
                 assert memory.expiry_slack <= exact
+
+
+def test_decoding_at_given_positions_that_jump_past_the_spans_still_masks(monkeypatch):
+    """The kept slack assumes each step's query is at most one position further; position_ids may jump further, and
+    a jump that puts memories on the ramp must be masked exactly as with the path off."""
+    import memlm.modeling.modeling_expire_span as modeling
+
+    model = _model(span_weight=0.05, span_bias=0.0, max_span=40, ramp=4, block_size=4)  # e ≈ 20
+    model.config.span_loss_coefficient = 1.0
+    input_ids = torch.randint(0, 256, (2, 12))
+    given_positions = [0, 1, 2, 3, 4, 5, 6, 7, 8, 24, 25, 40]  # jumps of 16 and 15
+
+    def decode():
+        steps = []
+        with torch.no_grad():
+            cache = model(input_ids[:, :3], use_cache=True).past_key_values
+            for t in range(3, 12):
+                positions = torch.tensor([[given_positions[t]]] * 2) if t >= 9 else None
+                output = model(input_ids[:, t : t + 1], position_ids=positions, past_key_values=cache, use_cache=True)
+                steps.append((output.logits, output.span_loss, output.memory_size))
+        return steps
+
+    fast = decode()
+    monkeypatch.setattr(modeling, "decoding_slack", lambda *arguments: None)
+    masked = decode()
+    for (logits, span_loss, memory_size), (masked_logits, masked_span_loss, masked_memory_size) in zip(fast, masked):
+        torch.testing.assert_close(logits, masked_logits, atol=1e-6, rtol=0)
+        torch.testing.assert_close(span_loss, masked_span_loss, atol=1e-9, rtol=1e-6)
+        torch.testing.assert_close(memory_size, masked_memory_size, atol=0, rtol=0)
+    assert float(masked[-3][1]) > 0  # the jump to 24 put memories on the ramp (to 40: past it, expired)
+    with torch.no_grad():
+        full = model(input_ids, position_ids=torch.tensor([given_positions] * 2)).logits
+    torch.testing.assert_close(torch.cat([step[0] for step in fast], 1), full[:, 3:], atol=1e-4, rtol=0)
