@@ -29,7 +29,7 @@ from ..configuration.configuration_feedback_transformer import FeedbackTransform
 from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.through_time import Recording, StepGradients
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -41,6 +41,14 @@ from .memory import (
     refuse_packed_documents,
     zero_padding,
 )
+
+
+def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in fewer ops: x·cos + [−x₂, x₁]·sin = x·cos + roll(x, d/2)·[−sin₁, sin₂], the same numbers (a
+    negation moves only a sign bit); `signed_sin` = [−sin₁, sin₂], made once per step for every layer."""
+    dtype = torch.promote_types(states.dtype, torch.float32)
+    rolled = states.roll(states.shape[-1] // 2, dims=-1)
+    return (states.to(dtype) * cos + rolled.to(dtype) * signed_sin).to(states.dtype)
 
 
 class FeedbackAttention(nn.Module):
@@ -231,6 +239,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         cos = sin = None
         if self.rotary_emb is not None:
             cos, sin = self.rotary_emb(positions[:, None])  # (B, 1, 1, d)
+            # For (B, H, d) queries and (G, B, H, d) keys, with rotate-half's sign folded into sin (`_rotate`).
+            half = self.head_dim // 2
+            rotation = cos[:, 0], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, 0]  # (B, 1, d)
         states = [embeddings]
         hidden_states = embeddings
         # Every group's slots hold the same positions, so without relative bias one bias serves all layers.
@@ -243,7 +254,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             key = (layer_idx, step)
             query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, self.head_dim)
             if cos is not None:
-                query = apply_rotary(query[:, :, None], cos, sin)[:, :, 0]
+                query = _rotate(query, *rotation)
             query = query.reshape(-1, self.head_dim)
             group = 0 if self.share_key_value else layer_idx
             bias = shared_bias
@@ -280,7 +291,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
         values = values.view(values.shape[0], batch_size, -1, self.head_dim)
         if cos is not None:
-            keys = apply_rotary(keys[:, :, :, None], cos, sin)[:, :, :, 0]
+            keys = _rotate(keys, *rotation)
         store.write(step, keys, values, positions, valid)
         if record is not None:
             record.mixtures[step], record.stacks[step] = mixture, stack

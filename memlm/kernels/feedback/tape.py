@@ -69,8 +69,12 @@ class _RingStore:
         # A query that sees no memory gets a zero attention term, whatever the backend makes of an all −inf row. The
         # layers of a step often share one bias (the same tensor): its rows that see nothing are found once.
         if bias is not self._blind_bias:
-            self._blind_bias, self._blind = bias, bias.amax(-1, keepdim=True) == float("-inf")
-        return context.view_as(query).masked_fill(self._blind, 0.0)
+            blind = bias.amax(-1, keepdim=True) == float("-inf")
+            if not torch.compiler.is_compiling() and not bool(blind.any()):
+                blind = None  # every row sees a memory (decoding): nothing to fill
+            self._blind_bias, self._blind = bias, blind
+        context = context.view_as(query)
+        return context if self._blind is None else context.masked_fill(self._blind, 0.0)
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing (its slot
