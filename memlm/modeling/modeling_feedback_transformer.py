@@ -46,9 +46,10 @@ from .memory import (
 def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary` in fewer ops: x·cos + [−x₂, x₁]·sin = x·cos + roll(x, d/2)·[−sin₁, sin₂], the same numbers (a
     negation moves only a sign bit); `signed_sin` = [−sin₁, sin₂], made once per step for every layer."""
-    dtype = torch.promote_types(states.dtype, torch.float32)
     rolled = states.roll(states.shape[-1] // 2, dims=-1)
-    return (states.to(dtype) * cos + rolled.to(dtype) * signed_sin).to(states.dtype)
+    if states.dtype in (torch.float32, torch.float64):  # already at least float32: no conversions
+        return states * cos + rolled * signed_sin
+    return (states.float() * cos + rolled.float() * signed_sin).to(states.dtype)
 
 
 class FeedbackAttention(nn.Module):

@@ -62,7 +62,9 @@ class _RingStore:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
         layer = self.layers[group]
         batch_size, num_heads, _, head_dim = layer.keys.shape
-        keys, values = layer.keys[:, :, : self.filled], layer.values[:, :, : self.filled]  # (B, H, W, d)
+        keys, values = layer.keys, layer.values  # (B, H, W, d)
+        if self.filled < keys.shape[2]:  # a full ring (long contexts) is read whole, without slicing
+            keys, values = keys[:, :, : self.filled], values[:, :, : self.filled]
         # One fused op for softmax(q·Kᵀ/√d + bias)·V (~30% faster than `attend`'s five for one query over 2K slots).
         context = F.scaled_dot_product_attention(query.reshape(batch_size, num_heads, 1, head_dim), keys, values,
                                                  attn_mask=bias.view(batch_size, num_heads, 1, -1))  # fmt: skip
