@@ -17,6 +17,8 @@ The file reads top to bottom: attention → decoder layer → cache → PreTrain
 step, then its forward) → FeedbackTransformerForCausalLM.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -204,9 +206,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if layer is not None and hasattr(layer.attention, "relative_bias"):
             index = (distance - 1).clamp(0, self.memory_span - 1)
             bias = layer.attention.relative_bias[:, index].permute(1, 0, 2)  # (B, H, W)
-        else:
-            bias = torch.zeros(visible.shape[0], 1, visible.shape[1], device=visible.device)
-        return bias.to(torch.promote_types(bias.dtype, torch.float32)).masked_fill(~visible[:, None], float("-inf"))
+            return bias.to(torch.promote_types(bias.dtype, torch.float32)).masked_fill(~visible[:, None], -math.inf)
+        return torch.where(visible[:, None], 0.0, -math.inf)  # the visibility alone, in the default float dtype
 
     def _dropout(self, states: torch.Tensor, probability: float, record: "Recording | None", key) -> torch.Tensor:
         """Dropout with an explicit mask, kept in `record` for the hand-written backward (both training paths draw
