@@ -266,6 +266,9 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 
 # The carried memory is saved as safetensors: its tensors, and a JSON tree of the objects holding them (memlm's
 # cache classes only), so that reading a checkpoint never runs pickled code.
+MEMORY_MODULES = ("memlm.modeling.", "memlm.kernels.")
+
+
 def _memory_tree(value, key: str, tensors: dict):
     if isinstance(value, torch.Tensor):
         tensors[key] = value.detach().to("cpu").contiguous().clone()  # no shared storage (safetensors refuses it)
@@ -275,9 +278,10 @@ def _memory_tree(value, key: str, tensors: dict):
     if isinstance(value, (list, tuple)):
         return {"list": [_memory_tree(item, f"{key}.{index}", tensors) for index, item in enumerate(value)]}
     kind = type(value)
-    if not kind.__module__.startswith("memlm.modeling."):
+    if not kind.__module__.startswith(MEMORY_MODULES):
         raise TypeError(f"cannot save a {kind.__module__}.{kind.__qualname__} in a checkpoint's memory")
-    fields = {name: _memory_tree(item, f"{key}.{name}", tensors) for name, item in vars(value).items()}
+    state = value.__getstate__() or {}  # a class may leave out what it can rebuild (e.g. a preallocated buffer)
+    fields = {name: _memory_tree(item, f"{key}.{name}", tensors) for name, item in state.items()}
     return {"object": f"{kind.__module__}:{kind.__qualname__}", "fields": fields}
 
 
@@ -289,7 +293,7 @@ def _memory_from_tree(tree: dict, tensors: dict, device):
     if "list" in tree:
         return [_memory_from_tree(item, tensors, device) for item in tree["list"]]
     module_name, _, class_name = tree["object"].partition(":")
-    if not module_name.startswith("memlm.modeling.") or "." in class_name:
+    if not module_name.startswith(MEMORY_MODULES) or "." in class_name:
         raise ValueError(f"a checkpoint's memory names {tree['object']!r}, which is not a memlm memory class")
     from ..modeling.memory import MemoryCache, MemoryCacheLayer
 

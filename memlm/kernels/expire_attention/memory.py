@@ -79,6 +79,10 @@ class ExpireSpanMemory:
     # when unknown. While it is >= 0 no memory is on the ramp or expired (see `decoding_slack`).
     expiry_slack: float | None = dataclasses.field(default=None, repr=False, compare=False)
 
+    def __getstate__(self) -> dict:
+        """What a copy or a checkpoint keeps: the memories, not the decoding buffer or the slack (both rebuilt)."""
+        return {name: value for name, value in vars(self).items() if name not in ("buffer", "expiry_slack")}
+
     @property
     def width(self) -> int:
         return self.positions.shape[1]
