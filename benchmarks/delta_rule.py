@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from memlm.compat import cache_keyword, output_cache
 from memlm.kernels.delta_rule import delta_rule
 
 TRAINING_LENGTHS = (512, 2048, 8192)
@@ -151,7 +152,7 @@ def forward_table(args) -> list[dict]:
 
 def decode_time_per_token(model, context: int, args) -> float:
     """Seconds per generated token: greedy steps of one token each, after a prefill of `context` tokens."""
-    steps = decode_steps(model, context, args, cache_argument="past_key_values", prefill=None)
+    steps = decode_steps(model, context, args, prefill=None)
     return median_time(steps, warmup=1, repeats=args.repeats) / args.decode_steps
 
 
@@ -230,15 +231,16 @@ def training_step(model, length: int, args):
     return step
 
 
-def decode_steps(model, context: int, args, cache_argument: str, prefill: int | None):
+def decode_steps(model, context: int, args, prefill: int | None):
     """Prefill `context` tokens (at most `prefill`), then return a function running ``args.decode_steps`` greedy
-    steps of one token each through the model's forward with its cache (`cache_argument` names it:
-    ``past_key_values``, or ``cache_params`` for 🤗 Mamba)."""
+    steps of one token each through the model's forward with its cache, under the name the installed 🤗 gives it
+    (``cache``; before 🤗 5.24 ``past_key_values``, or ``cache_params`` for 🤗 Mamba)."""
+    cache_argument = cache_keyword(model)
     with torch.no_grad():
         prompt_length = context if prefill is None else min(prefill, context)
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, model.config.vocab_size, (1, prompt_length), generator=generator)
-        cache = getattr(model(prompt, use_cache=True, logits_to_keep=1), cache_argument)
+        cache = output_cache(model(prompt, use_cache=True, logits_to_keep=1))
     token = prompt[:, -1:]
 
     def steps():
@@ -271,13 +273,7 @@ def model_table(args) -> tuple[dict, list[dict], list[dict]]:
     decode_rows = []
     for context in tqdm(args.model_decode_contexts, desc="model decode", leave=False):
         functions = {
-            name: decode_steps(
-                model,
-                context,
-                args,
-                cache_argument="cache_params" if name == "mamba" else "past_key_values",
-                prefill=args.mamba_prefill if name == "mamba" else None,
-            )
+            name: decode_steps(model, context, args, prefill=args.mamba_prefill if name == "mamba" else None)
             for name, model in models.items()
         }
         seconds = interleaved_median_times(functions, 1, args.repeats)

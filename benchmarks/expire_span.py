@@ -63,7 +63,7 @@ def training_measurement(max_span: int, expire: bool, args) -> dict:
     warmup_segments = max_span // args.segment + 2
     for _ in range(warmup_segments):  # fill the memory to its steady state (no backward needed)
         tokens = torch.randint(0, 258, (1, args.segment), generator=generator)
-        cache = model(tokens, past_key_values=cache, use_cache=True).past_key_values
+        cache = model(tokens, cache=cache, use_cache=True).cache
     entries = cache.memory_entries()
     timings = []
     rise = 0
@@ -73,11 +73,11 @@ def training_measurement(max_span: int, expire: bool, args) -> dict:
             clear.write("5")  # reset the peak resident set size (VmHWM)
         before = _resident_kib("VmRSS")
         start = time.perf_counter()
-        output = model(tokens, labels=tokens, past_key_values=cache, use_cache=True)
+        output = model(tokens, labels=tokens, cache=cache, use_cache=True)
         output.loss.backward()
         timings.append(time.perf_counter() - start)
         rise = max(rise, _resident_kib("VmHWM") - before)
-        cache = output.past_key_values
+        cache = output.cache
         model.zero_grad(set_to_none=True)
         del output
     if args.memory:
@@ -95,14 +95,14 @@ def decode_measurement(args) -> dict[str, list[dict]]:
             prompt = torch.randint(0, 258, (1, context), generator=torch.Generator().manual_seed(1))
             caches, tokens, timings = {}, {}, {name: [] for name in models}
             for name, model in models.items():
-                caches[name] = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+                caches[name] = model(prompt, use_cache=True, logits_to_keep=1).cache
                 tokens[name] = prompt[:, -1:]
             for _ in range(args.repeats):
                 for name, model in models.items():
                     token, cache = tokens[name], caches[name]
                     start = time.perf_counter()
                     for _ in range(args.decode_steps):
-                        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
                     timings[name].append((time.perf_counter() - start) / args.decode_steps)
                     tokens[name] = token
             for name in models:

@@ -24,6 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
+from memlm.compat import cache_keyword, output_cache
 
 SIZES = {"vocab_size": 258, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
          "num_attention_heads": 4}  # fmt: skip
@@ -61,15 +62,16 @@ def training_tokens_per_second(model, batch_size: int, length: int, repeats: int
 def decode_tokens_per_second(model, context: int, steps: int, repeats: int) -> tuple[float, int]:
     model.eval()
     prompt = torch.randint(0, 258, (1, context), generator=torch.Generator().manual_seed(1))
+    cache_argument = cache_keyword(model)  # `cache`, or `past_key_values` before 🤗 5.24
     with torch.no_grad():
-        cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+        cache = output_cache(model(prompt, use_cache=True, logits_to_keep=1))
 
         def run():
             nonlocal cache
             token = prompt[:, -1:]
             for _ in range(steps):
-                output = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                cache = output.past_key_values
+                output = model(token, use_cache=True, logits_to_keep=1, **{cache_argument: cache})
+                cache = output_cache(output)
                 token = output.logits[:, -1:].argmax(-1)
 
         seconds = median_seconds(run, repeats)

@@ -40,8 +40,8 @@ What is measured (all in this one run, so the ratios to Llama compare like with 
 - decoding (model trained with the first seed on the first corpus, batch 1): the context (held-out text, repeated
   as needed) is prefilled (in chunks of 1024 tokens; Mamba in one call), then `--decode-steps` greedy tokens are
   timed one forward each; tokens/s after 1K and after 16K tokens of context (`--decode-contexts`);
-- cache bytes after 16K tokens of context: the bytes of every distinct tensor storage in `past_key_values` (Mamba:
-  `cache_params`), a view counted with its whole storage since it keeps that alive; for Expire-Span it depends on
+- cache bytes after 16K tokens of context: the bytes of every distinct tensor storage in the model's `cache`
+  (`past_key_values` / Mamba's `cache_params` before 🤗 5.24), a view counted with its whole storage since it keeps that alive; for Expire-Span it depends on
   the spans the model learned;
 - peak memory of a training step (forward, backward, optimizer step) at the training sizes: the rise of the
   resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs) during one step of a freshly built
@@ -280,7 +280,7 @@ def train_model(name: str, config, train_tokens, eval_tokens, byte_lengths, args
             memory = None
         inputs, labels = stream.batch(step)
         if carry:
-            outputs = model(input_ids=inputs, past_key_values=memory, use_cache=True)
+            outputs = model(input_ids=inputs, cache=memory, use_cache=True)
         else:
             outputs = model(input_ids=inputs, use_cache=False)
         loss = language_model_loss(outputs, labels)
@@ -289,7 +289,7 @@ def train_model(name: str, config, train_tokens, eval_tokens, byte_lengths, args
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
-        memory = detach_memory(outputs.past_key_values) if carry else None
+        memory = detach_memory(outputs.cache) if carry else None
         losses.append(loss.item())
         seconds += time.perf_counter() - started
         if progress is not None:
@@ -342,12 +342,12 @@ def cache_bytes(cache) -> int:
 
 
 def forward_with_cache(model, name: str, tokens, cache):
-    """(logits, cache) of `tokens` after `cache`, through the keyword each library uses."""
-    if name == "mamba":
-        output = model(input_ids=tokens, cache_params=cache, use_cache=True, logits_to_keep=1)
-        return output.logits, output.cache_params
-    output = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return output.logits, output.past_key_values
+    """(logits, cache) of `tokens` after `cache`, through the keyword the model takes on the installed 🤗 (`cache`;
+    before 🤗 5.24 `past_key_values`, or `cache_params` for 🤗 Mamba)."""
+    from memlm.compat import cache_keyword, output_cache
+
+    output = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
+    return output.logits, output_cache(output)
 
 
 @torch.no_grad()
@@ -404,13 +404,13 @@ def training_step_memory(requests: list[dict]) -> list[dict]:
                     clear.write("5")  # reset the high-water mark VmHWM
                 before = _resident_kib("VmRSS")
             if request["carry"]:
-                outputs = model(input_ids=inputs, past_key_values=memory, use_cache=True)
+                outputs = model(input_ids=inputs, cache=memory, use_cache=True)
             else:
                 outputs = model(input_ids=inputs, use_cache=False)
             language_model_loss(outputs, inputs).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            memory = detach_memory(outputs.past_key_values) if request["carry"] else None
+            memory = detach_memory(outputs.cache) if request["carry"] else None
             del outputs
         # Linux batches its per-thread RSS counters (a few pages), so a step that allocates nothing new can read a
         # high-water mark a few KiB below `before`: that is a rise of 0.

@@ -3,7 +3,8 @@
 memlm train --preset tiny-deltanet --output-dir runs/tiny      pretrain (see memlm.training.pretrain)
 memlm finetune --model runs/tiny --output-dir runs/tuned ...    fine-tune with the 🤗 Trainer
 memlm generate runs/tiny --prompt "def "                        stream text from a saved model
-memlm info runs/tiny                                            what a checkpoint is
+memlm info runs/tiny                                            what a checkpoint is, and the versions memlm runs with
+memlm rebundle runs/tiny                                        rewrite a checkpoint's code with the installed memlm's
 memlm plot-memory runs/tiny --text "..." --output memory.png     what an Expire-Span / Feedback model remembers
 
 A bad input ends with one line `memlm: error: ...` on stderr and exit status 1; `memlm --debug COMMAND ...` (or the
@@ -127,6 +128,7 @@ def describe(path: str) -> list[str]:
     from transformers import AutoConfig
 
     import memlm  # noqa: F401
+    from memlm.configuration.validation import MEMLM_MODEL_TYPES
     from memlm.kernels import describe_backend, resolve_backend
 
     folder, _ = checkpoint_folder(path)
@@ -161,7 +163,74 @@ def describe(path: str) -> list[str]:
             lines.append(f"metrics.json: cannot be read, skipped ({_one_line(error)})")
     if (folder / "tokenizer.json").is_file():
         lines.append("tokenizer: saved beside the model")
+    if config.model_type in MEMLM_MODEL_TYPES:
+        lines.append(_describe_bundle(folder, config))
+    lines.append(f"running with: {versions()}")
     return lines
+
+
+def versions() -> str:
+    """The versions of memlm and of the packages it runs on, as installed here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    installed = []
+    for package in ("memlm", "transformers", "accelerate", "torch", "triton"):
+        try:
+            installed.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            installed.append(f"{package} not installed")
+    return ", ".join(installed)
+
+
+def _describe_bundle(folder: Path, config) -> str:
+    """Whether the code the checkpoint carries (for `trust_remote_code` without memlm) is the installed memlm's."""
+    from memlm.export import bundle_differences, bundled_modules
+
+    differing = bundle_differences(folder, bundled_modules(config))
+    if not differing:
+        return "code bundle: the installed memlm's (trust_remote_code runs this very code)"
+    return (
+        f"code bundle: differs from the installed memlm's in {len(differing)} file(s) ({', '.join(differing)}): "
+        f"written by another (older?) memlm, whose code may not run under the installed 🤗 Transformers; "
+        f"`memlm rebundle {folder}` rewrites it"
+    )
+
+
+def rebundle(argv) -> None:
+    parser = argparse.ArgumentParser(
+        prog="memlm rebundle",
+        description="Rewrite the code a checkpoint carries (what trust_remote_code runs where memlm is not installed) "
+        "with the installed memlm's, e.g. after a 🤗 Transformers release that the old code does not run under. The "
+        "weights and the config's values are left as they are.",
+    )
+    parser.add_argument("model", help="a folder written by save_pretrained")
+    folder, config_json = checkpoint_folder(parser.parse_args(argv).model)
+    from transformers import AutoConfig
+
+    from memlm.configuration.validation import MEMLM_MODEL_TYPES
+    from memlm.export import bundle_auto_map, bundle_differences, bundled_modules, write_bundle
+
+    if config_json["model_type"] not in MEMLM_MODEL_TYPES:
+        raise ValueError(
+            f"{folder} holds a {config_json['model_type']!r} model, not one of memlm's; it carries no memlm code."
+        )
+    config = AutoConfig.from_pretrained(folder)
+    modules = bundled_modules(config)
+    differing = bundle_differences(folder, modules)
+    write_bundle(folder, modules)
+    # auto_map names the bundled classes: set as save_pretrained sets it, leaving the rest of config.json as it is.
+    keys = [
+        key for key in ("AutoConfig", "AutoModel", "AutoModelForCausalLM") if key in config_json.get("auto_map", {})
+    ]
+    auto_map = bundle_auto_map(config, keys or ["AutoConfig", "AutoModel", "AutoModelForCausalLM"])
+    if config_json.get("auto_map") != auto_map:
+        config_json["auto_map"] = auto_map
+        (folder / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        differing.append("config.json (auto_map)")
+    if differing:
+        print(f"{folder}: rewrote {', '.join(differing)} with the code of {versions().split(', ')[0]}.")
+    else:
+        print(f"{folder}: the code bundle was already the installed memlm's; nothing changed.")
 
 
 def _describe_metrics(metrics) -> list[str]:
@@ -264,6 +333,8 @@ def run(command: str, rest: list[str]) -> None:
         generate(rest)
     elif command == "plot-memory":
         plot_memory(rest)
+    elif command == "rebundle":
+        rebundle(rest)
     else:
         parser = argparse.ArgumentParser(prog="memlm info", description="Describe a saved checkpoint.")
         parser.add_argument("model")
@@ -275,7 +346,7 @@ def main(argv=None) -> None:
     debug = os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0")
     if argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
-    commands = ("train", "finetune", "generate", "info", "plot-memory")
+    commands = ("train", "finetune", "generate", "info", "rebundle", "plot-memory")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

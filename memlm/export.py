@@ -103,6 +103,54 @@ def bundle_sources(module_names: list[str]) -> dict[str, str]:
     return files
 
 
+def write_bundle(directory: str | os.PathLike, module_names: list[str]) -> list[str]:
+    """Write the flat bundle of `module_names` into `directory` and delete the bundled helper files (`memlm_*.py`) of
+    an earlier bundle that this one no longer has. Returns the names of the files written."""
+    directory = Path(directory)
+    files = bundle_sources(module_names)
+    for name, source in files.items():
+        (directory / name).write_text(source, encoding="utf-8")
+    for stale in directory.glob(BUNDLE_PREFIX + "*.py"):
+        if stale.name not in files:
+            stale.unlink()
+    return sorted(files)
+
+
+def bundle_differences(directory: str | os.PathLike, module_names: list[str]) -> list[str]:
+    """The files of the bundle that are missing from `directory`, differ from what the installed memlm writes, or
+    were left by another memlm (an earlier bundle's helper files). Empty when the folder's code is current."""
+    directory = Path(directory)
+    files = bundle_sources(module_names)
+    differing = [
+        name
+        for name, source in files.items()
+        if not (directory / name).is_file() or (directory / name).read_text(encoding="utf-8") != source
+    ]
+    differing += [stale.name for stale in directory.glob(BUNDLE_PREFIX + "*.py") if stale.name not in files]
+    return sorted(differing)
+
+
+def bundled_modules(config) -> list[str]:
+    """The memlm modules whose code a checkpoint of `config` carries: its model's and its configuration's."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    return [model_class.__module__, type(config).__module__]
+
+
+def bundle_auto_map(config, keys) -> dict[str, str]:
+    """`auto_map` entries (among `keys`: AutoConfig, AutoModel, AutoModelForCausalLM) naming memlm's registered
+    classes for `config` in the flat bundle, as `save_pretrained` writes them."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    classes = {
+        "AutoConfig": type(config),
+        "AutoModel": AutoModel._model_mapping[type(config)],
+        "AutoModelForCausalLM": AutoModelForCausalLM._model_mapping[type(config)],
+    }
+    return {key: f"{flat_module_name(classes[key].__module__)}.{classes[key].__name__}" for key in keys}
+
+
 def is_bundled() -> bool:
     """True when this code runs from a flat bundle (remote code) rather than from the memlm package."""
     return not __name__.startswith(PACKAGE + ".")
@@ -132,8 +180,7 @@ class RemoteCodeMixin:
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             directory = Path(save_directory)
-            for name, source in bundle_sources([model_module, config_module]).items():
-                (directory / name).write_text(source, encoding="utf-8")
+            write_bundle(directory, [model_module, config_module])
             self.write_model_card(directory)
         return result
 

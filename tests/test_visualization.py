@@ -66,7 +66,7 @@ def test_the_span_picture_of_a_short_text_is_whole(tmp_path, layers, text, width
     from PIL import Image
 
     plot_expire_spans(_expire_span_model(layers), byte_level_tokenizer(), text, tmp_path / "spans.png", width=width)
-    pixels = torch.tensor(list(Image.open(tmp_path / "spans.png").convert("L").getdata()))
+    pixels = torch.tensor(list(Image.open(tmp_path / "spans.png").convert("L").tobytes()))  # one byte per pixel
     picture_width, picture_height = Image.open(tmp_path / "spans.png").size
     pixels = pixels.view(picture_height, picture_width)
     frame = torch.cat([pixels[:2].flatten(), pixels[-2:].flatten(), pixels[:, :2].flatten(), pixels[:, -2:].flatten()])

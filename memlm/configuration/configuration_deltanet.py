@@ -105,12 +105,13 @@ class DeltaNetConfig(PreTrainedConfig):
         hidden_dropout (`float`): dropout on the output of each token mixer and MLP before the residual sum.
         rms_norm_eps (`float`): epsilon of every RMSNorm.
         initializer_range (`float`): standard deviation of the normal initialisation of linear and embedding weights.
-        use_cache (`bool`): return the memory (`DeltaNetCache`) as `past_key_values`.
+        use_cache (`bool`): return the memory (`DeltaNetCache`) as `cache`.
         tie_word_embeddings (`bool`): share the input embedding and the LM head.
     """
 
     model_type = "memlm_deltanet"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # The memory, under its name from 🤗 Transformers 5.24 and before.
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
     vocab_size: int = 32000
     hidden_size: int = 768

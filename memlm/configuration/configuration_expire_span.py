@@ -59,7 +59,9 @@ class ExpireSpanConfig(PreTrainedConfig):
     """
 
     model_type = "memlm_expire_span"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # What Trainer.predict leaves out of the predictions (the logits): the memory, under its name from 🤗 Transformers
+    # 5.24 and before, and the per-batch figures of the span loss and memory size.
+    keys_to_ignore_at_inference = ["cache", "past_key_values", "lm_loss", "span_loss", "memory_size", "spans"]
 
     vocab_size: int = 32000
     hidden_size: int = 512

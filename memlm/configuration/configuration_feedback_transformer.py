@@ -48,7 +48,8 @@ class FeedbackTransformerConfig(PreTrainedConfig):
     """
 
     model_type = "memlm_feedback_transformer"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # The memory, under its name from 🤗 Transformers 5.24 and before.
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
     vocab_size: int = 32000
     hidden_size: int = 512

@@ -1,8 +1,10 @@
 """What memlm's models share around their memories: checking the inputs, the padding mask, and the base of the
-cache classes that carry each model's memory in `past_key_values` (SPEC §4)."""
+cache classes that carry each model's memory (`cache`, SPEC §4)."""
 
 import torch
 from transformers.cache_utils import Cache
+
+from ..compat import CacheNameGeneration
 
 # Keyword arguments that 🤗 `generate`, `Trainer` and the loss pass to `forward`; anything else is a mistake worth an
 # error rather than an option silently swallowed.
@@ -147,9 +149,9 @@ class MemoryCacheLayer:
 
 
 class MemoryCache(Cache):
-    """Base of memlm's `past_key_values`: one `MemoryCacheLayer` per model layer, written by the layers themselves
-    (not through `update`). `generate` counts tokens through `get_seq_length`, which a 🤗 cache made only of
-    linear-attention layers cannot answer, hence this base."""
+    """Base of memlm's caches (the `cache` argument of the models): one `MemoryCacheLayer` per model layer, written by
+    the layers themselves (not through `update`). `generate` counts tokens through `get_seq_length`, which a 🤗 cache
+    made only of linear-attention layers cannot answer, hence this base."""
 
     layer_class: type[MemoryCacheLayer] = MemoryCacheLayer
 
@@ -284,26 +286,25 @@ def refuse_packed_documents(position_ids, valid, batch_size: int, length: int, o
         )
 
 
-class CountsOwnPositions:
+class CountsOwnPositions(CacheNameGeneration):
     """For the ForCausalLM classes, before `GenerationMixin`: `generate` passes no position_ids. The models count
     positions from the attention mask and their cache; 🤗's position_ids for the tokens after a right-padded prompt
-    repeat the prompt's positions."""
+    repeat the prompt's positions. (`generate(cache=...)` works on every 🤗 release: `CacheNameGeneration`.)"""
 
-    # The signature is 🤗's, spelled out: `generate` reads it (e.g. to allow inputs_embeds).
+    # The signature is 🤗's, spelled out (`generate` reads it, e.g. to allow inputs_embeds), except the memory: it
+    # passes through `kwargs` under the name the installed 🤗 gives it (`cache`, or `past_key_values` before 5.24).
     def prepare_inputs_for_generation(
         self,
         input_ids: torch.LongTensor,
         next_sequence_length: int | None = None,
-        past_key_values: Cache | None = None,
         attention_mask: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         is_first_iteration: bool | None = False,
         **kwargs,
     ):
         model_inputs = super().prepare_inputs_for_generation(
-            input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
-            attention_mask=attention_mask, inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration,
-            **kwargs,
+            input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
         )  # fmt: skip
         model_inputs.pop("position_ids", None)
         return model_inputs

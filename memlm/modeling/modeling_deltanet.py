@@ -7,7 +7,7 @@ step t, with the fast-weight matrix S_t (d_k × d_v), SPEC §1 / paper Eqs. 23-2
     S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ,       o_t = S_tᵀ q_t
 
 The file reads top to bottom: small blocks (short convolution, feature map; norm and MLP in layers.py) → the fast-weight attention
-→ the decoder layer → the cache (`past_key_values`) → PreTrainedModel → DeltaNetModel → DeltaNetForCausalLM.
+→ the decoder layer → the cache (`cache`) → PreTrainedModel → DeltaNetModel → DeltaNetForCausalLM.
 """
 
 import math
@@ -18,10 +18,10 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import logging
 
+from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
 from ..kernels import describe_backend, resolve_backend
@@ -350,7 +350,7 @@ class DeltaNetCacheLayer(MemoryCacheLayer):
 
 
 class DeltaNetCache(MemoryCache):
-    """`past_key_values` of DeltaNet: per layer the fast weights, the short-convolution tail and the step count.
+    """The cache of DeltaNet: per layer the fast weights, the short-convolution tail and the step count.
     Memory is O(1) in the context length. Supports beam search (`reorder_cache`), `num_return_sequences`
     (`batch_repeat_interleave`) and batch selection (`batch_select_indices`)."""
 
@@ -363,7 +363,7 @@ class DeltaNetPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeltaNetDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = CACHE_NAMES
     _can_compile_fullgraph = False
     _supports_sdpa = False
     _supports_flash_attn = False
@@ -415,22 +415,25 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: DeltaNetCache | None = None,
+        cache: DeltaNetCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: DeltaNetCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast | tuple:
         r"""
         position_ids: DeltaNet has no positional encoding (the order is in the recurrence). Where they restart inside
             a row (documents packed back to back, as 🤗's DataCollatorWithFlattening builds them), each document
             starts from an empty memory; otherwise they are not used (🤗 `generate` passes them).
-        past_key_values: a `DeltaNetCache` carrying each layer's fast weights from earlier tokens.
+        cache: a `DeltaNetCache` carrying each layer's fast weights from earlier tokens (`past_key_values` is its
+            name before 🤗 Transformers 5.24, still accepted).
         attention_mask: (B, T) or (B, past + T); positions with 0 are padding, anywhere in a row: they are skipped
             (see `PaddingPacker`), so each row's real tokens give what they give alone.
         """
         check_extra_kwargs(kwargs, type(self).__name__)
+        cache = resolve_cache_argument(cache, past_key_values, type(self).__name__)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -439,25 +442,25 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
         batch_size, length = inputs_embeds.shape[:2]
 
-        if past_key_values is not None and not isinstance(past_key_values, DeltaNetCache):
+        if cache is not None and not isinstance(cache, DeltaNetCache):
             raise TypeError(
-                f"DeltaNet keeps its memory in a DeltaNetCache; got past_key_values of type "
-                f"{type(past_key_values).__name__}. Pass None (a cache is created) or the DeltaNetCache a previous "
+                f"DeltaNet keeps its memory in a DeltaNetCache; got a cache of type "
+                f"{type(cache).__name__}. Pass None (a cache is created) or the DeltaNetCache a previous "
                 "call returned."
             )
-        if use_cache and past_key_values is None:
-            past_key_values = DeltaNetCache(self.config)
+        if use_cache and cache is None:
+            cache = DeltaNetCache(self.config)
         past_length = 0
-        if past_key_values is not None:
-            past_key_values.check_against(self.config, batch_size)
-            past_length = past_key_values.get_seq_length()
+        if cache is not None:
+            cache.check_against(self.config, batch_size)
+            past_length = cache.get_seq_length()
         attention_mask = current_padding_mask(attention_mask, batch_size, length, past_length)
         starts = document_starts(position_ids, attention_mask, batch_size, length, kwargs)
         if starts is not None and past_length > 0:
             raise ValueError(
                 "A row holds packed documents (position_ids restarting at 0, seq_idx or cu_seq_lens), which each "
                 "start from an empty memory; they "
-                f"cannot continue a cache that has seen {past_length} tokens. Pass them without past_key_values."
+                f"cannot continue a cache that has seen {past_length} tokens. Pass them without a cache."
             )
         padding = None
         # Whether a mask holds padding reads it, which torch.compile cannot trace: compiled, any mask runs the padded
@@ -479,7 +482,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         hidden_states = inputs_embeds if padding is None else padding.gather(inputs_embeds)
         all_hidden_states = (inputs_embeds,) if output_hidden_states else None
         for layer_idx, decoder_layer in enumerate(self.layers):
-            cache_layer = past_key_values.layers[layer_idx] if past_key_values is not None else None
+            cache_layer = cache.layers[layer_idx] if cache is not None else None
             hidden_states, fast_weights, convolution_tail = decoder_layer(
                 hidden_states,
                 attention_mask=None if padding is None else padding.attention_mask,
@@ -511,7 +514,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **with_cache(cache if use_cache else None),
             hidden_states=all_hidden_states,
         )
         return output if return_dict else output.to_tuple()
@@ -532,13 +535,14 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, Generatio
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: DeltaNetCache | None = None,
+        cache: DeltaNetCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: DeltaNetCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         r"""
@@ -555,11 +559,12 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, Generatio
         >>> output = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False)
         ```"""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        cache = resolve_cache_argument(cache, past_key_values, type(self).__name__)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -574,7 +579,7 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, Generatio
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **with_cache(outputs.cache),
             hidden_states=outputs.hidden_states,
         )
         return output if return_dict else output.to_tuple()

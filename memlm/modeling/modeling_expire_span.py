@@ -5,7 +5,7 @@ Forget by Expiring". Every memory h_i of a layer gets a span e_i = L·σ(w·h_i/
 through the soft mask m_ti = clamp(1 + (e_i − (t − i))/R, 0, 1) (Eq. 5), renormalised over the memories (Eq. 4),
 which is attention with the additive bias log m_ti. A memory with m = 0 never comes back and is deleted.
 
-The file reads top to bottom: outputs → span predictor → attention → decoder layer → the cache (`past_key_values`) →
+The file reads top to bottom: outputs → span predictor → attention → decoder layer → the cache (`cache`) →
 PreTrainedModel → ExpireSpanModel → ExpireSpanForCausalLM. The machinery around the model lives in
 `memlm.kernels.expire_attention`: the attention itself, the memories of a layer with their pruning (`memory.py`) and
 the block-parallel forward (`blocks.py`).
@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.utils import ModelOutput, logging
+from transformers.utils import logging
 
+from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels.expire_attention import expire_span_attention
@@ -51,36 +51,31 @@ logger = logging.get_logger(__name__)
 
 
 @dataclass
-class ExpireSpanModelOutput(ModelOutput):
+class ExpireSpanModelOutput(BaseModelOutputWithPast):
     """
     last_hidden_state: (B, T, D) after the final norm.
-    past_key_values: the `ExpireSpanCache` with each layer's unexpired memories.
+    cache: the `ExpireSpanCache` with each layer's unexpired memories (the field is `past_key_values` under 🤗
+        Transformers before 5.24, where `.cache` reads it too).
     hidden_states: embeddings and each layer's output, when `output_hidden_states`.
+    attentions: always None (Expire-Span does not return attention weights).
     spans: per layer, the span e_t (B, T) predicted for each input token, when `output_spans`.
     span_loss: the auxiliary loss α·Σ e_i / T computed on the ramp (SPEC §2), summed over layers.
     memory_size: mean number of memories each query attended to (m > 0), over queries and layers.
     """
 
-    last_hidden_state: torch.FloatTensor | None = None
-    past_key_values: Cache | None = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
     spans: tuple[torch.FloatTensor, ...] | None = None
     span_loss: torch.FloatTensor | None = None
     memory_size: torch.FloatTensor | None = None
 
 
 @dataclass
-class ExpireSpanCausalLMOutput(ModelOutput):
+class ExpireSpanCausalLMOutput(CausalLMOutputWithPast):
     """
     loss: in training mode `lm_loss + span_loss`; in eval mode `lm_loss`.
     lm_loss: next-token cross-entropy.
     Other fields as in `ExpireSpanModelOutput`, plus the logits.
     """
 
-    loss: torch.FloatTensor | None = None
-    logits: torch.FloatTensor | None = None
-    past_key_values: Cache | None = None
-    hidden_states: tuple[torch.FloatTensor, ...] | None = None
     spans: tuple[torch.FloatTensor, ...] | None = None
     lm_loss: torch.FloatTensor | None = None
     span_loss: torch.FloatTensor | None = None
@@ -251,7 +246,7 @@ class ExpireSpanCacheLayer(MemoryCacheLayer):
 
 
 class ExpireSpanCache(MemoryCache):
-    """`past_key_values` of Expire-Span: per layer the keys, values, spans and positions of the unexpired memories,
+    """The cache of Expire-Span: per layer the keys, values, spans and positions of the unexpired memories,
     in a padded layout compacted as memories expire (rows of a batch expire at different rates; decoding compacts
     lazily, once dead slots fill a fraction of the layout), and per row the
     position of the next real token. Supports beam search, `num_return_sequences` and batch selection."""
@@ -273,7 +268,7 @@ class ExpireSpanPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ExpireSpanDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = CACHE_NAMES
     _can_compile_fullgraph = False
     _supports_sdpa = True
     # Expired memories are deleted and cannot be brought back, so assisted decoding (which rolls back) is refused.
@@ -319,22 +314,25 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: ExpireSpanCache | None = None,
+        cache: ExpireSpanCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_spans: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: ExpireSpanCache | None = None,
         **kwargs,
     ) -> ExpireSpanModelOutput | tuple:
         r"""
         attention_mask: (B, T) or (B, past + T) padding mask; padded tokens never become memories and do not advance
             the positions.
         position_ids: absolute positions of the tokens; by default counted from the first real token of each row.
-        past_key_values: an `ExpireSpanCache` with the memories of earlier tokens.
+        cache: an `ExpireSpanCache` with the memories of earlier tokens (`past_key_values` is its name before 🤗
+            Transformers 5.24, still accepted).
         output_spans: also return, per layer, the span e_t predicted for each input token.
         """
         check_extra_kwargs(kwargs, type(self).__name__)
+        cache = resolve_cache_argument(cache, past_key_values, type(self).__name__)
         config = self.config
         use_cache = use_cache if use_cache is not None else config.use_cache
         output_hidden_states = (
@@ -345,18 +343,18 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         batch_size, length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
-        if past_key_values is not None and not isinstance(past_key_values, ExpireSpanCache):
+        if cache is not None and not isinstance(cache, ExpireSpanCache):
             raise TypeError(
-                "Expire-Span keeps its memories in an ExpireSpanCache; got past_key_values of type "
-                f"{type(past_key_values).__name__}. Pass None (a cache is created) or the ExpireSpanCache a previous "
+                "Expire-Span keeps its memories in an ExpireSpanCache; got a cache of type "
+                f"{type(cache).__name__}. Pass None (a cache is created) or the ExpireSpanCache a previous "
                 "call returned."
             )
-        if use_cache and past_key_values is None:
-            past_key_values = ExpireSpanCache(config)
+        if use_cache and cache is None:
+            cache = ExpireSpanCache(config)
         past_length = 0
-        if past_key_values is not None:
-            past_key_values.check_against(config, batch_size)
-            past_length = past_key_values.get_seq_length()
+        if cache is not None:
+            cache.check_against(config, batch_size)
+            past_length = cache.get_seq_length()
         token_valid = current_padding_mask(attention_mask, batch_size, length, past_length)
         if token_valid is None:
             token_valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
@@ -364,8 +362,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             inputs_embeds = zero_padding(inputs_embeds, token_valid)
 
         start_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
-        if past_key_values is not None and past_key_values.next_positions is not None:
-            start_positions = past_key_values.next_positions.to(device)
+        if cache is not None and cache.next_positions is not None:
+            start_positions = cache.next_positions.to(device)
         if position_ids is None:
             positions = start_positions[:, None] + token_valid.long().cumsum(1) - 1
         else:
@@ -382,8 +380,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             max_distance = drawn if max_distance is None else min(max_distance, drawn)
 
         memories = [
-            past_key_values.layers[index].memory if past_key_values is not None else None
-            for index in range(config.num_hidden_layers)
+            cache.layers[index].memory if cache is not None else None for index in range(config.num_hidden_layers)
         ]
         keep_span_inputs = self.training and torch.is_grad_enabled() and config.expire_memories
         blocks = split_into_blocks(positions, token_valid, config.block_size, self.rotary_emb)
@@ -404,7 +401,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             if output_spans and layer_spans:
                 all_spans.append(torch.cat(layer_spans, dim=1))
 
-        if torch.compiler.is_compiling() and past_key_values is not None:
+        if torch.compiler.is_compiling() and cache is not None:
             # Compiled, the layers masked their dead memories instead of deleting them (`prune`): delete them now,
             # with one read of every layer's width.
             widths = torch.stack([memory.valid.sum(1).amax() for memory in memories]).tolist()
@@ -421,14 +418,14 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         span_loss = config.span_loss_coefficient * span_loss_sum / queries
         memory_size = read_count.float() / (queries * config.num_hidden_layers)
 
-        if past_key_values is not None:
-            for index, layer in enumerate(past_key_values.layers):
+        if cache is not None:
+            for index, layer in enumerate(cache.layers):
                 layer.memory = memories[index]
                 layer.seen_tokens += length
-            past_key_values.next_positions = start_positions + token_valid.sum(1)
+            cache.next_positions = start_positions + token_valid.sum(1)
         output = ExpireSpanModelOutput(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **with_cache(cache if use_cache else None),
             hidden_states=hidden_states_out,
             spans=spans_out,
             span_loss=span_loss,
@@ -452,7 +449,7 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: ExpireSpanCache | None = None,
+        cache: ExpireSpanCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -460,6 +457,7 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
         output_spans: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: ExpireSpanCache | None = None,
         **kwargs,
     ) -> ExpireSpanCausalLMOutput | tuple:
         r"""
@@ -468,9 +466,10 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
         logits_to_keep: an int keeps the last that many positions (0 keeps all); a tensor selects positions.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        cache = resolve_cache_argument(cache, past_key_values, type(self).__name__)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_hidden_states=output_hidden_states, output_spans=output_spans, return_dict=True, **kwargs,
         )  # fmt: skip
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
@@ -479,7 +478,7 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
         if lm_loss is not None and self.training:
             loss = lm_loss + outputs.span_loss.to(lm_loss.dtype)
         output = ExpireSpanCausalLMOutput(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+            loss=loss, logits=logits, **with_cache(outputs.cache), hidden_states=outputs.hidden_states,
             spans=outputs.spans, lm_loss=lm_loss, span_loss=outputs.span_loss, memory_size=outputs.memory_size,
         )  # fmt: skip
         return output if return_dict else output.to_tuple()

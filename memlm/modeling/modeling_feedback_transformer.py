@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
+from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
@@ -116,7 +116,7 @@ class FeedbackCacheLayer(MemoryCacheLayer):
 
 
 class FeedbackCache(MemoryCache):
-    """`past_key_values` of the Feedback Transformer: the keys and values of the last τ memories, one set for all
+    """The cache of the Feedback Transformer: the keys and values of the last τ memories, one set for all
     layers when the projections are shared (a standard Transformer caches L sets), plus per row the position of the
     next real token. Supports beam search, `num_return_sequences` and batch selection."""
 
@@ -142,7 +142,7 @@ class FeedbackTransformerPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     # Every time step runs every layer (the memory feeds back from the top), reading their weights directly rather
     # than through each layer's forward: the whole stack is one unit for FSDP wrapping and device maps.
     _no_split_modules = ["FeedbackTransformerModel"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = CACHE_NAMES
     _can_compile_fullgraph = False
     # The ring buffer overwrites its oldest memories, so assisted decoding (which rolls back) is refused.
     _is_stateful = True
@@ -305,11 +305,12 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: FeedbackCache | None = None,
+        cache: FeedbackCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: FeedbackCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast | tuple:
         r"""
@@ -317,9 +318,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             into the memory and does not advance the positions, so each row's real tokens give what they give alone.
             (Rows run with their padding moved first, a stable reordering undone on the outputs.)
         position_ids: accepted for 🤗 `generate`; positions are counted from each row's first real token.
-        past_key_values: a `FeedbackCache` with the keys and values of the last τ memories.
+        cache: a `FeedbackCache` with the keys and values of the last τ memories (`past_key_values` is its name
+            before 🤗 Transformers 5.24, still accepted).
         """
         check_extra_kwargs(kwargs, type(self).__name__)
+        cache = resolve_cache_argument(cache, past_key_values, type(self).__name__)
         config = self.config
         use_cache = use_cache if use_cache is not None else config.use_cache
         output_hidden_states = (
@@ -330,13 +333,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         batch_size, length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
-        if past_key_values is not None and not isinstance(past_key_values, FeedbackCache):
+        if cache is not None and not isinstance(cache, FeedbackCache):
             raise TypeError(
-                "The Feedback Transformer keeps its memory in a FeedbackCache; got past_key_values of type "
-                f"{type(past_key_values).__name__}. Pass None (a cache is created) or the FeedbackCache a previous "
+                "The Feedback Transformer keeps its memory in a FeedbackCache; got a cache of type "
+                f"{type(cache).__name__}. Pass None (a cache is created) or the FeedbackCache a previous "
                 "call returned."
             )
-        cache = past_key_values if past_key_values is not None else FeedbackCache(config)
+        cache = cache if cache is not None else FeedbackCache(config)
         cache.check_against(config, batch_size)
         past_length = cache.get_seq_length()
         valid = current_padding_mask(attention_mask, batch_size, length, past_length)
@@ -399,7 +402,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             hidden_states_out = (given_embeds, *layer_states, hidden_states)
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=cache if use_cache else None,
+            **with_cache(cache if use_cache else None),
             hidden_states=hidden_states_out,
         )
         return output if return_dict else output.to_tuple()
@@ -420,13 +423,14 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: FeedbackCache | None = None,
+        cache: FeedbackCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: FeedbackCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         r"""
@@ -434,15 +438,16 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
         logits_to_keep: an int keeps the last that many positions (0 keeps all); a tensor selects positions.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        cache = resolve_cache_argument(cache, past_key_values, type(self).__name__)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
         )  # fmt: skip
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = causal_lm_loss(self, logits, labels, kwargs)
         output = CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            loss=loss, logits=logits, **with_cache(outputs.cache), hidden_states=outputs.hidden_states
         )
         return output if return_dict else output.to_tuple()
 

@@ -236,8 +236,8 @@ def evaluate(model, tokens: torch.Tensor, length: int, rows: int, byte_lengths: 
     for start in range(0, stream_length - 1, length):
         window = streams[:, start : start + length + 1]
         inputs, targets = window[:, :-1], window[:, 1:]
-        outputs = model(input_ids=inputs, past_key_values=memory, use_cache=True)
-        memory = outputs.past_key_values
+        outputs = model(input_ids=inputs, cache=memory, use_cache=True)
+        memory = outputs.cache
         logits = outputs.logits.float()
         total_nats += F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
@@ -732,10 +732,10 @@ def _train(arguments, accelerator, documents: list[str], settings: dict) -> dict
             last = micro == arguments.gradient_accumulation_steps - 1
             with accelerator.no_sync(model) if not last else contextlib.nullcontext():
                 with accelerator.autocast():  # the forward only: backward runs outside autocast
-                    outputs = model(input_ids=inputs, past_key_values=memory, use_cache=carry)
+                    outputs = model(input_ids=inputs, cache=memory, use_cache=carry)
                     loss = language_model_loss(outputs, labels)
                 accelerator.backward(loss / arguments.gradient_accumulation_steps)
-            memory = detach_memory(outputs.past_key_values) if carry else None
+            memory = detach_memory(outputs.cache) if carry else None
             total += loss.item() / arguments.gradient_accumulation_steps
         gradient_norm = accelerator.clip_grad_norm_(model.parameters(), arguments.max_grad_norm)
         # The mean over processes: the loss of the global batch, as a single process would log it.

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
+from memlm.compat import activation_checkpointing_enable
 from memlm.kernels.feedback import feedback_recurrence, through_time
 from memlm.kernels.feedback.tape import _RingStore
 from memlm.modeling.modeling_feedback_transformer import FeedbackCacheLayer
@@ -96,11 +97,11 @@ def test_padded_training_with_a_carried_memory_equals_the_reference(variant, kee
     mask = torch.cat([padding_mask("right", (9, 5, 3), 12)[:2], padding_mask("between", (9, 5, 3), 12)[2:]])
     input_ids = torch.randint(0, 256, mask.shape).masked_fill(mask == 0, 257)
     with torch.no_grad():
-        carried = model(torch.randint(0, 256, (3, 4)), use_cache=True).past_key_values
+        carried = model(torch.randint(0, 256, (3, 4)), use_cache=True).cache
     results = {}
     for backend in ("torch", "reference"):
         inputs = {"input_ids": input_ids, "attention_mask": torch.cat([torch.ones(3, 4, dtype=torch.long), mask], 1),
-                  "labels": input_ids.masked_fill(mask == 0, -100), "past_key_values": copy.deepcopy(carried),
+                  "labels": input_ids.masked_fill(mask == 0, -100), "cache": copy.deepcopy(carried),
                   "output_hidden_states": keep_states}  # fmt: skip
         by_hand = backend == "torch" and not keep_states
         results[backend] = _loss_and_gradients(model, backend, monkeypatch, by_hand, **inputs)
@@ -111,16 +112,16 @@ def test_padded_training_with_a_carried_memory_equals_the_reference(variant, kee
 def test_hand_written_backward_with_checkpointing_a_carried_memory_and_frozen_weights(variant, monkeypatch):
     monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 4)
     model = _model(variant).train()
-    model.activation_checkpointing_enable()
+    activation_checkpointing_enable(model)
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
     first, second = torch.randint(0, 256, (2, 7)), torch.randint(0, 256, (2, 9))
     with torch.no_grad():
-        carried = model(first, use_cache=True).past_key_values  # a training forward leaves its window in the cache
+        carried = model(first, use_cache=True).cache  # a training forward leaves its window in the cache
     results = {}
     for backend in ("torch", "reference"):
         cache = copy.deepcopy(carried)
         results[backend] = _loss_and_gradients(model, backend, monkeypatch, input_ids=second, labels=second,
-                                               past_key_values=cache)  # fmt: skip
+                                               cache=cache)  # fmt: skip
         assert cache.get_seq_length() == 16
     assert "model.layers.1.mlp.up_proj.weight" not in results["torch"][1]
     torch.testing.assert_close(results["torch"][0], results["reference"][0], atol=1e-6, rtol=1e-6)
@@ -141,11 +142,11 @@ def test_ring_equals_the_reference_in_prefill_and_decoding(variant, monkeypatch)
         monkeypatch.setenv("MEMLM_KERNELS", first)
         with torch.no_grad():
             output = model(input_ids, attention_mask=mask, use_cache=True)
-            logits, cache, attention_mask = [output.logits * mask[..., None]], output.past_key_values, mask
+            logits, cache, attention_mask = [output.logits * mask[..., None]], output.cache, mask
             monkeypatch.setenv("MEMLM_KERNELS", then)
             for t in range(following.shape[1]):
                 attention_mask = torch.cat([attention_mask, torch.ones(3, 1, dtype=torch.long)], 1)
-                output = model(following[:, t : t + 1], attention_mask=attention_mask, past_key_values=cache)
+                output = model(following[:, t : t + 1], attention_mask=attention_mask, cache=cache)
                 logits.append(output.logits)
         return torch.cat(logits, 1)
 

@@ -36,22 +36,22 @@ def check_rows_alone(model, mask, pad_token_id: int, prefix_length: int, followi
     full_mask = torch.cat([torch.ones_like(prefix), mask], 1)
     batch_snapshot, row_snapshots = None, []
     with torch.enable_grad() if training else torch.no_grad():
-        cache = model(prefix, use_cache=True).past_key_values
-        padded = model(tokens, attention_mask=full_mask, past_key_values=cache, use_cache=True)
+        cache = model(prefix, use_cache=True).cache
+        padded = model(tokens, attention_mask=full_mask, cache=cache, use_cache=True)
         if snapshot is not None:
-            batch_snapshot = snapshot(padded.past_key_values)
+            batch_snapshot = snapshot(padded.cache)
         continued = model(following, attention_mask=torch.cat([full_mask, torch.ones_like(following)], 1),
-                          past_key_values=padded.past_key_values, use_cache=True)  # fmt: skip
+                          cache=padded.cache, use_cache=True)  # fmt: skip
         if before_alone is not None:
             before_alone()
         for row in range(rows):
             alone = model(prefix[row : row + 1], use_cache=True)
             real = tokens[row, mask[row].bool()][None]
             if real.shape[1]:
-                alone = model(real, past_key_values=alone.past_key_values, use_cache=True)
+                alone = model(real, cache=alone.cache, use_cache=True)
                 torch.testing.assert_close(padded.logits[row, mask[row].bool()], alone.logits[0], atol=1e-4, rtol=0)
             if snapshot is not None:
-                row_snapshots.append(snapshot(alone.past_key_values))
-            alone_next = model(following[row : row + 1], past_key_values=alone.past_key_values, use_cache=True)
+                row_snapshots.append(snapshot(alone.cache))
+            alone_next = model(following[row : row + 1], cache=alone.cache, use_cache=True)
             torch.testing.assert_close(continued.logits[row], alone_next.logits[0], atol=1e-4, rtol=0)
     return batch_snapshot, row_snapshots

@@ -67,7 +67,7 @@ def test_half_precision_is_close_to_float32(name, dtype):
         half = copy.deepcopy(model).to(dtype)
         logits = half(input_ids).logits
         prefill = half(input_ids[:, :6], use_cache=True)
-        step = half(input_ids[:, 6:7], past_key_values=prefill.past_key_values)
+        step = half(input_ids[:, 6:7], cache=prefill.cache)
     assert logits.dtype == dtype and step.logits.dtype == dtype
     assert (logits.float() - reference).norm() / reference.norm() < 0.05
     assert torch.isfinite(step.logits).all()
@@ -122,12 +122,12 @@ def test_cache_reorder_repeat_and_select(name):
         (lambda cache: cache.batch_select_indices(torch.tensor([1])), prompt[1:2], follow[1:2]),
     ]
     with torch.no_grad():
-        cache = model(prompt, use_cache=True).past_key_values
+        cache = model(prompt, use_cache=True).cache
         for change, prompts, following in cases:
             changed = copy.deepcopy(cache)
             change(changed)
             expected = model(torch.cat([prompts, following], 1)).logits[:, -1:]
-            torch.testing.assert_close(model(following, past_key_values=changed).logits, expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(model(following, cache=changed).logits, expected, atol=1e-4, rtol=0)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.next_positions is None
 

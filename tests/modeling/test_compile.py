@@ -24,10 +24,10 @@ def _breaks(model, mask) -> tuple[list[str], list[str]]:
     with torch.no_grad():
         torch._dynamo.reset()
         forward = torch._dynamo.explain(model)(input_ids=input_ids, attention_mask=mask, use_cache=True)
-        cache = model(input_ids, attention_mask=mask, use_cache=True).past_key_values
+        cache = model(input_ids, attention_mask=mask, use_cache=True).cache
         torch._dynamo.reset()
         step = torch._dynamo.explain(model)(
-            input_ids=input_ids[:, :1], attention_mask=step_mask, past_key_values=cache, use_cache=True
+            input_ids=input_ids[:, :1], attention_mask=step_mask, cache=cache, use_cache=True
         )
         torch._dynamo.reset()
     for explained in (forward, step):

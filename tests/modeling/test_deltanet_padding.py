@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from memlm import DeltaNetForCausalLM
+from memlm.compat import activation_checkpointing_enable
 from memlm.kernels import triton_available
 from memlm.modeling.modeling_deltanet import DeltaNetShortConvolution
 from tests.conftest import DELTANET_VARIANTS
@@ -97,7 +98,7 @@ def test_packed_training_gives_the_masked_gradients(monkeypatch):
     torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-5, rtol=0)
     for name, gradient in results["torch"][1].items():
         torch.testing.assert_close(results["triton"][1][name], gradient, atol=1e-5, rtol=1e-4, msg=name)
-    model.gradient_checkpointing_enable()  # the packed layout through recomputed layers
+    activation_checkpointing_enable(model)  # the packed layout through recomputed layers
     model.zero_grad(set_to_none=True)
     model(input_ids, attention_mask=mask, labels=labels).loss.backward()
     for name, parameter in model.named_parameters():
@@ -202,7 +203,7 @@ def test_packed_documents_each_start_from_an_empty_memory(variant, backend, monk
     for name, (row, start, end) in spans.items():
         torch.testing.assert_close(packed.logits[row, start:end], alone[name].logits[0], atol=1e-4, rtol=0)
     for row, last in enumerate(("B", "D")):  # a row's memory afterwards is its last document's
-        for layer, alone_layer in zip(packed.past_key_values.layers, alone[last].past_key_values.layers):
+        for layer, alone_layer in zip(packed.cache.layers, alone[last].cache.layers):
             torch.testing.assert_close(layer.fast_weights[row], alone_layer.fast_weights[0], atol=1e-5, rtol=0)
             if config.short_convolution:
                 torch.testing.assert_close(layer.convolution_tail[row], alone_layer.convolution_tail[0])
@@ -246,10 +247,10 @@ def test_packed_documents_cannot_continue_a_cache():
     model = DeltaNetForCausalLM(config).eval()
     input_ids, mask, position_ids, _, _ = _document_rows(config)
     with torch.no_grad():
-        cache = model(input_ids[:, :2], use_cache=True).past_key_values
+        cache = model(input_ids[:, :2], use_cache=True).cache
         with pytest.raises(ValueError, match="cannot continue a cache that has seen 2 tokens"):
             model(input_ids, attention_mask=torch.cat([torch.ones(2, 2), mask], 1).long(), position_ids=position_ids,
-                  past_key_values=cache)  # fmt: skip
+                  cache=cache)  # fmt: skip
         with pytest.raises(ValueError, match=r"position_ids must have shape \(batch=2, length=9\)"):
             model(input_ids, attention_mask=mask, position_ids=position_ids[:, :5])
 

@@ -5,6 +5,7 @@ import torch
 from transformers import pipeline
 
 from memlm import DeltaNetCache, DeltaNetForCausalLM
+from memlm.compat import output_cache
 from tests.conftest import DELTANET_VARIANTS
 
 
@@ -33,12 +34,11 @@ def test_generate_returns_the_cache_and_can_continue():
     model = _model()
     prompt = torch.randint(0, 256, (1, 4))
     output = model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6, return_dict_in_generate=True)
-    assert isinstance(output.past_key_values, DeltaNetCache)
+    cache = output_cache(output)  # `output.cache` from 🤗 5.24, `output.past_key_values` before
+    assert isinstance(cache, DeltaNetCache)
     # The cache holds every token but the last generated one (which has not been fed back yet).
-    assert output.past_key_values.get_seq_length() == output.sequences.shape[1] - 1
-    continued = model.generate(
-        output.sequences, past_key_values=output.past_key_values, max_new_tokens=3, do_sample=False, min_new_tokens=3
-    )
+    assert cache.get_seq_length() == output.sequences.shape[1] - 1
+    continued = model.generate(output.sequences, cache=cache, max_new_tokens=3, do_sample=False, min_new_tokens=3)
     fresh = model.generate(output.sequences, max_new_tokens=3, do_sample=False, min_new_tokens=3)
     assert torch.equal(continued, fresh)
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from memlm import DeltaNetCache, DeltaNetConfig, DeltaNetForCausalLM, DeltaNetModel
+from memlm.compat import activation_checkpointing_enable
 from tests.conftest import DELTANET_VARIANTS
 
 
@@ -149,10 +150,10 @@ def test_full_forward_equals_prefill_then_token_by_token_decoding(deltanet_confi
     with torch.no_grad():
         full = model(input_ids).logits
         prefill = model(input_ids[:, :10], use_cache=True)
-        cache, pieces = prefill.past_key_values, [prefill.logits]
+        cache, pieces = prefill.cache, [prefill.logits]
         for t in range(10, 23):
-            step = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = step.past_key_values
+            step = model(input_ids[:, t : t + 1], cache=cache, use_cache=True)
+            cache = step.cache
             pieces.append(step.logits)
     assert isinstance(cache, DeltaNetCache) and cache.get_seq_length() == 23
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-4, rtol=0)
@@ -164,7 +165,7 @@ def test_prefill_in_several_chunks_equals_one_forward(preset_config):
     with torch.no_grad():
         full = model(input_ids).logits
         first = model(input_ids[:, :13], use_cache=True)
-        second = model(input_ids[:, 13:], past_key_values=first.past_key_values, use_cache=True)
+        second = model(input_ids[:, 13:], cache=first.cache, use_cache=True)
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full, atol=1e-4, rtol=0)
 
 
@@ -182,11 +183,11 @@ def test_left_padding_equals_each_row_alone(deltanet_config):
         batch = model(input_ids, attention_mask=attention_mask, use_cache=True)
         next_tokens = torch.randint(0, 256, (len(rows), 4))
         mask = torch.cat([attention_mask, torch.ones(len(rows), 4, dtype=torch.long)], 1)
-        continued = model(next_tokens, attention_mask=mask, past_key_values=batch.past_key_values, use_cache=True)
+        continued = model(next_tokens, attention_mask=mask, cache=batch.cache, use_cache=True)
         for index, row in enumerate(rows):
             alone = model(row[None], use_cache=True)
             torch.testing.assert_close(batch.logits[index, width - len(row) :], alone.logits[0], atol=1e-4, rtol=0)
-            alone_next = model(next_tokens[index : index + 1], past_key_values=alone.past_key_values, use_cache=True)
+            alone_next = model(next_tokens[index : index + 1], cache=alone.cache, use_cache=True)
             torch.testing.assert_close(continued.logits[index], alone_next.logits[0], atol=1e-4, rtol=0)
 
 
@@ -197,9 +198,9 @@ def test_padding_writes_nothing_into_the_memory():
     padded = torch.cat([torch.full((1, 7), config.pad_token_id), row], 1)
     mask = torch.cat([torch.zeros(1, 7, dtype=torch.long), torch.ones(1, 5, dtype=torch.long)], 1)
     with torch.no_grad():
-        alone = model(row, use_cache=True).past_key_values
-        with_padding = model(padded, attention_mask=mask, use_cache=True).past_key_values
-        only_padding = model(padded[:, :7], attention_mask=mask[:, :7], use_cache=True).past_key_values
+        alone = model(row, use_cache=True).cache
+        with_padding = model(padded, attention_mask=mask, use_cache=True).cache
+        only_padding = model(padded[:, :7], attention_mask=mask[:, :7], use_cache=True).cache
     for layer, padded_layer, empty_layer in zip(alone.layers, with_padding.layers, only_padding.layers):
         torch.testing.assert_close(padded_layer.fast_weights, layer.fast_weights, atol=1e-5, rtol=0)
         torch.testing.assert_close(padded_layer.convolution_tail, layer.convolution_tail, atol=1e-6, rtol=0)
@@ -217,7 +218,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(preset_config):
         return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
 
     plain = gradients()
-    model.activation_checkpointing_enable()
+    activation_checkpointing_enable(model)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = gradients()
     for name in plain:
@@ -229,10 +230,10 @@ def test_gradient_checkpointing_keeps_a_carried_memory():
     model = _randomised(DeltaNetForCausalLM(config)).train()
     first, second = torch.randint(0, 256, (2, 2, 9))
     with torch.no_grad():
-        cache = model(first, use_cache=True).past_key_values
-    reference = model(second, past_key_values=copy.deepcopy(cache), use_cache=True).logits
-    model.activation_checkpointing_enable()
-    checkpointed = model(second, past_key_values=copy.deepcopy(cache), use_cache=True).logits
+        cache = model(first, use_cache=True).cache
+    reference = model(second, cache=copy.deepcopy(cache), use_cache=True).logits
+    activation_checkpointing_enable(model)
+    checkpointed = model(second, cache=copy.deepcopy(cache), use_cache=True).logits
     torch.testing.assert_close(checkpointed, reference)
     checkpointed.sum().backward()
 
@@ -323,7 +324,7 @@ def test_half_precision_is_close_to_float32(preset_config, dtype):
         half = copy.deepcopy(model).to(dtype)
         output = half(input_ids, use_cache=True)
     assert output.logits.dtype == dtype
-    assert all(layer.fast_weights.dtype == torch.float32 for layer in output.past_key_values.layers)
+    assert all(layer.fast_weights.dtype == torch.float32 for layer in output.cache.layers)
     error = (output.logits.float() - reference).norm() / reference.norm()
     assert error < 0.05
 
@@ -343,8 +344,8 @@ def test_bad_inputs_raise_clear_errors():
     config = DELTANET_VARIANTS["paper"]()
     model = DeltaNetForCausalLM(config).eval()
     input_ids = torch.randint(0, 256, (2, 5))
-    with pytest.raises(TypeError, match="DeltaNetCache; got past_key_values of type DynamicCache"):
-        model(input_ids, past_key_values=DynamicCache())
+    with pytest.raises(TypeError, match="DeltaNetCache; got a cache of type DynamicCache"):
+        model(input_ids, cache=DynamicCache())
     with pytest.raises(ValueError, match=r"attention_mask must be a 2-D padding mask of shape \(batch=2, length=5\)"):
         model(input_ids, attention_mask=torch.ones(2, 7))
     with pytest.raises(ValueError, match=r"attention_mask must be a 2-D"):
@@ -363,9 +364,9 @@ def test_bad_inputs_raise_clear_errors():
         model(input_ids, position_embeddings=None)
     with pytest.raises(ValueError, match="does not return attention weights"):
         model(input_ids, output_attentions=True)
-    cache = model(input_ids, use_cache=True).past_key_values
+    cache = model(input_ids, use_cache=True).cache
     with pytest.raises(ValueError, match="holds a batch of 2 rows but the input has 3"):
-        model(torch.randint(0, 256, (3, 1)), past_key_values=cache)
+        model(torch.randint(0, 256, (3, 1)), cache=cache)
     with pytest.raises(ValueError, match="cannot be rolled back"):
         cache.crop(2)
     with pytest.raises(TypeError, match="DeltaNetCache is written by the model.s layers themselves"):
@@ -375,8 +376,8 @@ def test_bad_inputs_raise_clear_errors():
 def test_cache_memory_does_not_grow_with_the_context():
     model = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()).eval()
     with torch.no_grad():
-        short = model(torch.randint(0, 256, (1, 8)), use_cache=True).past_key_values
-        long = model(torch.randint(0, 256, (1, 200)), use_cache=True).past_key_values
+        short = model(torch.randint(0, 256, (1, 8)), use_cache=True).cache
+        long = model(torch.randint(0, 256, (1, 200)), use_cache=True).cache
 
     def size(cache):
         return sum(layer.fast_weights.numel() + layer.convolution_tail.numel() for layer in cache.layers)
@@ -423,7 +424,7 @@ def test_cache_holds_only_the_convolution_tail_not_the_whole_prefill():
     whole prompt's projection it was sliced from (which made the cache grow with the prompt)."""
     model = DeltaNetForCausalLM(DELTANET_VARIANTS["favor_conv_gate"]()).eval()
     with torch.no_grad():
-        cache = model(torch.randint(0, 256, (2, 64)), use_cache=True).past_key_values
+        cache = model(torch.randint(0, 256, (2, 64)), use_cache=True).cache
     for layer in cache.layers:
         tail = layer.convolution_tail
         assert tail.shape[:2] == (2, model.config.convolution_size - 1)

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache, pipeline
 
 from memlm import ExpireSpanCache, ExpireSpanConfig, ExpireSpanForCausalLM
+from memlm.compat import activation_checkpointing_enable, output_cache
 from memlm.kernels.expire_attention.memory import COMPACT_FRACTION, check_interval
 from tests.modeling.padding import LAYOUTS, check_rows_alone, padding_mask
 
@@ -51,10 +52,10 @@ def lazy_width_bound(live: int, block: int = 1) -> int:
 def _decode(model, input_ids, prefill, **kwargs):
     with torch.no_grad():
         output = model(input_ids[:, :prefill], use_cache=True, **kwargs)
-        cache, pieces = output.past_key_values, [output.logits]
+        cache, pieces = output.cache, [output.logits]
         for t in range(prefill, input_ids.shape[1]):
-            output = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = output.past_key_values
+            output = model(input_ids[:, t : t + 1], cache=cache, use_cache=True)
+            cache = output.cache
             pieces.append(output.logits)
     return torch.cat(pieces, 1), cache
 
@@ -196,10 +197,10 @@ def test_short_spans_keep_the_generation_cache_bounded():
     largest = 0
     with torch.no_grad():
         output = model(token, use_cache=True)
-        cache = output.past_key_values
+        cache = output.cache
         for _ in range(2000):
             token = output.logits[:, -1:].argmax(-1)
-            output = model(token, past_key_values=cache, use_cache=True)
+            output = model(token, cache=cache, use_cache=True)
             largest = max(largest, *cache.memory_entries())
     assert cache.get_seq_length() == 2001
     assert largest <= lazy_width_bound(6 + 1)  # the span (≈ 0) plus the ramp R, plus the token itself
@@ -260,7 +261,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
 
     plain = gradients()
-    model.activation_checkpointing_enable()
+    activation_checkpointing_enable(model)
     checkpointed = gradients()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5)
@@ -269,8 +270,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def test_bad_inputs_raise_clear_errors():
     model = _model()
     input_ids = torch.randint(0, 256, (2, 5))
-    with pytest.raises(TypeError, match="ExpireSpanCache; got past_key_values of type DynamicCache"):
-        model(input_ids, past_key_values=DynamicCache())
+    with pytest.raises(TypeError, match="ExpireSpanCache; got a cache of type DynamicCache"):
+        model(input_ids, cache=DynamicCache())
     with pytest.raises(ValueError, match=r"attention_mask must be a 2-D padding mask"):
         model(input_ids, attention_mask=torch.ones(2, 9))
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=258\)"):
@@ -279,9 +280,9 @@ def test_bad_inputs_raise_clear_errors():
         model(input_ids, position_ids=torch.arange(4)[None])
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         model(input_ids, cache_position=torch.arange(5))
-    cache = model(input_ids, use_cache=True).past_key_values
+    cache = model(input_ids, use_cache=True).cache
     with pytest.raises(ValueError, match="holds a batch of 2 rows but the input has 1"):
-        model(input_ids[:1, :1], past_key_values=cache)
+        model(input_ids[:1, :1], cache=cache)
     with pytest.raises(ValueError, match="cannot be rolled back"):
         cache.crop(1)
 
@@ -337,8 +338,9 @@ def test_generate_returns_an_expire_span_cache():
     model = _model()
     output = model.generate(torch.randint(0, 256, (1, 5)), max_new_tokens=30, min_new_tokens=30, do_sample=False,
                             return_dict_in_generate=True)  # fmt: skip
-    assert isinstance(output.past_key_values, ExpireSpanCache)
-    assert output.past_key_values.get_seq_length() == 34
+    cache = output_cache(output)  # `output.cache` from 🤗 5.24, `output.past_key_values` before
+    assert isinstance(cache, ExpireSpanCache)
+    assert cache.get_seq_length() == 34
 
 
 def test_rows_expire_at_their_own_rate_in_a_compacted_layout():
@@ -365,9 +367,9 @@ def _decode_steps(model, input_ids, prefill):
     """Prefill, then one token at a time: per step the logits, span loss and memory size."""
     steps = []
     with torch.no_grad():
-        cache = model(input_ids[:, :prefill], use_cache=True).past_key_values
+        cache = model(input_ids[:, :prefill], use_cache=True).cache
         for t in range(prefill, input_ids.shape[1]):
-            output = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            output = model(input_ids[:, t : t + 1], cache=cache, use_cache=True)
             steps.append((output.logits, output.span_loss, output.memory_size))
     return steps
 
@@ -417,9 +419,9 @@ def test_decoding_slack_is_a_lower_bound_of_the_remaining_spans():
     model = _model(span_weight=0.3, span_bias=-1.0, max_span=24, ramp=3, block_size=4)
     input_ids = torch.randint(0, 256, (3, 50))
     with torch.no_grad():
-        cache = model(input_ids[:, :5], use_cache=True).past_key_values
+        cache = model(input_ids[:, :5], use_cache=True).cache
         for t in range(5, 50):
-            cache = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True).past_key_values
+            cache = model(input_ids[:, t : t + 1], cache=cache, use_cache=True).cache
             for layer in cache.layers:
                 memory = layer.memory
                 if memory.expiry_slack is None:
@@ -445,10 +447,10 @@ def test_decoding_at_given_positions_that_jump_past_the_spans_still_masks(monkey
     def decode():
         steps = []
         with torch.no_grad():
-            cache = model(input_ids[:, :3], use_cache=True).past_key_values
+            cache = model(input_ids[:, :3], use_cache=True).cache
             for t in range(3, 12):
                 positions = torch.tensor([[given_positions[t]]] * 2) if t >= 9 else None
-                output = model(input_ids[:, t : t + 1], position_ids=positions, past_key_values=cache, use_cache=True)
+                output = model(input_ids[:, t : t + 1], position_ids=positions, cache=cache, use_cache=True)
                 steps.append((output.logits, output.span_loss, output.memory_size))
         return steps
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, DynamicCache, pipeline
 
 from memlm import FeedbackCache, FeedbackTransformerConfig, FeedbackTransformerForCausalLM
+from memlm.compat import activation_checkpointing_enable
 from tests.modeling.padding import LAYOUTS, check_rows_alone, padding_mask
 
 TINY = {
@@ -115,9 +116,9 @@ def test_full_forward_equals_prefill_then_token_by_token_decoding(variant):
     with torch.no_grad():
         full = model(input_ids).logits
         output = model(input_ids[:, :6], use_cache=True)
-        cache, pieces = output.past_key_values, [output.logits]
+        cache, pieces = output.cache, [output.logits]
         for t in range(6, 17):
-            output = model(input_ids[:, t : t + 1], past_key_values=cache)
+            output = model(input_ids[:, t : t + 1], cache=cache)
             pieces.append(output.logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-4, rtol=0)
     assert isinstance(cache, FeedbackCache) and cache.get_seq_length() == 17
@@ -126,8 +127,8 @@ def test_full_forward_equals_prefill_then_token_by_token_decoding(variant):
 def test_training_forward_carries_its_memory_into_the_cache():
     model = _model("shared_relative_bias").train()
     first, second = torch.randint(0, 256, (2, 2, 9))
-    cache = model(first, use_cache=True).past_key_values  # built by the training (tape) path
-    with_cache = model(second, past_key_values=copy.deepcopy(cache)).logits
+    cache = model(first, use_cache=True).cache  # built by the training (tape) path
+    with_cache = model(second, cache=copy.deepcopy(cache)).logits
     with torch.no_grad():
         model.eval()
         expected = model(torch.cat([first, second], 1)).logits[:, 9:]
@@ -175,7 +176,7 @@ def test_the_memory_is_a_softmax_mix_of_the_layers():
     model = _model()
     with torch.no_grad():
         model.model.layer_weights.copy_(torch.tensor([40.0, -40.0, -40.0, -40.0]))  # softmax ≈ (1, 0, 0, 0)
-        cache = model(torch.tensor([[7]]), use_cache=True).past_key_values
+        cache = model(torch.tensor([[7]]), use_cache=True).cache
         body = model.model
         memory = body.memory_norm(body.embed_tokens(torch.tensor([7])))  # m_0 = the embedding alone
         expected = body.k_proj(memory).view(1, 2, 16)  # rotary at position 0 is the identity
@@ -191,7 +192,7 @@ def test_memory_span_bounds_what_is_attended():
     window = (None, None, slot_positions, torch.ones(1, 10, dtype=torch.bool))
     bias = model.model._memory_bias(layer, window, torch.tensor([10]))
     assert torch.isfinite(bias[0, 0]).tolist() == [False] * 7 + [True] * 3  # only m_7, m_8, m_9
-    cache = model(torch.randint(0, 256, (1, 20)), use_cache=True).past_key_values
+    cache = model(torch.randint(0, 256, (1, 20)), use_cache=True).cache
     assert cache.layers[0].keys.shape[2] == 3 and sorted(cache.layers[0].positions[0].tolist()) == [17, 18, 19]
 
 
@@ -214,8 +215,8 @@ def test_cache_holds_one_set_for_all_layers_when_shared():
     shared = _model().model
     unshared = _model("unshared_rotary").model
     with torch.no_grad():
-        shared_cache = shared(torch.randint(0, 256, (1, 4)), use_cache=True).past_key_values
-        unshared_cache = unshared(torch.randint(0, 256, (1, 4)), use_cache=True).past_key_values
+        shared_cache = shared(torch.randint(0, 256, (1, 4)), use_cache=True).cache
+        unshared_cache = unshared(torch.randint(0, 256, (1, 4)), use_cache=True).cache
     assert len(shared_cache.layers) == 1 and len(unshared_cache.layers) == 3
     assert unshared_cache.memory_bytes() == 3 * shared_cache.memory_bytes()
 
@@ -223,15 +224,15 @@ def test_cache_holds_one_set_for_all_layers_when_shared():
 def test_bad_inputs_and_configs():
     model = _model()
     input_ids = torch.randint(0, 256, (2, 4))
-    with pytest.raises(TypeError, match="FeedbackCache; got past_key_values of type DynamicCache"):
-        model(input_ids, past_key_values=DynamicCache())
+    with pytest.raises(TypeError, match="FeedbackCache; got a cache of type DynamicCache"):
+        model(input_ids, cache=DynamicCache())
     with pytest.raises(ValueError, match="attention_mask must be a 2-D padding mask"):
         model(input_ids, attention_mask=torch.ones(2, 9))
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=258\)"):
         model(torch.tensor([[3, 999]]))
-    cache = model(input_ids, use_cache=True).past_key_values
+    cache = model(input_ids, use_cache=True).cache
     with pytest.raises(ValueError, match="holds a batch of 2 rows but the input has 1"):
-        model(input_ids[:1, :1], past_key_values=cache)
+        model(input_ids[:1, :1], cache=cache)
     with pytest.raises(ValueError, match="cannot be rolled back"):
         cache.crop(1)
     for options, message in [
@@ -330,7 +331,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
 
     plain = gradients()
-    model.activation_checkpointing_enable()
+    activation_checkpointing_enable(model)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = gradients()
     for name in plain:

@@ -31,6 +31,12 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import memlm
+from memlm.compat import (
+    activation_checkpointing_disable,
+    activation_checkpointing_enable,
+    is_activation_checkpointing,
+    output_cache,
+)
 
 
 def ids_tensor(shape, vocab_size, generator):
@@ -207,7 +213,7 @@ class TransformersContract:
             with torch.no_grad():
                 batched, row = model(**inputs), model(**single)
             for key in row.keys():
-                if key == "past_key_values":
+                if key in ("cache", "past_key_values"):
                     continue
                 values = row[key] if isinstance(row[key], tuple) else (row[key],)
                 for batched_value, row_value in zip(batched[key] if isinstance(batched[key], tuple) else (batched[key],), values):  # fmt: skip
@@ -268,7 +274,7 @@ class TransformersContract:
                     as_dict = model(**inputs, **extra, return_dict=True)
                     as_tuple = model(**inputs, **extra, return_dict=False)
                 assert isinstance(as_tuple, tuple)
-                expected = tuple(value for key, value in as_dict.items() if key != "past_key_values")
+                expected = tuple(value for key, value in as_dict.items() if key not in ("cache", "past_key_values"))
                 got = tuple(value for value in as_tuple if not isinstance(value, memlm_caches()))
                 _outputs_close(expected, got, atol=0, rtol=0)
 
@@ -322,24 +328,24 @@ class TransformersContract:
         assert model.supports_gradient_checkpointing
         expected_loss, expected = self._trainable_gradients(model, inputs)
         kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        activation_checkpointing_enable(model, kwargs)
         loss, gradients = self._trainable_gradients(model, inputs)
         torch.testing.assert_close(loss, expected_loss)
         for name, gradient in gradients.items():
             assert gradient is not None, name
             torch.testing.assert_close(gradient, expected[name], atol=1e-6, rtol=1e-5, msg=name)
 
-    def test_gradient_checkpointing_enable_disable(self):
+    def test_activation_checkpointing_enable_disable(self):
         config, _ = self.model_tester.prepare_config_and_inputs_for_common()
         for model_class in self.all_model_classes:
             model = self._model(model_class, config)
-            assert not model.is_gradient_checkpointing
-            model.gradient_checkpointing_enable()
-            assert model.is_gradient_checkpointing
+            assert not is_activation_checkpointing(model)
+            activation_checkpointing_enable(model)
+            assert is_activation_checkpointing(model)
             flagged = [module for module in model.modules() if hasattr(module, "gradient_checkpointing")]
             assert flagged and all(module.gradient_checkpointing for module in flagged)
-            model.gradient_checkpointing_disable()
-            assert not model.is_gradient_checkpointing
+            activation_checkpointing_disable(model)
+            assert not is_activation_checkpointing(model)
             assert not any(module.gradient_checkpointing for module in flagged)
 
     def test_enable_input_require_grads(self):
@@ -528,8 +534,8 @@ class TransformersContract:
                 torch.testing.assert_close(compiled(input_ids).logits, model(input_ids).logits)
                 return
             mask = torch.ones(input_ids.shape[0], input_ids.shape[1] + 1, dtype=torch.long)
-            expected = model(input_ids[:, :1], attention_mask=mask, past_key_values=model(input_ids).past_key_values)
-            got = compiled(input_ids[:, :1], attention_mask=mask, past_key_values=model(input_ids).past_key_values)
+            expected = model(input_ids[:, :1], attention_mask=mask, cache=model(input_ids).cache)
+            got = compiled(input_ids[:, :1], attention_mask=mask, cache=model(input_ids).cache)
         torch.testing.assert_close(got.logits, expected.logits)
 
     # ---- GenerationTesterMixin ----
@@ -583,12 +589,12 @@ class TransformersContract:
         assert cached.shape == (self.model_tester.batch_size, self.model_tester.seq_length + 3)
         assert torch.equal(cached, uncached)
 
-    def test_generate_continue_from_past_key_values(self):
+    def test_generate_continue_from_cache(self):
         model, inputs = self._generation_model()
         prompt = inputs["input_ids"]
         whole = model.generate(prompt, max_new_tokens=6, do_sample=False)
         first = model.generate(prompt, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-        rest = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=3,
+        rest = model.generate(first.sequences, cache=output_cache(first), max_new_tokens=3,
                               do_sample=False)  # fmt: skip
         assert torch.equal(rest, whole)
 

@@ -116,8 +116,8 @@ def test_carried_memory_is_detached_and_changes_training(tmp_path):
 
     model = DeltaNetForCausalLM(DeltaNetConfig(vocab_size=258, **SIZES)).train()
     output = model(torch.randint(0, 256, (2, 8)), use_cache=True)
-    assert output.past_key_values.layers[0].fast_weights.grad_fn is not None  # the graph reaches into the memory
-    memory = pretrain.detach_memory(output.past_key_values)
+    assert output.cache.layers[0].fast_weights.grad_fn is not None  # the graph reaches into the memory
+    memory = pretrain.detach_memory(output.cache)
     assert all(layer.fast_weights.grad_fn is None and not layer.fast_weights.requires_grad for layer in memory.layers)
 
 

@@ -304,13 +304,13 @@ def test_the_carried_memory_survives_a_safetensors_round_trip(tmp_path, model):
     config = pretrain.build_config({"model": {**MODELS[model], **SIZES}}, byte_level_tokenizer())
     network = AutoModelForCausalLM.from_config(config).train()
     inputs = torch.randint(0, 256, (2, 24))
-    memory = pretrain.detach_memory(network(input_ids=inputs[:, :16], use_cache=True).past_key_values)
+    memory = pretrain.detach_memory(network(input_ids=inputs[:, :16], use_cache=True).cache)
     pretrain.save_memory(memory, tmp_path / "memory.safetensors")
     loaded = pretrain.load_memory(tmp_path / "memory.safetensors", "cpu")
     assert type(loaded) is type(memory) and len(loaded.layers) == len(memory.layers)
-    expected = network(input_ids=inputs[:, 16:], past_key_values=memory, use_cache=True).logits
+    expected = network(input_ids=inputs[:, 16:], cache=memory, use_cache=True).logits
     torch.testing.assert_close(
-        network(input_ids=inputs[:, 16:], past_key_values=loaded, use_cache=True).logits, expected, rtol=0, atol=0
+        network(input_ids=inputs[:, 16:], cache=loaded, use_cache=True).logits, expected, rtol=0, atol=0
     )
     pretrain.save_memory(None, tmp_path / "empty.safetensors")
     assert pretrain.load_memory(tmp_path / "empty.safetensors", "cpu") is None
