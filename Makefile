@@ -1,22 +1,25 @@
 # Two commands do everything on a fresh machine:
 #   make main   set up .venv, then build a small DeltaNet and generate from a prompt (text and speed)
 #   make test   set up .venv, then run ruff, the test suite (without the tests marked slow) and the installed-wheel check
+#   make test-releases   the 🤗-facing tests under the newest and the oldest 🤗 releases setup.cfg allows
+#   make constraints     record the packages of .venv (after make test passed with them) in constraints/tested.txt
 #   make test-slow   the tests marked slow: every GPU-compile scenario, pipelining checks, long exports
 #   make wheel-check   the wheel installed alone (CPU torch, no Triton, no dev extras) and used from an empty folder
-# torch==2.13.0 is installed first and alone: an unpinned torch would pull a multi-GB CUDA build.
+# torch==2.13.0 is installed first and alone: an unpinned torch would pull a multi-GB CUDA build. .venv gets the
+# versions of constraints/tested.txt, so that both commands work whatever the registry published since.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: main test test-slow wheel-check benchmark papers clean
+.PHONY: main test test-slow test-releases wheel-check constraints benchmark papers clean
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml constraints/tested.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c constraints/tested.txt -e ".[dev]"
 	touch $(STAMP)
 
 main: $(STAMP)
@@ -30,6 +33,14 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
+
+test-releases: $(STAMP)
+	$(BIN)/python tests/installed/check_releases.py --python $(PYTHON)
+
+constraints:
+	printf '%s\n' "# The versions make main and make test install (pip constraints): the set the suite last passed with." \
+		"# Written by make constraints from .venv; torch is the local CPU build." > constraints/tested.txt
+	$(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' >> constraints/tested.txt
 
 wheel-check: $(STAMP)
 	$(BIN)/python tests/installed/check_wheel.py --python $(PYTHON)

@@ -15,6 +15,9 @@ from memlm import DeltaNetConfig, DeltaNetForCausalLM, ExpireSpanConfig, ExpireS
 from memlm.cli import main
 from memlm.tokenization import byte_level_tokenizer
 
+# 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = pytest.mark.huggingface
+
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
     "vocab_size": 258,

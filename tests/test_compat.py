@@ -23,6 +23,9 @@ from tests.modeling.test_transformers_contract import (
     FeedbackTransformerModelTester,
 )
 
+# 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = pytest.mark.huggingface
+
 TESTERS = {
     "deltanet": DeltaNetModelTester(),
     "expire_span": ExpireSpanModelTester(),
@@ -166,3 +169,58 @@ def test_only_compat_speaks_the_old_names():
                 if OLD_NAME_USE.search(line):
                     offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def _lower_bounds() -> dict[str, str]:
+    """Package → the `>=` bound setup.cfg declares for it (install_requires and every extra)."""
+    import configparser
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    lines = setup["options"]["install_requires"].splitlines()
+    for extra in setup["options.extras_require"].values():
+        lines += extra.splitlines()
+    bounds = {}
+    for line in filter(None, (line.strip() for line in lines)):
+        requirement = Requirement(line)
+        for specifier in requirement.specifier:
+            if specifier.operator == ">=":
+                bounds[canonicalize_name(requirement.name)] = specifier.version
+    return bounds
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_declared_lower_bounds_are_the_oldest_releases_tested():
+    """constraints/oldest.txt (what `make test-releases` runs as the oldest) pins setup.cfg's lower bounds, and pins
+    every 🤗 package memlm depends on."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    bounds = _lower_bounds()
+    pinned = {}
+    for line in (ROOT / "constraints" / "oldest.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            (specifier,) = requirement.specifier
+            assert specifier.operator == "==", line
+            pinned[canonicalize_name(requirement.name)] = specifier.version
+    assert pinned.pop("torch") == "2.13.0"  # the local CPU build; setup.cfg's torch bound is not exercised
+    for package in ("transformers", "accelerate", "datasets", "tokenizers", "huggingface-hub", "safetensors"):
+        assert package in pinned, f"constraints/oldest.txt does not pin {package}"
+    as_versions = {package: Version(version) for package, version in pinned.items()}
+    assert {package: bounds.get(package) and Version(bounds[package]) for package in pinned} == as_versions
+
+
+def test_the_tested_set_pins_every_package_it_names():
+    lines = [line for line in (ROOT / "constraints" / "tested.txt").read_text().splitlines() if line.strip()]
+    requirements = [line for line in lines if not line.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+\-]+", line) for line in requirements), requirements
+    names = {line.split("==")[0].lower().replace("_", "-") for line in requirements}
+    assert {"torch", "transformers", "accelerate", "datasets", "tokenizers", "huggingface-hub", "peft"} <= names
+    assert "torch==2.13.0" in requirements

@@ -23,6 +23,10 @@ from memlm import (
 from memlm.export import GENERATED_CARD_MARK, bundle_sources, flat_module_name
 from tests.conftest import DELTANET_VARIANTS
 
+# 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = pytest.mark.huggingface
+
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[3, 14, 15, 92, 65, 35, 89, 79]]
 
 
@@ -196,6 +200,87 @@ def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, to
     generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert remote["generated"] == generated.tolist()
     assert remote["text"].startswith("abc")
+
+
+def _remote_run(python: str, directory: Path, tmp_path: Path, label: str) -> dict:
+    """REMOTE_SCRIPT run by `python` (where memlm is made unimportable): logits, greedy tokens and pipeline text."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / f"modules_{label}"),
+                   "PYTHONPATH": ""}  # fmt: skip
+    result = subprocess.run([python, "-c", REMOTE_SCRIPT, str(directory), str(tmp_path / f"resaved_{label}")],
+                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# Saves a checkpoint with memlm under the other release and prints its logits and greedy tokens.
+SAVE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from tests.test_export import MODELS, PROMPT
+
+    torch.manual_seed(0)
+    model = MODELS[sys.argv[1]]().eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+        logits = model(torch.tensor(PROMPT)).logits
+    model.save_pretrained(sys.argv[2])
+    generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    import transformers
+    print(json.dumps({"logits": logits.tolist(), "generated": generated.tolist(), "release": transformers.__version__}))
+    """
+)
+OTHER_RELEASE_PYTHON = os.environ.get("MEMLM_OTHER_RELEASE_PYTHON")
+needs_other_release = pytest.mark.skipif(
+    not OTHER_RELEASE_PYTHON,
+    reason="needs MEMLM_OTHER_RELEASE_PYTHON, the interpreter of an environment with another 🤗 release and memlm "
+    "(make test-releases sets it: the oldest release's, for the run under the newest)",
+)
+
+
+@needs_other_release
+@pytest.mark.parametrize("name", ["fla", "expire_span", "feedback"])
+def test_a_checkpoint_saved_under_this_release_loads_and_generates_under_the_other(tmp_path, tokenizer, name):
+    model, directory = _saved(tmp_path, name, tokenizer)
+    with torch.no_grad():
+        expected = model(torch.tensor(PROMPT)).logits
+    generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    there = _remote_run(OTHER_RELEASE_PYTHON, directory, tmp_path, "other")  # the bundle, without memlm
+    torch.testing.assert_close(torch.tensor(there["logits"]), expected, atol=1e-6, rtol=1e-6)
+    assert there["generated"] == generated.tolist()
+    with_memlm = subprocess.run(
+        [OTHER_RELEASE_PYTHON, "-c", "import sys, memlm, torch; from transformers import AutoModelForCausalLM; "
+         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval(); "
+         f"print(model.generate(torch.tensor({PROMPT}), max_new_tokens=5, min_new_tokens=5, do_sample=False).tolist())",
+         str(directory)],
+        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert with_memlm.returncode == 0, with_memlm.stderr[-3000:]
+    assert json.loads(with_memlm.stdout.strip().splitlines()[-1]) == generated.tolist()
+
+
+@needs_other_release
+@pytest.mark.parametrize("name", ["fla", "expire_span", "feedback"])
+def test_a_checkpoint_saved_under_the_other_release_loads_and_generates_under_this_one(tmp_path, tokenizer, name):
+    directory = tmp_path / "checkpoint"
+    saved = subprocess.run([OTHER_RELEASE_PYTHON, "-c", SAVE_SCRIPT, name, str(directory)], cwd=ROOT,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    there = json.loads(saved.stdout.strip().splitlines()[-1])
+    import transformers
+
+    assert there["release"] != transformers.__version__, "the other environment runs this very release"
+    tokenizer.save_pretrained(directory)
+    loaded = AutoModelForCausalLM.from_pretrained(directory).eval()  # with memlm
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(torch.tensor(PROMPT)).logits, torch.tensor(there["logits"]), atol=1e-6,
+                                   rtol=1e-6)  # fmt: skip
+    generated = loaded.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert generated.tolist() == there["generated"]
+    here = _remote_run(sys.executable, directory, tmp_path, "here")  # its bundle, without memlm
+    assert here["generated"] == there["generated"]
 
 
 def test_model_card_is_rendered_with_valid_metadata(tmp_path):

@@ -8,13 +8,16 @@ through `model(input_ids).logits` and `model.generate(..., attention_mask=..., u
 
 import pytest
 
-lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("lm_eval")
 
 import torch  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 import memlm  # noqa: E402
+
+# 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = pytest.mark.huggingface
 
 FAMILIES = ["deltanet", "expire_span", "feedback_transformer"]
 

@@ -4,17 +4,21 @@ an adapter saved and loaded again, or merged into the base weights, gives the sa
 
 import pytest
 
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
 import torch  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 import memlm  # noqa: E402
 
-# peft's own internals, not these tests: `PeftModel.__init__` reads `model.is_gradient_checkpointing`
-# (peft/peft_model.py, `if getattr(model, "is_gradient_checkpointing", True)`), a property 🤗 Transformers 5.24
-# deprecates with this FutureWarning. Only that warning is let through.
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+# peft's own internals, not these tests: `PeftModel.__init__` reads `model.is_gradient_checkpointing` (peft 0.21.2,
+# peft/peft_model.py line 184: `if getattr(model, "is_gradient_checkpointing", True)`), a property 🤗 Transformers
+# 5.24 deprecates with this FutureWarning. Only that warning is let through. 🤗-facing: also run under the newest and
+# the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = [
+    pytest.mark.huggingface,
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
 
 FAMILIES = ["deltanet", "expire_span", "feedback_transformer"]
 

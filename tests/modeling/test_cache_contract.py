@@ -25,6 +25,9 @@ from transformers import GenerationConfig, PreTrainedConfig
 import memlm
 from memlm.compat import output_cache
 
+# 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = pytest.mark.huggingface
+
 VOCAB_SIZE = 99
 PAD_TOKEN_ID = 0
 TINY = {

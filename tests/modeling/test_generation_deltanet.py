@@ -8,6 +8,9 @@ from memlm import DeltaNetCache, DeltaNetForCausalLM
 from memlm.compat import output_cache
 from tests.conftest import DELTANET_VARIANTS
 
+# 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = pytest.mark.huggingface
+
 
 def _model(name="fla", **extra):
     model = DeltaNetForCausalLM(DELTANET_VARIANTS[name](**extra)).eval()

@@ -38,6 +38,9 @@ from memlm.compat import (
     output_cache,
 )
 
+# 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = pytest.mark.huggingface
+
 
 def ids_tensor(shape, vocab_size, generator):
     return torch.randint(0, vocab_size, shape, generator=generator)

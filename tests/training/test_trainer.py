@@ -16,6 +16,9 @@ from memlm import (
 )
 from tests.conftest import DELTANET_VARIANTS
 
+# 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
+pytestmark = pytest.mark.huggingface
+
 MODELS = {
     "deltanet_paper": lambda: DeltaNetForCausalLM(DELTANET_VARIANTS["paper"]()),
     "deltanet_fla": lambda: DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()),

@@ -1,0 +1,149 @@
+"""memlm under the newest and the oldest 🤗 releases it allows, not only under the tested set `make test` installs.
+
+    python tests/installed/check_releases.py [--python python3] [--work ~/.cache/memlm/releases] [--only newest]
+
+setup.cfg allows a range of releases of transformers, accelerate, datasets, tokenizers, huggingface_hub and
+safetensors; users install the newest the range allows on the day they install. For each of these environments:
+
+- `newest`: the newest releases on the registry right now (pip --upgrade, eager), whatever `constraints/tested.txt`
+  says: a release that appeared since the last commit is caught here before users meet it;
+- `oldest`: `constraints/oldest.txt`, the lower bounds of setup.cfg pinned (tests/test_compat.py checks that the two
+  agree), so the declared minimum is a tested one;
+- `prerelease`: the newest pre-release of transformers, only when the registry has one newer than its newest
+  release. It is reported and does not fail the run: a pre-release may be broken itself, and the two above decide.
+
+a fresh virtual environment is made (torch==2.13.0 first, alone: an unpinned torch pulls a multi-GB CUDA build), memlm
+is installed in it (editable, with the `dev` extra) and the tests marked `huggingface` run: the model contract,
+generation, the caches, remote code, Trainer, PEFT, lm-eval and the CLI. The newest environment also saves
+checkpoints under its release and loads them under the oldest one and back (MEMLM_OTHER_RELEASE_PYTHON). The
+environments are kept for the next run (the oldest is rebuilt when its constraints or setup.cfg change; the newest is
+upgraded every run). Prints the versions each one ran with; exits non-zero when `newest` or `oldest` fails.
+"""
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCH = "torch==2.13.0"
+# The 🤗 packages whose range setup.cfg declares, as they are named on the registry.
+HUGGING_FACE = ("transformers", "accelerate", "datasets", "tokenizers", "huggingface_hub", "safetensors")
+SHOWN = (*HUGGING_FACE, "torch", "peft", "lm_eval")
+
+
+def run(command: list, *, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    print("$ " + " ".join(str(part) for part in command), flush=True)
+    return subprocess.run([str(part) for part in command], cwd=ROOT, env=env, check=check, stdin=subprocess.DEVNULL)
+
+
+def pip(python: Path, *arguments) -> None:
+    run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *arguments])
+
+
+def newest_prerelease(python: Path, package: str) -> str | None:
+    """The newest pre-release of `package` on the registry when it is newer than its newest release, else None."""
+    listing = subprocess.run(
+        [str(python), "-m", "pip", "index", "versions", "--pre", package, "--disable-pip-version-check"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    match = re.search(rf"^{re.escape(package)} \(([^)]+)\)", listing, re.MULTILINE)
+    newest = match.group(1) if match else ""
+    return newest if re.search(r"(a|b|rc|dev)\d*$", newest) else None
+
+
+def fingerprint(*paths: Path) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def environment(name: str, work: Path, base_python: str, requirements: list[str], marker: str) -> Path:
+    """The virtual environment `name` with torch, then memlm[dev] and `requirements`; rebuilt when `marker` changes."""
+    folder = work / name
+    python = folder / "bin" / "python"
+    stamp = folder / ".memlm-stamp"
+    if not (python.exists() and stamp.exists() and stamp.read_text() == marker):
+        shutil.rmtree(folder, ignore_errors=True)
+        run([base_python, "-m", "venv", folder])
+        pip(python, "--upgrade", "pip")
+        pip(python, TORCH)
+    pip(python, "-e", f"{ROOT}[dev]", *requirements)
+    stamp.write_text(marker)
+    return python
+
+
+def versions(python: Path) -> str:
+    script = (
+        "from importlib.metadata import version, PackageNotFoundError\n"
+        "def shown(name):\n"
+        "    try:\n        return f'{name} {version(name)}'\n"
+        "    except PackageNotFoundError:\n        return f'{name} -'\n"
+        f"print(', '.join(shown(name) for name in {SHOWN!r}))"
+    )
+    return subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def tests(python: Path, other_python: Path | None) -> bool:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if other_python is not None:
+        env["MEMLM_OTHER_RELEASE_PYTHON"] = str(other_python)
+    command = [python, "-m", "pytest", "-q", "-m", "huggingface and not slow", "-p", "no:cacheprovider"]
+    return run(command, env=env, check=False).returncode == 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", default=sys.executable, help="the interpreter the environments are made from")
+    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "memlm" / "releases")
+    parser.add_argument("--only", choices=("newest", "oldest", "prerelease"), action="append",
+                        help="run only these environments (repeatable); cross-release checks need both")  # fmt: skip
+    arguments = parser.parse_args(argv)
+    wanted = arguments.only or ["newest", "oldest", "prerelease"]
+    arguments.work.mkdir(parents=True, exist_ok=True)
+    oldest_constraints = ROOT / "constraints" / "oldest.txt"
+    pythons: dict[str, Path] = {}
+    started = time.monotonic()
+
+    if "oldest" in wanted:
+        marker = fingerprint(oldest_constraints, ROOT / "setup.cfg", ROOT / "pyproject.toml")
+        pythons["oldest"] = environment("oldest", arguments.work, arguments.python,
+                                        ["-c", str(oldest_constraints)], marker)  # fmt: skip
+    if "newest" in wanted or "prerelease" in wanted:
+        upgrade = ["--upgrade", "--upgrade-strategy", "eager", *HUGGING_FACE, TORCH]
+        pythons["newest"] = environment("newest", arguments.work, arguments.python, upgrade, "newest")
+    prerelease = None
+    if "prerelease" in wanted:
+        prerelease = newest_prerelease(pythons["newest"], "transformers")
+        if prerelease is None:
+            print("prerelease: the registry has no transformers pre-release newer than its newest release.")
+        else:
+            try:
+                pythons["prerelease"] = environment("prerelease", arguments.work, arguments.python,
+                                                    [f"transformers=={prerelease}", TORCH], prerelease)  # fmt: skip
+            except subprocess.CalledProcessError:
+                print(f"prerelease: transformers {prerelease} does not install with memlm (outside setup.cfg's "
+                      "range?); reported, not fatal.")  # fmt: skip
+    if "newest" not in wanted:
+        pythons.pop("newest", None)
+
+    results = {}
+    for name, python in pythons.items():
+        other = pythons.get("oldest") if name == "newest" else None
+        print(f"\n=== {name}: {versions(python)}", flush=True)
+        results[name] = tests(python, other)
+    print(f"\nReleases checked in {time.monotonic() - started:.0f} s:")
+    for name, passed in results.items():
+        verdict = "passed" if passed else ("FAILED" if name != "prerelease" else "failed (reported, not fatal)")
+        print(f"- {name}: {verdict} ({versions(pythons[name])})")
+    return 0 if all(passed for name, passed in results.items() if name != "prerelease") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
