@@ -217,7 +217,8 @@ def rebundle(argv) -> None:
     config = AutoConfig.from_pretrained(folder)
     modules = bundled_modules(config)
     differing = bundle_differences(folder, modules)
-    write_bundle(folder, modules)
+    removed = write_bundle(folder, modules)
+    changes = [name for name in differing if name not in removed]
     # auto_map names the bundled classes: set as save_pretrained sets it, leaving the rest of config.json as it is.
     keys = [
         key for key in ("AutoConfig", "AutoModel", "AutoModelForCausalLM") if key in config_json.get("auto_map", {})
@@ -226,9 +227,12 @@ def rebundle(argv) -> None:
     if config_json.get("auto_map") != auto_map:
         config_json["auto_map"] = auto_map
         (folder / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        differing.append("config.json (auto_map)")
-    if differing:
-        print(f"{folder}: rewrote {', '.join(differing)} with the code of {versions().split(', ')[0]}.")
+        changes.append("config.json (auto_map)")
+    if changes or removed:
+        deleted = f"; deleted {', '.join(removed)} (no longer bundled)" if removed else ""
+        print(
+            f"{folder}: rewrote {', '.join(changes) or 'nothing'}{deleted}, with the code of {versions().split(', ')[0]}."
+        )
     else:
         print(f"{folder}: the code bundle was already the installed memlm's; nothing changed.")
 

@@ -8,6 +8,8 @@ nowhere else; the model files ask this module.
   take `cache` and still take `past_key_values` on every release; their outputs carry the memory in the field the
   installed 🤗 reads (`cache` from 5.24, `past_key_values` before) and answer to `.cache` on every release, so one
   spelling works everywhere.
+- 🤗 5.23 named activation checkpointing `activation_checkpointing_enable` / `_disable` / `is_activation_checkpointing`
+  (the older `gradient_checkpointing_*` names warn from 5.24); 5.21 and 5.22 know only the older names.
 """
 
 import functools

@@ -105,15 +105,15 @@ def bundle_sources(module_names: list[str]) -> dict[str, str]:
 
 def write_bundle(directory: str | os.PathLike, module_names: list[str]) -> list[str]:
     """Write the flat bundle of `module_names` into `directory` and delete the bundled helper files (`memlm_*.py`) of
-    an earlier bundle that this one no longer has. Returns the names of the files written."""
+    an earlier bundle that this one no longer has. Returns the names of the files deleted."""
     directory = Path(directory)
     files = bundle_sources(module_names)
     for name, source in files.items():
         (directory / name).write_text(source, encoding="utf-8")
-    for stale in directory.glob(BUNDLE_PREFIX + "*.py"):
-        if stale.name not in files:
-            stale.unlink()
-    return sorted(files)
+    stale = sorted(path.name for path in directory.glob(BUNDLE_PREFIX + "*.py") if path.name not in files)
+    for name in stale:
+        (directory / name).unlink()
+    return stale
 
 
 def bundle_differences(directory: str | os.PathLike, module_names: list[str]) -> list[str]:

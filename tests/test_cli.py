@@ -186,3 +186,107 @@ def test_plot_memory_errors_are_one_line(checkpoints, tmp_path, capsys):
         "memlm: error: plot-memory: 'memlm_deltanet' models have no memory picture; it draws memlm_expire_span "
         "and memlm_feedback_transformer models."
     )
+
+
+def test_info_names_the_versions_it_runs_with(checkpoints, capsys):
+    import transformers
+
+    main(["info", str(checkpoints["deltanet"])])
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("running with: ")]
+    assert len(line) == 1
+    assert f"transformers {transformers.__version__}" in line[0] and f"torch {torch.__version__}" in line[0]
+    assert "memlm " in line[0] and "accelerate " in line[0]
+
+
+def _copy(folder: Path, destination: Path) -> Path:
+    destination.mkdir()
+    for file in folder.iterdir():
+        (destination / file.name).write_bytes(file.read_bytes())
+    return destination
+
+
+def test_info_flags_a_code_bundle_of_another_memlm_and_rebundle_rewrites_it(checkpoints, tmp_path, capsys):
+    folder = _copy(checkpoints["deltanet"], tmp_path / "run")
+    main(["info", str(folder)])
+    assert "code bundle: the installed memlm's" in capsys.readouterr().out
+    weights = (folder / "model.safetensors").read_bytes()
+    config = json.loads((folder / "config.json").read_text())
+    # What an older memlm leaves: a module that differs, a helper file this memlm no longer bundles, an old auto_map.
+    modeling = folder / "modeling_deltanet.py"
+    modeling.write_text(modeling.read_text().replace("cache", "past_key_values"))
+    (folder / "memlm_retired_helper.py").write_text("VALUE = 1\n")
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "old.Config"}}))
+    main(["info", str(folder)])
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("code bundle: ")]
+    assert line == [
+        "code bundle: differs from the installed memlm's in 2 file(s) (memlm_retired_helper.py, modeling_deltanet.py): "
+        "written by another (older?) memlm, whose code may not run under the installed 🤗 Transformers; "
+        f"`memlm rebundle {folder}` rewrites it"
+    ]
+    main(["rebundle", str(folder)])
+    assert (
+        "rewrote modeling_deltanet.py, config.json (auto_map); deleted memlm_retired_helper.py (no longer bundled), "
+        "with the code of memlm " in capsys.readouterr().out
+    )
+    main(["info", str(folder)])
+    assert "code bundle: the installed memlm's" in capsys.readouterr().out
+    assert not (folder / "memlm_retired_helper.py").exists()
+    assert (folder / "model.safetensors").read_bytes() == weights
+    rewritten = json.loads((folder / "config.json").read_text())
+    assert rewritten == {**config, "auto_map": {"AutoConfig": "configuration_deltanet.DeltaNetConfig"}}
+    main(["rebundle", str(folder)])
+    assert "already the installed memlm's; nothing changed" in capsys.readouterr().out
+
+
+def test_rebundle_refuses_a_checkpoint_that_is_not_memlm_s(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path / "llama")  # fmt: skip
+    error = _error(capsys, "rebundle", str(tmp_path / "llama"))
+    assert "holds a 'llama' model, not one of memlm's" in error
+
+
+# The last commit before memlm knew 🤗 5.24's `cache`: its checkpoints carry code that 5.24 cannot generate with.
+BEFORE_THE_RENAME = "eedcbb1"
+
+
+def test_a_checkpoint_saved_by_the_memlm_before_the_rename_generates_again_after_rebundle(tmp_path, tokenizer):
+    """A real old checkpoint: the memlm of BEFORE_THE_RENAME (from git) saves it; its bundle runs without memlm."""
+    import transformers
+
+    if subprocess.run(["git", "cat-file", "-e", f"{BEFORE_THE_RENAME}^{{commit}}"], cwd=ROOT).returncode != 0:
+        pytest.skip(f"this clone lacks commit {BEFORE_THE_RENAME} (a shallow clone)")
+    old_tree = tmp_path / "old"
+    archive = subprocess.run(["git", "archive", BEFORE_THE_RENAME, "memlm", "hub_cards"], cwd=ROOT, capture_output=True,
+                             check=True).stdout  # fmt: skip
+    old_tree.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
+    (old_tree / "memlm" / "hub_cards").symlink_to(old_tree / "hub_cards")  # installed, the cards live in the package
+    folder = tmp_path / "checkpoint"
+    save = ("import sys, torch, memlm; assert memlm.__file__.startswith(sys.argv[2]); torch.manual_seed(0); "
+            "memlm.DeltaNetForCausalLM(memlm.DeltaNetConfig(vocab_size=258, hidden_size=32, num_hidden_layers=2, "
+            "num_attention_heads=2, intermediate_size=64, chunk_size=8)).save_pretrained(sys.argv[1])")  # fmt: skip
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(old_tree)}
+    saved = subprocess.run([sys.executable, "-c", save, str(folder), str(old_tree)], cwd=tmp_path, env=environment,
+                           capture_output=True, text=True)  # fmt: skip
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    tokenizer.save_pretrained(folder)
+    generate = ("import sys; sys.modules['memlm'] = None; import torch; from transformers import AutoModelForCausalLM; "
+                "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True); "
+                "print(model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, min_new_tokens=4).tolist())")  # fmt: skip
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "m1")}
+    before = subprocess.run([sys.executable, "-c", generate, str(folder)], cwd=tmp_path, env=environment,
+                            capture_output=True, text=True)  # fmt: skip
+    if "cache" in transformers.modeling_outputs.BaseModelOutputWithPast.__dataclass_fields__:
+        assert before.returncode != 0 and "unexpected keyword argument(s): cache" in before.stderr, before.stderr[
+            -2000:
+        ]
+    main(["rebundle", str(folder)])
+    environment["HF_MODULES_CACHE"] = str(tmp_path / "m2")
+    after = subprocess.run([sys.executable, "-c", generate, str(folder)], cwd=tmp_path, env=environment,
+                           capture_output=True, text=True)  # fmt: skip
+    assert after.returncode == 0, after.stderr[-2000:]
+    expected = DeltaNetForCausalLM.from_pretrained(folder).generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4,
+                                                                     min_new_tokens=4)  # fmt: skip
+    assert json.loads(after.stdout.strip().splitlines()[-1]) == expected.tolist()
