@@ -27,6 +27,7 @@ from ..export import RemoteCodeMixin
 from ..kernels import describe_backend, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
 from ..kernels.delta_rule.packing import PaddingPacker
+from ..kernels.hub import HubKernelsMixin, use_kernel_forward_from_hub
 from .layers import GatedMLP, RMSNorm
 from .memory import (
     CountsOwnPositions,
@@ -178,6 +179,7 @@ class DeltaNetFeatureMap(nn.Module):
         return features
 
 
+@use_kernel_forward_from_hub("DeltaNetAttention")
 class DeltaNetAttention(nn.Module):
     """The fast-weight memory of one layer: projections → short convolution → φ and normalisation → delta (or sum)
     rule → per-head output norm and gate → output projection."""
@@ -357,13 +359,13 @@ class DeltaNetCache(MemoryCache):
     layer_class = DeltaNetCacheLayer
 
 
-class DeltaNetPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
+class DeltaNetPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel):
     config: DeltaNetConfig
     config_class = DeltaNetConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeltaNetDecoderLayer"]
-    _skip_keys_device_placement = CACHE_NAMES
+    _skip_keys_device_placement = list(CACHE_NAMES)
     _can_compile_fullgraph = False
     _supports_sdpa = False
     _supports_flash_attn = False

@@ -34,6 +34,7 @@ from ..kernels.expire_attention.memory import (
     memory_counts,
     next_decoding_slack,
 )
+from ..kernels.hub import HubKernelsMixin, use_kernel_forward_from_hub
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
     CountsOwnPositions,
@@ -89,6 +90,7 @@ class ExpireSpanPredictor(nn.Linear):
         super().__init__(hidden_size, 1, bias=True)
 
 
+@use_kernel_forward_from_hub("ExpireSpanAttention")
 class ExpireSpanAttention(nn.Module):
     """Multi-head attention over the layer's memories and the current block, masked by the learned spans."""
 
@@ -262,13 +264,13 @@ class ExpireSpanCache(MemoryCache):
         return [layer.num_live_entries() for layer in self.layers]
 
 
-class ExpireSpanPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
+class ExpireSpanPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel):
     config: ExpireSpanConfig
     config_class = ExpireSpanConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ExpireSpanDecoderLayer"]
-    _skip_keys_device_placement = CACHE_NAMES
+    _skip_keys_device_placement = list(CACHE_NAMES)
     _can_compile_fullgraph = False
     _supports_sdpa = True
     # Expired memories are deleted and cannot be brought back, so assisted decoding (which rolls back) is refused.

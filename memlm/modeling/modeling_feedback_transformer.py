@@ -142,7 +142,7 @@ class FeedbackTransformerPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     # Every time step runs every layer (the memory feeds back from the top), reading their weights directly rather
     # than through each layer's forward: the whole stack is one unit for FSDP wrapping and device maps.
     _no_split_modules = ["FeedbackTransformerModel"]
-    _skip_keys_device_placement = CACHE_NAMES
+    _skip_keys_device_placement = list(CACHE_NAMES)
     _can_compile_fullgraph = False
     # The ring buffer overwrites its oldest memories, so assisted decoding (which rolls back) is refused.
     _is_stateful = True

@@ -9,7 +9,7 @@ pytest.importorskip("peft")
 import torch  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
-import memlm  # noqa: E402
+from tests.clients.models import FAMILIES, tiny_model  # noqa: E402
 
 # peft's own internals, not these tests: `PeftModel.__init__` reads `model.is_gradient_checkpointing` (peft 0.21.2,
 # peft/peft_model.py line 184: `if getattr(model, "is_gradient_checkpointing", True)`), a property 🤗 Transformers
@@ -19,8 +19,6 @@ pytestmark = [
     pytest.mark.huggingface,
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
 ]
-
-FAMILIES = ["deltanet", "expire_span", "feedback_transformer"]
 
 # Every linear layer of each family but the LM head, by the names the models give them.
 LORA_TARGETS = {
@@ -33,39 +31,6 @@ LORA_TARGETS_ALL = {name for names in LORA_TARGETS.values() for name in names}
 
 PROMPTS = ["the quick brown fox jumps", "over"]  # unequal lengths: the batch is padded
 NEW_TOKENS = 6
-
-
-def tiny_model(family: str, tokenizer):
-    """A tiny model of `family` over the byte-level tokenizer, in eval mode, the same weights on every call. Its LM
-    head scores only the lowercase letters (the other rows are zero), so greedy text is printable and never stops
-    early at <|endoftext|>. Its padding token has a non-zero embedding (as where padding is <|endoftext|>), so
-    that only the attention mask keeps padding out. Expire-Span's spans start at 16 of its 32 tokens, so that its
-    memory reaches back over the padding of a batch."""
-    torch.manual_seed(0)
-    fields = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    if family == "deltanet":
-        model = memlm.DeltaNetForCausalLM(memlm.DeltaNetConfig.from_preset("fla", chunk_size=8, **fields))
-    elif family == "expire_span":
-        model = memlm.ExpireSpanForCausalLM(
-            memlm.ExpireSpanConfig(max_span=32, ramp=4, block_size=4, initial_span_fraction=0.5, **fields)
-        )
-    else:
-        model = memlm.FeedbackTransformerForCausalLM(memlm.FeedbackTransformerConfig(memory_span=4, **fields))
-    letters = torch.zeros(len(tokenizer), dtype=torch.bool)
-    letters[ord("a") : ord("z") + 1] = True
-    with torch.no_grad():
-        model.lm_head.weight[~letters] = 0.0
-        model.get_input_embeddings().weight[tokenizer.pad_token_id].normal_()
-    return model.eval()
 
 
 def lora_config(family: str, zero_adapter: bool = True) -> LoraConfig:

@@ -139,11 +139,11 @@ def test_models_on_gpu_in_bfloat16_agree_across_backends(model_class, monkeypatc
 
 
 def test_the_kernel_benchmark_runs_end_to_end():
-    """benchmarks/kernels.py measures on a GPU; --smoke runs every table on tiny shapes (here in the interpreter)."""
+    """benchmarks/kernel_costs.py measures on a GPU; --smoke runs every table on tiny shapes (here in the interpreter)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_costs.py"
     specification = importlib.util.spec_from_file_location("kernel_benchmark", path)
     benchmark = importlib.util.module_from_spec(specification)
     specification.loader.exec_module(benchmark)

@@ -12,9 +12,9 @@ Prints side-by-side tables measured in one run (medians of CUDA-event timings af
 4. a DeltaNet model (preset "fla") on a right-padded batch, forward + backward, bf16: the padding packed away with
    `cu_seqlens` (what the model does on the Triton backend) vs masked, both on the Triton kernels.
 
-    python benchmarks/kernels.py [--json results.json]
-    python benchmarks/kernels.py --smoke     # tiny shapes: checks the script end to end (CPU: Triton's interpreter)
-    python benchmarks/kernels.py --static    # no GPU needed: the static cost table below
+    python benchmarks/kernel_costs.py [--json results.json]
+    python benchmarks/kernel_costs.py --smoke     # tiny shapes: checks the script end to end (CPU: Triton's interpreter)
+    python benchmarks/kernel_costs.py --static    # no GPU needed: the static cost table below
 
 flash-linear-attention columns read "n/a" when the package (pip install flash-linear-attention) is not installed.
 

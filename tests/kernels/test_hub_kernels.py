@@ -1,0 +1,250 @@
+"""memlm's kernel repository through the real `kernels` package: generated, loaded from a local folder, swapped into
+tiny models by `kernels.kernelize`, and equal to the plain models (issue 21)."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+kernels = pytest.importorskip("kernels")
+
+from kernels import Mode, get_local_kernel, kernelize, use_kernel_mapping  # noqa: E402
+
+from memlm import DeltaNetForCausalLM, ExpireSpanConfig, ExpireSpanForCausalLM  # noqa: E402
+from memlm.kernel_repository import VARIANTS, write_repository  # noqa: E402
+from memlm.kernels.delta_rule import delta_rule, sum_rule  # noqa: E402
+from memlm.kernels.expire_attention import expire_span_attention  # noqa: E402
+from memlm.kernels.hub import HUB_REPOSITORY, kernel_mapping  # noqa: E402
+from tests.conftest import DELTANET_VARIANTS  # noqa: E402
+from tests.modeling.test_modeling_expire_span import TINY as EXPIRE_SPAN_TINY  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+# The delta rule and the sum rule, each with and without a short convolution, an output gate and the normaliser.
+FAMILIES = ["fla_gated", "favor_conv_gate", "sum_rule_normalised", "identity_sum_rule"]
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("kernel_repository")
+    write_repository(directory)
+    return directory
+
+
+def test_cpu_resolves_the_cpu_variant(repository):
+    kernel = get_local_kernel(repository)
+    loaded = {entry.module: entry for entry in kernels.get_loaded_kernels()}[kernel]
+    assert loaded.metadata.name.python_name == "memlm_kernels"
+    assert Path(kernel.__file__).parent.parent.name == "torch-cpu"
+    assert set(VARIANTS) == {path.name for path in (repository / "build").iterdir()}
+
+
+@pytest.mark.parametrize("operation", ["delta_rule", "sum_rule"])
+def test_repository_delta_and_sum_rule_equal_memlm(repository, operation):
+    kernel = get_local_kernel(repository)
+    query, key, value = (torch.randn(2, 2, 11, 4, dtype=torch.float64) for _ in range(3))
+    key = torch.nn.functional.normalize(key, dim=-1)
+    arguments = (query, key, value) + (
+        (torch.rand(2, 2, 11, dtype=torch.float64),) if operation == "delta_rule" else ()
+    )
+    memlm_function = {"delta_rule": delta_rule, "sum_rule": sum_rule}[operation]
+    expected, expected_state = memlm_function(*arguments, output_final_state=True, chunk_size=4)
+    output, state = getattr(kernel, operation)(*arguments, output_final_state=True, chunk_size=4)
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    torch.testing.assert_close(state, expected_state, rtol=0, atol=0)
+
+
+def test_repository_expire_span_attention_equals_memlm(repository):
+    kernel = get_local_kernel(repository)
+    query, key, value = (torch.randn(2, 2, 7, 4, dtype=torch.float64) for _ in range(3))
+    spans = torch.rand(2, 7, dtype=torch.float64) * 6
+    positions = torch.arange(7).expand(2, 7)
+    arguments = (query, key, value, spans, positions, positions)
+    expected = expire_span_attention(*arguments, ramp=2)
+    torch.testing.assert_close(kernel.expire_span_attention(*arguments, ramp=2), expected, rtol=0, atol=0)
+
+
+def test_cuda_variant_runs_triton_in_the_interpreter(repository):
+    """No GPU here: the torch-cuda variant cannot be resolved on a CPU-only torch, so it is loaded from its own folder
+    and its Triton kernels run in Triton's interpreter on CPU tensors (in a subprocess, where TRITON_INTERPRET and
+    MEMLM_KERNELS are set before anything is imported)."""
+    pytest.importorskip("triton")
+    script = f"""
+import torch
+from pathlib import Path
+from kernels import get_local_kernel
+from memlm.kernels.delta_rule import delta_rule_reference
+kernel = get_local_kernel(Path({str(repository / "build" / "torch-cuda")!r}))
+assert Path(kernel.__file__).parent.parent.name == "torch-cuda"
+torch.manual_seed(0)
+query, key, value = (torch.randn(1, 2, 16, 16) for _ in range(3))
+key = torch.nn.functional.normalize(key, dim=-1)
+beta = torch.rand(1, 2, 16)
+output, _ = kernel.delta_rule(query, key, value, beta, chunk_size=16)
+expected, _ = delta_rule_reference(query.double(), key.double(), value.double(), beta.double())
+torch.testing.assert_close(output.double(), expected, rtol=1e-4, atol=1e-4)
+print("triton ok")
+"""
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "MEMLM_KERNELS": "triton", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, cwd=ROOT, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    assert "triton ok" in result.stdout
+
+
+def _kernelized(model, repository, mode):
+    kernelized = copy.deepcopy(model)
+    with use_kernel_mapping(kernel_mapping(repository)):
+        # Falling back is allowed for 🤗's own hub layers (e.g. its SiLU where 🤗 accepts the installed `kernels`),
+        # which no mapping here names; memlm's layers are checked below.
+        kernelize(kernelized, mode=mode, device="cpu")
+    for layer in kernelized.model.layers:
+        # The forward that runs is the repository's, not memlm's.
+        module = layer.attention.forward.__func__.__module__
+        assert module.startswith("_memlm_kernels_cpu_") and ".layers_" in module, module
+    for layer in model.model.layers:
+        assert layer.attention.forward.__func__.__module__ == type(model).__module__
+    return kernelized
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inference_logits_and_generation_equal(repository, family):
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS[family]()).eval()
+    kernelized = _kernelized(model, repository, Mode.INFERENCE)
+    input_ids = torch.randint(0, 256, (2, 13))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -4:] = 0  # padding (after the real tokens) writes nothing into the memory
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        logits = kernelized(input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    prompt = input_ids[:1, :5]
+    expected_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=257)
+    tokens = kernelized.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=257)
+    assert torch.equal(tokens, expected_tokens)
+    assert tokens.shape[1] == 13
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_gradients_equal(repository, family):
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS[family]()).train()
+    kernelized = _kernelized(model, repository, Mode.TRAINING)
+    input_ids = torch.randint(0, 256, (2, 17))
+    for candidate in (model, kernelized):
+        torch.manual_seed(1)  # the same random draws in training mode (FAVOR+ features), kernel or not
+        candidate(input_ids, labels=input_ids).loss.backward()
+    gradients = dict(kernelized.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
+
+
+def test_hub_mapping_loads_a_local_override(repository, monkeypatch):
+    """The mapping for the Hub repository (`memlm.kernels.hub.HUB_REPOSITORY`), with the `kernels` package's
+    LOCAL_KERNELS override pointing that repository id at a folder: nothing is fetched."""
+    monkeypatch.setenv("LOCAL_KERNELS", f"{HUB_REPOSITORY}={repository}")
+    model = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()).eval()
+    kernelized = copy.deepcopy(model)
+    with use_kernel_mapping(kernel_mapping(HUB_REPOSITORY, revision="main")):
+        kernelize(kernelized, mode=Mode.INFERENCE, device="cpu")
+    for layer in kernelized.model.layers:
+        assert layer.attention.forward.__func__.__module__.startswith("_memlm_kernels_cpu_")
+    input_ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(kernelized(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+
+
+def _expire_span_model() -> ExpireSpanForCausalLM:
+    """Spans that differ from token to token, so memories expire while the 40 tokens pass (blocks of 8)."""
+    model = ExpireSpanForCausalLM(ExpireSpanConfig(**EXPIRE_SPAN_TINY))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attention.span_predictor.weight.normal_(0, 0.5)
+    return model
+
+
+def test_expire_span_inference_and_generation_equal(repository):
+    model = _expire_span_model().eval()
+    kernelized = _kernelized(model, repository, Mode.INFERENCE)
+    input_ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(kernelized(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+    prompt = input_ids[:1, :11]
+    expected_tokens = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=257)
+    tokens = kernelized.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=257)
+    assert torch.equal(tokens, expected_tokens)
+
+
+def test_expire_span_training_gradients_equal(repository):
+    model = _expire_span_model().train()
+    kernelized = _kernelized(model, repository, Mode.TRAINING)
+    input_ids = torch.randint(0, 256, (2, 40))
+    for candidate in (model, kernelized):
+        torch.manual_seed(1)
+        candidate(input_ids, labels=input_ids).loss.backward()
+    gradients = dict(kernelized.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
+    assert model.model.layers[0].attention.span_predictor.weight.grad.abs().sum() > 0  # the span loss trains
+
+
+def test_memlm_without_kernels_is_unchanged():
+    """With `kernels` unimportable, memlm imports and its attention carries no hub name (a real subprocess)."""
+    script = """
+import sys
+sys.modules["kernels"] = None  # as without the package: find_spec("kernels") is None, import kernels fails
+from memlm.modeling.modeling_deltanet import DeltaNetAttention
+from memlm.modeling.modeling_expire_span import ExpireSpanAttention
+assert not hasattr(DeltaNetAttention, "kernel_layer_name")
+assert not hasattr(ExpireSpanAttention, "kernel_layer_name")
+print("plain ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "plain ok" in result.stdout
+
+
+def test_attention_modules_carry_their_hub_names():
+    from memlm.modeling.modeling_deltanet import DeltaNetAttention
+    from memlm.modeling.modeling_expire_span import ExpireSpanAttention
+
+    assert DeltaNetAttention.kernel_layer_name == "DeltaNetAttention"
+    assert ExpireSpanAttention.kernel_layer_name == "ExpireSpanAttention"
+
+
+def test_use_kernels(repository, tmp_path):
+    """Where the installed 🤗 refuses the installed `kernels` for use_kernels=True (5.24 with kernels 0.17), memlm says
+    in one line which versions it needs; where 🤗 accepts it (5.21 with 0.17), `from_pretrained(..., use_kernels=True)`
+    swaps in the repository's layers under memlm's mapping and the logits stay the same."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import import_utils
+
+    from memlm.kernels.hub import use_kernels_problem
+
+    plain = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()).eval()
+    plain.save_pretrained(tmp_path)
+    if import_utils.is_kernels_available():
+        assert use_kernels_problem() is None
+        with use_kernel_mapping(kernel_mapping(repository)):
+            model = AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True).eval()
+        assert model.use_kernels
+        for layer in model.model.layers:
+            assert layer.attention.forward.__func__.__module__.startswith("_memlm_kernels_cpu_")
+        input_ids = torch.randint(0, 256, (2, 9))
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids).logits, plain(input_ids).logits, rtol=0, atol=0)
+        return
+    with pytest.raises(ValueError) as error:
+        AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"transformers {transformers.__version__}" in message
+    assert f"kernels {kernels.__version__} installed" in message
+    assert f"kernels>={import_utils.KERNELS_MIN_VERSION},<{import_utils.KERNELS_MAX_VERSION}" in message
+    assert "kernels.kernelize" in message
