@@ -1,0 +1,167 @@
+"""Expire-Span attention (SPEC §2): softmax attention over memories that expire after a learned span.
+
+Sukhbaatar et al. (2021), *Not All Memories are Created Equal: Learning to Forget by Expiring*, Sec. 4.1.
+Key ``i`` at absolute position ``i`` has a span ``e_i``; a query at position ``t`` weighs it by the soft mask
+``m_ti = clamp(1 + (e_i − (t − i)) / R, 0, 1)`` (Eq. 5) and renormalises its attention (Eq. 4).
+
+:func:`expire_span_attention` validates its inputs and dispatches on the backend (see
+:func:`memlm.kernels.resolve_backend`): ``"torch"`` runs ``scaled_dot_product_attention`` with the bias
+``log m`` (``sdpa.py``), ``"triton"`` a FlashAttention-style kernel that computes the mask inside and skips expired
+tiles (``triton_attention.py``), ``"reference"`` the explicit softmax-mask-renormalise of ``reference.py``.
+:func:`expire_span_mask` is the mask itself, for the model's span loss and memory bookkeeping.
+"""
+
+import math
+from numbers import Real
+
+import torch
+
+from .memlm_kernels import check_triton_device, resolve_backend
+
+from .memlm_expire_attention_reference import expire_span_attention_reference, expire_span_mask, memory_statistics, visible_keys
+from .memlm_expire_attention_sdpa import expire_span_attention_sdpa
+
+__all__ = [
+    "expire_span_attention",
+    "expire_span_attention_reference",
+    "expire_span_attention_sdpa",
+    "expire_span_mask",
+    "memory_statistics",
+    "visible_keys",
+]
+
+
+def _shape(tensor) -> str:
+    return str(tuple(tensor.shape)) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _check_positions(name: str, positions, expected: tuple[int, int], meaning: str) -> None:
+    if not isinstance(positions, torch.Tensor) or positions.shape != expected:
+        raise ValueError(f"{name} must be a tensor of shape {meaning} = {expected}, got {_shape(positions)}.")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer absolute positions, got dtype {positions.dtype}.")
+
+
+def _check_inputs(
+    query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
+) -> None:
+    """Raise ``ValueError`` naming the offending argument, its value or shape, and what is expected."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            raise ValueError(
+                f"{name} must be a 4-dimensional tensor (batch, heads, tokens, width), got {_shape(tensor)}."
+            )
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}.")
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype} and {value.dtype}.")
+    batch_size, num_heads, length, key_dim = query.shape
+    num_keys = key.shape[2]
+    if key.shape[:2] != (batch_size, num_heads) or key.shape[3] != key_dim:
+        raise ValueError(
+            f"key must have shape (batch, heads, keys, width) with the query's batch, heads and width, got query "
+            f"{_shape(query)} and key {_shape(key)}."
+        )
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(
+            f"value must share (batch, heads, keys) with key, got value {_shape(value)} and key {_shape(key)}."
+        )
+    if spans is not None:
+        if not isinstance(spans, torch.Tensor) or spans.shape != (batch_size, num_keys):
+            raise ValueError(
+                f"spans must be None or a tensor of shape (batch, keys) = {(batch_size, num_keys)}, got {_shape(spans)}."
+            )
+        if not spans.is_floating_point():
+            raise ValueError(f"spans must be a floating-point tensor (spans in tokens), got dtype {spans.dtype}.")
+    _check_positions("query_positions", query_positions, (batch_size, length), "(batch, tokens)")
+    _check_positions("key_positions", key_positions, (batch_size, num_keys), "(batch, keys)")
+    if key_valid is not None:
+        if not isinstance(key_valid, torch.Tensor) or key_valid.shape != (batch_size, num_keys):
+            raise ValueError(
+                f"key_valid must be None or a tensor of shape (batch, keys) = {(batch_size, num_keys)}, "
+                f"got {_shape(key_valid)}."
+            )
+        if key_valid.dtype != torch.bool:
+            raise ValueError(
+                f"key_valid must be a bool tensor (False marks an empty slot), got dtype {key_valid.dtype}."
+            )
+    if not _is_number(ramp) or not math.isfinite(ramp) or ramp <= 0:
+        raise ValueError(f"ramp must be a positive finite number (the ramp length R in tokens), got {ramp!r}.")
+    if max_distance is not None and (not _is_number(max_distance) or not max_distance >= 0):
+        raise ValueError(f"max_distance must be None or a number >= 0 (in tokens), got {max_distance!r}.")
+    if scale is not None and (not _is_number(scale) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be None (width ** -0.5) or a finite number, got {scale!r}.")
+    if not _is_number(dropout) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}.")
+
+
+def expire_span_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: torch.Tensor | None,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    *,
+    ramp: float,
+    key_valid: torch.Tensor | None = None,
+    max_distance: float | None = None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention over keys that expire after their learned spans (paper Eqs. 4-5, SPEC §2).
+
+    Key ``i`` is visible to query ``t`` when ``key_positions ≤ query_positions`` (causal by absolute position, so
+    memories and the current block may be concatenated in any order), ``key_valid`` is True, and ``t − i ≤
+    max_distance``. A visible key is weighed by ``m_ti = clamp(1 + (e_i − (t − i)) / R, 0, 1)`` and the weights
+    are renormalised; a query that sees no key with m > 0 outputs zeros.
+
+    Args:
+        query: ``(B, H, T, d)``.
+        key: ``(B, H, N, d)``.
+        value: ``(B, H, N, d_v)``; same dtype as query and key.
+        spans: the span ``e_i`` of each key in tokens, ``(B, N)`` float, differentiable; ``None``: never expires.
+        query_positions: absolute position ``t`` of each query, ``(B, T)`` integer.
+        key_positions: absolute position ``i`` of each key, ``(B, N)`` integer.
+        ramp: the ramp length ``R > 0`` of the soft mask (Eq. 5).
+        key_valid: ``(B, N)`` bool; False marks a padding or deleted slot, never visible. ``None``: all valid.
+        max_distance: keys with ``t − i > max_distance`` are not visible (fixed-span attention, random memory
+            shortening); ``None``: no limit.
+        scale: score scale; ``None`` means ``d ** -0.5``.
+        dropout: dropout probability on the attention weights (applied only when > 0; the caller passes 0 in eval).
+        backend: ``"torch"``, ``"triton"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS``, else picks
+            ``"triton"`` for CUDA tensors (when installed) and ``"torch"`` otherwise. The Triton kernel does not
+            cover attention dropout, float64 or head widths above 128: those run the torch implementation.
+
+    Returns:
+        ``(B, H, T, d_v)`` in the query's dtype.
+    """
+    _check_inputs(
+        query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
+    )
+    backend = resolve_backend(backend, query.device)
+    implementation = expire_span_attention_reference if backend == "reference" else expire_span_attention_sdpa
+    supported = (
+        query.dtype in (torch.float32, torch.float16, torch.bfloat16) and max(query.shape[-1], value.shape[-1]) <= 128
+    )
+    if backend == "triton" and dropout == 0 and supported:
+        check_triton_device(query.device)
+        from .memlm_expire_attention_triton_attention import expire_span_attention_triton as implementation
+    return implementation(
+        query,
+        key,
+        value,
+        spans,
+        query_positions,
+        key_positions,
+        ramp=ramp,
+        key_valid=key_valid,
+        max_distance=max_distance,
+        scale=scale,
+        dropout=dropout,
+    )
