@@ -207,6 +207,7 @@ def rebundle(argv) -> None:
     folder, config_json = checkpoint_folder(parser.parse_args(argv).model)
     from transformers import AutoConfig
 
+    import memlm
     from memlm.configuration.validation import MEMLM_MODEL_TYPES
     from memlm.export import bundle_auto_map, bundle_differences, bundled_modules, write_bundle
 
@@ -231,7 +232,7 @@ def rebundle(argv) -> None:
     if changes or removed:
         deleted = f"; deleted {', '.join(removed)} (no longer bundled)" if removed else ""
         print(
-            f"{folder}: rewrote {', '.join(changes) or 'nothing'}{deleted}, with the code of {versions().split(', ')[0]}."
+            f"{folder}: rewrote {', '.join(changes) or 'nothing'}{deleted}, with the code of memlm {memlm.__version__}."
         )
     else:
         print(f"{folder}: the code bundle was already the installed memlm's; nothing changed.")

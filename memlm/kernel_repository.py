@@ -1,7 +1,7 @@
 """memlm's kernels as a kernel repository of 🤗's `kernels` package, generated from `memlm/kernels` (issue 21).
 
-    python -m memlm.kernel_repository build hub_kernels/memlm-kernels    # write (or refresh) the repository
-    python -m memlm.kernel_repository check hub_kernels/memlm-kernels    # exit 1 and name the files if it is stale
+    python -m memlm.kernel_repository build build/memlm-kernels    # write (or refresh) the repository
+    python -m memlm.kernel_repository check build/memlm-kernels    # exit 1 and name the files if it is stale
 
 The repository has one build variant per device type, `build/torch-cpu` and `build/torch-cuda` (noarch: pure Python,
 no compiled extension). Both hold the same package: memlm's kernels flattened as for a checkpoint's remote code

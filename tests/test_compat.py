@@ -32,6 +32,7 @@ TESTERS = {
     "feedback": FeedbackTransformerModelTester(),
 }
 RENAMED_IN_THIS_RELEASE = CACHE_NAME == "cache"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model(name, base=False):
@@ -159,15 +160,14 @@ OLD_NAME_USE = re.compile(r"\.past_key_values\b|\bpast_key_values\s*=(?!=)|\bcac
 def test_only_compat_speaks_the_old_names():
     """memlm, its scripts and its benchmarks use `cache`; the old names appear only in memlm/compat.py (a warning
     today is an error when 🤗 drops the aliases, announced for 5.40, and under 5.23 nothing warns at all)."""
-    root = Path(__file__).resolve().parents[1]
     offenders = []
     for folder in ("memlm", "training", "benchmarks"):
-        for path in sorted((root / folder).rglob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
             if path.name == "compat.py":
                 continue
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if OLD_NAME_USE.search(line):
-                    offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
 
 
@@ -190,9 +190,6 @@ def _lower_bounds() -> dict[str, str]:
             if specifier.operator == ">=":
                 bounds[canonicalize_name(requirement.name)] = specifier.version
     return bounds
-
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_declared_lower_bounds_are_the_oldest_releases_tested():
