@@ -92,6 +92,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -890,7 +891,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="the memlm models carry their memory across segments (default)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write every run and the summaries to this JSON file")
-    parser.add_argument("--plot", default=None, help=f"PNG of the curves (default {DEFAULT_PLOT}; '' for none)")
+    parser.add_argument("--plot", default=None, help=f"PNG of the curves (default {DEFAULT_PLOT}, with --smoke a "
+                        "temporary folder; '' for none)")  # fmt: skip
     parser.add_argument("--write-docs", action="store_true",
                         help="at the end, write the results into benchmarks/README.md and hub_cards/*.md")  # fmt: skip
     parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
@@ -908,7 +910,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         if getattr(args, option) is None:
             setattr(args, option, SMOKE[option] if args.smoke else full)
     if args.plot is None:
+        # A smoke run's curves mean nothing: they go to a temporary folder, not over the measured picture.
         args.plot = DEFAULT_PLOT
+        if args.smoke:
+            args.plot = os.path.join(tempfile.mkdtemp(prefix="lm_compare_smoke_"), "lm_compare.png")
     for option in ("steps", "eval_every", "hidden_size", "num_layers", "num_heads", "intermediate_size", "length",
                    "batch_size", "eval_tokens", "eval_rows", "max_span", "memory_span", "max_bytes", "decode_steps",
                    "threads"):  # fmt: skip

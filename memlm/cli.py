@@ -6,6 +6,7 @@ memlm generate runs/tiny --prompt "def "                        stream text from
 memlm info runs/tiny                                            what a checkpoint is, and the versions memlm runs with
 memlm rebundle runs/tiny                                        rewrite a checkpoint's code with the installed memlm's
 memlm plot-memory runs/tiny --text "..." --output memory.png     what an Expire-Span / Feedback model remembers
+memlm kernels build DIR | check DIR | push REPO_ID               memlm's kernels as a repository of 🤗's `kernels`
 
 A bad input ends with one line `memlm: error: ...` on stderr and exit status 1; `memlm --debug COMMAND ...` (or the
 environment variable MEMLM_DEBUG=1) shows the Python traceback instead.
@@ -120,9 +121,10 @@ def generate(argv) -> None:
               streamer=TextStreamer(tokenizer), **options)  # fmt: skip
 
 
-def describe(path: str) -> list[str]:
+def describe(path: str, broken: list[str] | None = None) -> list[str]:
     """What a checkpoint folder holds: model, size, memory settings, and the kernel backend it would run. A weights or
-    metrics file that cannot be read is flagged on its line; the rest is still described."""
+    metrics file that cannot be read is flagged on its line (and its name appended to `broken`); the rest is still
+    described."""
     import torch
     from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig
@@ -130,6 +132,7 @@ def describe(path: str) -> list[str]:
     import memlm  # noqa: F401
     from memlm.configuration.validation import MEMLM_MODEL_TYPES
     from memlm.kernels import describe_backend, resolve_backend
+    from memlm.kernels.hub import describe_hub_kernels
 
     folder, _ = checkpoint_folder(path)
     config = AutoConfig.from_pretrained(folder)
@@ -143,6 +146,8 @@ def describe(path: str) -> list[str]:
             readable.append(file.name)
         except (SafetensorError, OSError, ValueError) as error:
             unreadable.append(f"{file.name} cannot be read ({_one_line(error)})")
+            if broken is not None:
+                broken.append(file.name)
     if readable:
         lines.append(f"parameters: {count:,} in {', '.join(readable)}")
     lines += [f"weights: {entry}" for entry in unreadable]
@@ -156,11 +161,16 @@ def describe(path: str) -> list[str]:
                  "memlm_feedback_transformer": "feedback"}.get(config.model_type)  # fmt: skip
     if operation is not None:
         lines.append(f"kernels run: {describe_backend(operation, device, getattr(config, 'dtype', None))}")
+        hub_layer = {"memlm_deltanet": "DeltaNetAttention", "memlm_expire_span": "ExpireSpanAttention",
+                     "memlm_feedback_transformer": "FeedbackRecurrence"}[config.model_type]  # fmt: skip
+        lines.append(describe_hub_kernels([hub_layer]))
     if (folder / "metrics.json").is_file():
         try:
             lines += _describe_metrics(json.loads((folder / "metrics.json").read_text()))
         except (ValueError, OSError) as error:
             lines.append(f"metrics.json: cannot be read, skipped ({_one_line(error)})")
+            if broken is not None:
+                broken.append("metrics.json")
     if (folder / "tokenizer.json").is_file():
         lines.append("tokenizer: saved beside the model")
     if config.model_type in MEMLM_MODEL_TYPES:
@@ -174,7 +184,7 @@ def versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     installed = []
-    for package in ("memlm", "transformers", "accelerate", "torch", "triton"):
+    for package in ("memlm", "transformers", "accelerate", "torch", "triton", "kernels"):
         try:
             installed.append(f"{package} {version(package)}")
         except PackageNotFoundError:
@@ -340,10 +350,20 @@ def run(command: str, rest: list[str]) -> None:
         plot_memory(rest)
     elif command == "rebundle":
         rebundle(rest)
+    elif command == "kernels":
+        from memlm.kernel_repository import main as kernel_repository
+
+        status = kernel_repository(rest, prog="memlm kernels")
+        if status:
+            raise SystemExit(status)  # `check` found a stale repository
     else:
         parser = argparse.ArgumentParser(prog="memlm info", description="Describe a saved checkpoint.")
         parser.add_argument("model")
-        print("\n".join(describe(parser.parse_args(rest).model)))
+        arguments = parser.parse_args(rest)
+        broken = []
+        print("\n".join(describe(arguments.model, broken)))
+        if broken:  # described as far as it could be, but a script checking the status must not see success
+            raise ValueError(f"{arguments.model}: {', '.join(broken)} cannot be read (see above).")
 
 
 def main(argv=None) -> None:
@@ -351,7 +371,7 @@ def main(argv=None) -> None:
     debug = os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0")
     if argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
-    commands = ("train", "finetune", "generate", "info", "rebundle", "plot-memory")
+    commands = ("train", "finetune", "generate", "info", "rebundle", "plot-memory", "kernels")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -120,8 +120,11 @@ def test_info_describes_the_rest_when_metrics_json_is_broken(checkpoints, tmp_pa
     for file in checkpoints["expire_span"].iterdir():
         (folder / file.name).write_bytes(file.read_bytes())
     (folder / "metrics.json").write_text(contents)
-    main(["info", str(folder)])
-    output = capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:  # a script checking the status sees the broken file
+        main(["info", str(folder)])
+    assert exit_info.value.code == 1
+    output, error = capsys.readouterr()
+    assert error == f"memlm: error: {folder}: metrics.json cannot be read (see above).\n"
     count = ExpireSpanConfig(max_span=32, ramp=4, block_size=16, **SIZES).estimated_parameters()
     assert f"parameters: {count:,} in model.safetensors" in output
     assert "ExpireSpanConfig" in output and "tokenizer: saved beside the model" in output
@@ -138,8 +141,14 @@ def test_info_flags_an_unreadable_weights_file(checkpoints, tmp_path, capsys):
     for file in checkpoints["deltanet"].iterdir():
         (folder / file.name).write_bytes(file.read_bytes())
     (folder / "extra.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
-    main(["info", str(folder)])
-    output = capsys.readouterr().out
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "truncated.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", str(folder)])
+    assert exit_info.value.code == 1
+    output, error = capsys.readouterr()
+    assert error == f"memlm: error: {folder}: extra.safetensors, truncated.safetensors cannot be read (see above).\n"
+    assert "weights: truncated.safetensors cannot be read (" in output
     count = DeltaNetConfig(chunk_size=8, **SIZES).estimated_parameters()
     assert f"parameters: {count:,} in model.safetensors\n" in output
     assert "weights: extra.safetensors cannot be read (" in output and "DeltaNetConfig" in output
@@ -290,3 +299,27 @@ def test_a_checkpoint_saved_by_the_memlm_before_the_rename_generates_again_after
     expected = DeltaNetForCausalLM.from_pretrained(folder).generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4,
                                                                      min_new_tokens=4)  # fmt: skip
     assert json.loads(after.stdout.strip().splitlines()[-1]) == expected.tolist()
+
+
+@pytest.mark.parametrize(("family", "layer"), [("deltanet", "DeltaNetAttention"),
+                                               ("expire_span", "ExpireSpanAttention")])  # fmt: skip
+def test_info_says_whether_hub_kernels_can_swap_the_layers(checkpoints, capsys, family, layer):
+    import importlib.util
+
+    from transformers.utils import import_utils
+
+    main(["info", str(checkpoints[family])])
+    output = capsys.readouterr().out
+    [line] = [line for line in output.splitlines() if line.startswith("hub kernels: ")]
+    if importlib.util.find_spec("kernels") is None:
+        assert "not installed" in line and "memlm[kernels]" in line
+        return
+    from importlib.metadata import version
+
+    assert f"kernels {version('kernels')} can swap {layer} " in line
+    if import_utils.is_kernels_available():
+        assert line.endswith("use_kernels=True works")
+    else:
+        expected = f"needs kernels>={import_utils.KERNELS_MIN_VERSION},<{import_utils.KERNELS_MAX_VERSION}"
+        assert expected in line
+    assert f"kernels {version('kernels')}" in [entry for entry in output.splitlines() if "running with" in entry][0]

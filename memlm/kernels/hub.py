@@ -12,17 +12,22 @@ the installed `kernels` is a version that 🤗 release accepts for `use_kernels=
 This module is part of the code a checkpoint carries (the model files import it), so it imports nothing from memlm.
 """
 
+import importlib
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 # The kernel repository memlm publishes (kernel names are lower-case words joined by dashes).
 KERNEL_NAME = "memlm-kernels"
 HUB_REPOSITORY = "memlm/memlm-kernels"
+# The major version of the repository's interface (its layers and functions): each variant's metadata names it,
+# `memlm kernels push` makes the branch `v{KERNEL_VERSION}`, which `kernels` loads for a Hub id by default.
+KERNEL_VERSION = 1
 # Hub name of each memlm layer a kernel repository can replace; the repository's `layers` module has a class of the
 # same name.
-LAYER_NAMES = ("DeltaNetAttention", "ExpireSpanAttention")
+LAYER_NAMES = ("DeltaNetAttention", "ExpireSpanAttention", "FeedbackRecurrence")
 # Device types the repository's variants serve: its code dispatches per tensor (Triton on CUDA, PyTorch elsewhere).
 DEVICES = ("cpu", "cuda")
 
@@ -44,9 +49,17 @@ def use_kernel_forward_from_hub(layer_name: str):
     return lambda layer_class: layer_class
 
 
-def kernel_mapping(repository: str | os.PathLike = HUB_REPOSITORY, *, revision: str | None = None, version=None):
+def kernel_mapping(
+    repository: str | os.PathLike = HUB_REPOSITORY,
+    *,
+    revision: str | None = None,
+    version=None,
+    trust_remote_code=False,
+):
     """The mapping `kernels.use_kernel_mapping` / `register_kernel_mapping` take, for every memlm hub layer: from a
-    local folder (a `Path` or an existing directory) or a Hub repository id (with `revision` or `version`)."""
+    local folder (a `Path` or an existing directory) or a Hub repository id (with `revision` or `version`, default
+    `KERNEL_VERSION`). The `kernels` package loads Hub code only from publishers it trusts: `trust_remote_code=True`
+    (or a list of repository ids) loads a repository pushed under your own name."""
     from kernels import LayerRepository, LocalLayerRepository
 
     local = isinstance(repository, Path) or Path(repository).is_dir()
@@ -58,16 +71,85 @@ def kernel_mapping(repository: str | os.PathLike = HUB_REPOSITORY, *, revision: 
             layer = LocalLayerRepository(Path(repository), layer_name=name)
         else:
             if revision is None and version is None:
-                version = 1
-            layer = LayerRepository(str(repository), layer_name=name, revision=revision, version=version)
+                version = KERNEL_VERSION
+            layer = LayerRepository(str(repository), layer_name=name, revision=revision, version=version,
+                                    trust_remote_code=trust_remote_code)  # fmt: skip
         mapping[name] = dict.fromkeys(DEVICES, layer)
     return mapping
 
 
-def use_kernels_problem() -> str | None:
-    """Why `from_pretrained(..., use_kernels=True)` cannot run with the installed 🤗 Transformers and `kernels`, in
-    one line; `None` when it can. 🤗 accepts only the `kernels` releases it was tested with (5.24: 0.18.2 to 0.19,
-    5.18 to 5.21: 0.17), while `kernels.kernelize` itself works with whichever is installed."""
+def register_mapping(
+    repository: str | os.PathLike = HUB_REPOSITORY,
+    *,
+    revision: str | None = None,
+    version=None,
+    trust_remote_code=False,
+):
+    """Register memlm's layers for every later `kernels.kernelize` and `from_pretrained(..., use_kernels=True)` in
+    this process (`kernels.register_kernel_mapping`), from a folder or a Hub repository as `kernel_mapping` takes it.
+    memlm does not do this on import: until a repository is published under `HUB_REPOSITORY`, a default mapping would
+    make `kernelize` fail to load it."""
+    from kernels import register_kernel_mapping
+
+    register_kernel_mapping(
+        kernel_mapping(repository, revision=revision, version=version, trust_remote_code=trust_remote_code)
+    )
+
+
+def running_kernel(module) -> str | None:
+    """Which kernel's `forward` `module` runs, in words (name, version, backend, and where it was loaded from), after
+    `kernels.kernelize` swapped it in; `None` while the module runs its own."""
+    function = getattr(module.__dict__.get("forward"), "__func__", None)
+    if function is None or function is getattr(type(module), "forward", None):
+        return None
+    where = f"{function.__module__}.{function.__qualname__}"
+    if "kernels" not in sys.modules:  # a forward set by something else than the kernels package
+        return where
+    from kernels import get_loaded_kernels
+
+    for loaded in get_loaded_kernels():
+        package = loaded.module.__name__
+        if function.__module__ == package or function.__module__.startswith(package + "."):
+            metadata = loaded.metadata
+            backend = str(metadata.backend.backend_type).rpartition(".")[2].lower()
+            if loaded.repo_info is not None:
+                origin = f"{loaded.repo_info.repo_id}@{loaded.repo_info.revision}"
+            else:
+                origin = str(Path(loaded.module.__file__).parents[1])
+            text = f"{metadata.name} version {metadata.version} ({backend}) from {origin}"
+            if str(metadata.name) == KERNEL_NAME:
+                text += _generation_note(metadata.id)
+            return text
+    return where
+
+
+def _generation_note(kernel_id: str) -> str:
+    """Whether memlm's repository that was loaded is the installed memlm's generation (its id ends in a digest of
+    the generated package)."""
+    try:  # by name, so that a checkpoint's code bundle does not carry the generator along with this module
+        generator = importlib.import_module("memlm.kernel_repository")
+    except ImportError:  # the checkpoint's bundled copy of this module, without memlm installed
+        return ""
+    if kernel_id.endswith("_" + generator.package_digest()):
+        return ", generated from the installed memlm"
+    return ", generated from another memlm (python -m memlm.kernel_repository build refreshes it)"
+
+
+class HubLayerMixin:
+    """Mixed into memlm's hub layers: their repr names the kernel that runs once `kernels.kernelize` swapped one in."""
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        kernel = running_kernel(self)
+        if kernel is None:
+            return text
+        return ", ".join(part for part in (text, f"hub_kernel={kernel}") if part)
+
+
+def use_kernels_requirement() -> str | None:
+    """The `kernels` releases the installed 🤗 Transformers needs for `from_pretrained(..., use_kernels=True)`, in
+    a few words, when the installed `kernels` is not one of them; `None` when it is. 🤗 accepts only the releases it
+    was tested with (5.24: 0.18.2 to 0.19, 5.18 to 5.21: 0.17), while `kernels.kernelize` works with any."""
     import transformers
     from transformers.utils import import_utils
 
@@ -77,10 +159,30 @@ def use_kernels_problem() -> str | None:
     maximum = getattr(import_utils, "KERNELS_MAX_VERSION", None)
     wanted = f"kernels>={minimum},<{maximum}" if minimum and maximum else "another kernels release"
     installed = f"kernels {importlib.metadata.version('kernels')}" if kernels_available() else "no kernels package"
+    return f"needs {wanted} with transformers {transformers.__version__} ({installed} installed)"
+
+
+def use_kernels_problem() -> str | None:
+    """Why `from_pretrained(..., use_kernels=True)` cannot run with the installed 🤗 Transformers and `kernels`, in
+    one line; `None` when it can."""
+    requirement = use_kernels_requirement()
+    if requirement is None:
+        return None
     return (
-        f"use_kernels=True needs {wanted} with transformers {transformers.__version__} ({installed} installed); "
-        "install that, or call kernels.kernelize(model, mode=..., device=...) inside "
+        f"use_kernels=True {requirement}; install that, or call kernels.kernelize(model, mode=..., device=...) inside "
         "kernels.use_kernel_mapping(memlm.kernels.hub.kernel_mapping(...)), which works with any kernels."
+    )
+
+
+def describe_hub_kernels(layer_names) -> str:
+    """One line for `memlm info`: whether `kernels` can swap these hub layers, and whether `use_kernels=True` can."""
+    if not kernels_available():
+        return "hub kernels: the kernels package is not installed (pip install 'memlm[kernels]')"
+    requirement = use_kernels_requirement()
+    return (
+        f"hub kernels: kernels {importlib.metadata.version('kernels')} can swap {', '.join(layer_names)} "
+        f"(kernels.kernelize with memlm.kernels.hub.kernel_mapping(folder or Hub id)); use_kernels=True "
+        + ("works" if requirement is None else requirement)
     )
 
 

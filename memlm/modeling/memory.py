@@ -27,8 +27,21 @@ def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor | None, kwa
     """🤗's next-token loss (`model.loss_function`) from `labels` (shifted inside) or from `shift_labels` in `kwargs`
     (already shifted, as context-parallel `Trainer` runs and some collators pass them); None without either."""
     loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
-    if labels is None and loss_kwargs.get("shift_labels") is None:
+    targets = loss_kwargs.get("shift_labels")
+    if labels is None and targets is None:
         return None
+    for name, given in (("labels", labels), ("shift_labels", targets)):
+        if given is not None and tuple(given.shape) != tuple(logits.shape[:2]):
+            raise ValueError(
+                f"{name} must have the shape of the inputs (batch, length) = {tuple(logits.shape[:2])}, got "
+                f"{tuple(given.shape)}."
+            )
+    if loss_kwargs.get("num_items_in_batch") is None:
+        # The mean over the predicted tokens as their sum / their count (at least 1): the same number, and a batch
+        # whose labels are all ignored gives 0 and a zero gradient instead of 🤗's nan (0 / 0), without a host sync.
+        ignored = loss_kwargs.get("ignore_index", -100)
+        predicted = targets if targets is not None else labels[:, 1:]
+        loss_kwargs["num_items_in_batch"] = (predicted != ignored).sum().clamp(min=1)
     return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
 
 

@@ -27,7 +27,7 @@ from ..export import RemoteCodeMixin
 from ..kernels import describe_backend, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
 from ..kernels.delta_rule.packing import PaddingPacker
-from ..kernels.hub import HubKernelsMixin, use_kernel_forward_from_hub
+from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import GatedMLP, RMSNorm
 from .memory import (
     CountsOwnPositions,
@@ -180,7 +180,7 @@ class DeltaNetFeatureMap(nn.Module):
 
 
 @use_kernel_forward_from_hub("DeltaNetAttention")
-class DeltaNetAttention(nn.Module):
+class DeltaNetAttention(HubLayerMixin, nn.Module):
     """The fast-weight memory of one layer: projections → short convolution → φ and normalisation → delta (or sum)
     rule → per-head output norm and gate → output projection."""
 
@@ -210,13 +210,15 @@ class DeltaNetAttention(nn.Module):
         self.o_proj = nn.Linear(value_width, config.hidden_size, bias=False)
 
     def extra_repr(self) -> str:
-        """Which kernel runs this layer's rule for its weights' device and dtype (as `memlm info` says)."""
+        """Which kernel runs this layer's rule for its weights' device and dtype (as `memlm info` says), and the
+        kernel repository whose forward runs once `kernels.kernelize` swapped one in."""
         operation = "delta_rule" if self.config.update_rule == "delta" else "sum_rule"
         weight = self.o_proj.weight
         try:
-            return f"kernels={describe_backend(operation, weight.device, weight.dtype)!r}"
+            text = f"kernels={describe_backend(operation, weight.device, weight.dtype)!r}"
         except ValueError as error:  # e.g. an unknown MEMLM_KERNELS: the repr says so instead of failing
-            return f"kernels=<{error}>"
+            text = f"kernels=<{error}>"
+        return ", ".join(part for part in (text, super().extra_repr()) if part)
 
     def forward(
         self,

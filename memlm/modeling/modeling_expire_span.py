@@ -34,7 +34,7 @@ from ..kernels.expire_attention.memory import (
     memory_counts,
     next_decoding_slack,
 )
-from ..kernels.hub import HubKernelsMixin, use_kernel_forward_from_hub
+from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from .memory import (
     CountsOwnPositions,
@@ -91,7 +91,7 @@ class ExpireSpanPredictor(nn.Linear):
 
 
 @use_kernel_forward_from_hub("ExpireSpanAttention")
-class ExpireSpanAttention(nn.Module):
+class ExpireSpanAttention(HubLayerMixin, nn.Module):
     """Multi-head attention over the layer's memories and the current block, masked by the learned spans."""
 
     def __init__(self, config: ExpireSpanConfig, layer_idx: int):

@@ -13,8 +13,8 @@ operation `memlm.kernels.feedback.feedback_recurrence`: its `reference.py` is th
 memory in preallocated buffers (the cache's ring of τ slots, a training tape) and differentiates the loop by hand.
 The `record` arguments of `step` keep what that hand-written backward needs (`Recording`).
 
-The file reads top to bottom: attention → decoder layer → cache → PreTrainedModel → FeedbackTransformerModel (its
-step, then its forward) → FeedbackTransformerForCausalLM.
+The file reads top to bottom: attention → decoder layer → recurrence (the loop, a hub layer of 🤗's `kernels`) →
+cache → PreTrainedModel → FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerForCausalLM.
 """
 
 import math
@@ -31,6 +31,7 @@ from ..configuration.configuration_feedback_transformer import FeedbackTransform
 from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.through_time import Recording, StepGradients
+from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .memory import (
     CountsOwnPositions,
@@ -89,6 +90,18 @@ class FeedbackDecoderLayer(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
 
+@use_kernel_forward_from_hub("FeedbackRecurrence")
+class FeedbackRecurrence(HubLayerMixin, nn.Module):
+    """The loop over the time steps (paper Eq. 1 makes them sequential) and the memory it reads and writes, as a
+    module without weights: the model passes itself, so a kernel repository of 🤗's `kernels` package can replace the
+    loop (`kernels.kernelize`) while the weights stay the model's."""
+
+    def forward(self, model, inputs_embeds, positions, valid, cache_layers, next_positions, padding_steps=0,
+                keep_states=False):  # fmt: skip
+        return feedback_recurrence(model, inputs_embeds, positions, valid, cache_layers, next_positions,
+                                   padding_steps=padding_steps, keep_states=keep_states)  # fmt: skip
+
+
 class FeedbackCacheLayer(MemoryCacheLayer):
     """One key/value set of the feedback memory: τ slots per row (slot = position mod τ), with each slot's position and
     whether it holds a memory."""
@@ -133,7 +146,7 @@ class FeedbackCache(MemoryCache):
         )
 
 
-class FeedbackTransformerPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
+class FeedbackTransformerPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel):
     config: FeedbackTransformerConfig
     config_class = FeedbackTransformerConfig
     base_model_prefix = "model"
@@ -168,7 +181,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
     # The modules `step` runs: the hand-written backward of `memlm.kernels.feedback` knows these (and the config's
     # activation) only; any other module, e.g. an adapter, runs the steps with autograd.
     step_modules = (FeedbackDecoderLayer, FeedbackAttention, GatedMLP, RMSNorm, RotaryEmbedding, nn.Linear,
-                    nn.Dropout, nn.ModuleList)  # fmt: skip
+                    nn.Dropout, nn.ModuleList, FeedbackRecurrence)  # fmt: skip
 
     def __init__(self, config: FeedbackTransformerConfig):
         super().__init__(config)
@@ -195,6 +208,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.memory_span = config.memory_span
         self.share_key_value = config.share_key_value
         self.shared_bias = config.position_encoding == "rotary"  # no learned bias: one bias serves every layer
+        self.recurrence = FeedbackRecurrence()
         self.post_init()
 
     def _memory_bias(self, layer: FeedbackDecoderLayer | None, window, positions: torch.Tensor) -> torch.Tensor:
@@ -364,9 +378,16 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         positions = positions.masked_fill(~valid, -1)
 
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
-        top, all_states, window = feedback_recurrence(self, inputs_embeds, positions, valid, cache.layers,
-                                                      cache.next_positions, padding_steps=padding_steps,
-                                                      keep_states=output_hidden_states)  # fmt: skip
+        top, all_states, window = self.recurrence(
+            self,
+            inputs_embeds,
+            positions,
+            valid,
+            cache.layers,
+            cache.next_positions,
+            padding_steps,
+            output_hidden_states,
+        )
         if window is not None:
             # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
             # training forward takes it as its prefix, inference lays it out as a ring.

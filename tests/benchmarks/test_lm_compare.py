@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,13 @@ def test_summary_of_a_model_trained_with_the_first_seed_only():
     assert [benchmark.trains(name, 1, arguments) for name in ("llama", "mamba")] == [True, False]
     with pytest.raises(SystemExit):
         benchmark.parse_arguments(["--smoke", "--one-seed-models", "llama"])
+
+
+def test_a_smoke_run_does_not_draw_over_the_measured_picture(tmp_path):
+    """Without --plot, a smoke run's meaningless curves go to a temporary folder; a full run's to the committed PNG."""
+    benchmark = load_benchmark()
+    smoke = benchmark.parse_arguments(["--smoke"]).plot
+    assert smoke != benchmark.DEFAULT_PLOT
+    assert os.path.realpath(smoke).startswith(os.path.realpath(tempfile.gettempdir()))
+    assert benchmark.parse_arguments([]).plot == benchmark.DEFAULT_PLOT
+    assert benchmark.parse_arguments(["--smoke", "--plot", str(tmp_path / "x.png")]).plot == str(tmp_path / "x.png")

@@ -11,16 +11,19 @@ import pytest
 import torch
 
 kernels = pytest.importorskip("kernels")
+pytestmark = pytest.mark.huggingface  # also under the oldest and newest releases (`make test-releases`)
 
 from kernels import Mode, get_local_kernel, kernelize, use_kernel_mapping  # noqa: E402
 
-from memlm import DeltaNetForCausalLM, ExpireSpanConfig, ExpireSpanForCausalLM  # noqa: E402
+from memlm import DeltaNetForCausalLM, ExpireSpanConfig, ExpireSpanForCausalLM, FeedbackCache  # noqa: E402
 from memlm.kernel_repository import VARIANTS, write_repository  # noqa: E402
 from memlm.kernels.delta_rule import delta_rule, sum_rule  # noqa: E402
 from memlm.kernels.expire_attention import expire_span_attention  # noqa: E402
+from memlm.kernels.feedback import feedback_recurrence  # noqa: E402
 from memlm.kernels.hub import HUB_REPOSITORY, kernel_mapping  # noqa: E402
 from tests.conftest import DELTANET_VARIANTS  # noqa: E402
 from tests.modeling.test_modeling_expire_span import TINY as EXPIRE_SPAN_TINY  # noqa: E402
+from tests.modeling.test_modeling_feedback_transformer import _model as feedback_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # The delta rule and the sum rule, each with and without a short convolution, an output gate and the normaliser.
@@ -96,18 +99,28 @@ print("triton ok")
     assert "triton ok" in result.stdout
 
 
+def hub_modules(model) -> list:
+    """memlm's modules that carry a hub name (🤗's own hub layers, e.g. its SiLU, are not memlm's)."""
+    return [
+        module
+        for module in model.modules()
+        if hasattr(type(module), "kernel_layer_name") and type(module).__module__.startswith("memlm.")
+    ]
+
+
 def _kernelized(model, repository, mode):
     kernelized = copy.deepcopy(model)
     with use_kernel_mapping(kernel_mapping(repository)):
         # Falling back is allowed for 🤗's own hub layers (e.g. its SiLU where 🤗 accepts the installed `kernels`),
         # which no mapping here names; memlm's layers are checked below.
         kernelize(kernelized, mode=mode, device="cpu")
-    for layer in kernelized.model.layers:
+    assert hub_modules(kernelized)
+    for module in hub_modules(kernelized):
         # The forward that runs is the repository's, not memlm's.
-        module = layer.attention.forward.__func__.__module__
-        assert module.startswith("_memlm_kernels_cpu_") and ".layers_" in module, module
-    for layer in model.model.layers:
-        assert layer.attention.forward.__func__.__module__ == type(model).__module__
+        name = module.forward.__func__.__module__
+        assert name.startswith("_memlm_kernels_cpu_") and ".layers_" in name, name
+    for module in hub_modules(model):
+        assert module.forward.__func__.__module__ == type(module).__module__
     return kernelized
 
 
@@ -193,6 +206,83 @@ def test_expire_span_training_gradients_equal(repository):
     assert model.model.layers[0].attention.span_predictor.weight.grad.abs().sum() > 0  # the span loss trains
 
 
+def test_repository_feedback_recurrence_equals_memlm(repository):
+    kernel = get_local_kernel(repository)
+    model = feedback_model().model
+    inputs_embeds = torch.randn(2, 6, 32)
+    positions = torch.arange(6).expand(2, 6)
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    results = []
+    for function in (feedback_recurrence, kernel.feedback_recurrence):
+        cache = FeedbackCache(model.config)
+        cache.next_positions = torch.zeros(2, dtype=torch.long)
+        with torch.no_grad():  # the memory goes into the cache's ring, in place
+            top, _, _ = function(model, inputs_embeds, positions, valid, cache.layers, cache.next_positions)
+        results.append((top, cache.layers[0].keys, cache.layers[0].values))
+    for tensor, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
+def test_feedback_inference_and_generation_equal(repository, variant):
+    model = feedback_model(variant)
+    kernelized = _kernelized(model, repository, Mode.INFERENCE)
+    input_ids = torch.randint(0, 256, (2, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0  # left padding writes nothing into the memory
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(
+            kernelized(input_ids, attention_mask=attention_mask).logits, expected, rtol=0, atol=0
+        )
+    prompt = input_ids[:1, :4]
+    expected_tokens = model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=257)
+    tokens = kernelized.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=257)
+    assert torch.equal(tokens, expected_tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feedback_training_gradients_equal(repository, dtype):
+    """float32 runs the hand-written backward through time, bfloat16 autograd through every step: both through the
+    repository's loop, with the same gradients as memlm's."""
+    model = feedback_model().train().to(dtype)
+    kernelized = _kernelized(model, repository, Mode.TRAINING)
+    input_ids = torch.randint(0, 256, (2, 11))
+    for candidate in (model, kernelized):
+        candidate(input_ids, labels=input_ids).loss.backward()
+    gradients = dict(kernelized.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
+
+
+def test_repr_names_the_kernel_that_runs(repository, tmp_path):
+    """A layer's repr says which repository's forward runs, and whether the installed memlm generated it (the
+    variant's id ends in a digest of the generated package; an older memlm's has another)."""
+    import json
+    import shutil
+
+    model = feedback_model()
+    assert "hub_kernel" not in repr(model)
+    kernelized = _kernelized(model, repository, Mode.INFERENCE)
+    assert repr(kernelized.model.recurrence) == (
+        f"FeedbackRecurrence(hub_kernel=memlm-kernels version 1 (cpu) from {repository / 'build' / 'torch-cpu'}, "
+        "generated from the installed memlm)"
+    )
+    older = tmp_path / "older"
+    shutil.copytree(repository, older)
+    metadata_path = older / "build" / "torch-cpu" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["id"] = metadata["id"].rpartition("_")[0] + "_0123456789"
+    metadata_path.write_text(json.dumps(metadata))
+    deltanet = _kernelized(DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()), older, Mode.INFERENCE)
+    text = repr(deltanet.model.layers[0].attention).splitlines()[1]
+    assert text.endswith(
+        f"hub_kernel=memlm-kernels version 1 (cpu) from {older / 'build' / 'torch-cpu'}, generated from another "
+        "memlm (python -m memlm.kernel_repository build refreshes it)"
+    )
+
+
 def test_memlm_without_kernels_is_unchanged():
     """With `kernels` unimportable, memlm imports and its attention carries no hub name (a real subprocess)."""
     script = """
@@ -200,8 +290,10 @@ import sys
 sys.modules["kernels"] = None  # as without the package: find_spec("kernels") is None, import kernels fails
 from memlm.modeling.modeling_deltanet import DeltaNetAttention
 from memlm.modeling.modeling_expire_span import ExpireSpanAttention
+from memlm.modeling.modeling_feedback_transformer import FeedbackRecurrence
 assert not hasattr(DeltaNetAttention, "kernel_layer_name")
 assert not hasattr(ExpireSpanAttention, "kernel_layer_name")
+assert not hasattr(FeedbackRecurrence, "kernel_layer_name")
 print("plain ok")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -209,36 +301,49 @@ print("plain ok")
     assert "plain ok" in result.stdout
 
 
-def test_attention_modules_carry_their_hub_names():
+def test_modules_carry_their_hub_names():
     from memlm.modeling.modeling_deltanet import DeltaNetAttention
     from memlm.modeling.modeling_expire_span import ExpireSpanAttention
+    from memlm.modeling.modeling_feedback_transformer import FeedbackRecurrence
 
     assert DeltaNetAttention.kernel_layer_name == "DeltaNetAttention"
     assert ExpireSpanAttention.kernel_layer_name == "ExpireSpanAttention"
+    assert FeedbackRecurrence.kernel_layer_name == "FeedbackRecurrence"
 
 
-def test_use_kernels(repository, tmp_path):
+@pytest.mark.parametrize("family", ["deltanet", "expire_span", "feedback"])
+def test_use_kernels(repository, tmp_path, family):
     """Where the installed 🤗 refuses the installed `kernels` for use_kernels=True (5.24 with kernels 0.17), memlm says
     in one line which versions it needs; where 🤗 accepts it (5.21 with 0.17), `from_pretrained(..., use_kernels=True)`
-    swaps in the repository's layers under memlm's mapping and the logits stay the same."""
+    swaps in the repository's layers under memlm's mapping, and the logits and gradients stay the same."""
     import transformers
     from transformers import AutoModelForCausalLM
     from transformers.utils import import_utils
 
     from memlm.kernels.hub import use_kernels_problem
 
-    plain = DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()).eval()
+    plain = {
+        "deltanet": lambda: DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()),
+        "expire_span": _expire_span_model,
+        "feedback": feedback_model,
+    }[family]().eval()
     plain.save_pretrained(tmp_path)
     if import_utils.is_kernels_available():
         assert use_kernels_problem() is None
         with use_kernel_mapping(kernel_mapping(repository)):
             model = AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True).eval()
         assert model.use_kernels
-        for layer in model.model.layers:
-            assert layer.attention.forward.__func__.__module__.startswith("_memlm_kernels_cpu_")
+        assert hub_modules(model)
+        for module in hub_modules(model):
+            assert module.forward.__func__.__module__.startswith("_memlm_kernels_cpu_")
         input_ids = torch.randint(0, 256, (2, 9))
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids).logits, plain(input_ids).logits, rtol=0, atol=0)
+        for candidate in (plain, model):
+            candidate(input_ids, labels=input_ids).loss.backward()
+        gradients = dict(model.named_parameters())
+        for name, parameter in plain.named_parameters():
+            torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
         return
     with pytest.raises(ValueError) as error:
         AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
