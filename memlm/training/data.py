@@ -117,6 +117,13 @@ def load_texts(sources: list[str] | None, text_column: str = "text", max_bytes: 
 
 def tokenize_documents(documents: list[str], tokenizer) -> torch.Tensor:
     """One 1-D int64 tensor: the documents' tokens, each document followed by the end-of-text token."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"The tokenizer ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '') or 'unsaved'}) has "
+            "no end-of-text token (eos_token), which ends every training document. A folder with tokenizer.json but "
+            "no tokenizer_config.json loses it: save the tokenizer with save_pretrained (both files), or set "
+            "tokenizer.eos_token."
+        )
     ids = []
     for document in documents:
         ids.extend(tokenizer(document, add_special_tokens=False)["input_ids"])

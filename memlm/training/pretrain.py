@@ -545,10 +545,14 @@ def prepare_tokenizer(arguments, documents, tokenizer_folder: Path):
 
     if tokenizer_folder.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(tokenizer_folder)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+            if tokenizer.eos_token_id is None:  # e.g. tokenizer.json without its tokenizer_config.json
+                raise ValueError("it has no end-of-text token; is tokenizer_config.json missing?")
+            return tokenizer
         except Exception as error:
             logging.get_logger(__name__).warning(
-                f"The tokenizer in {tokenizer_folder} cannot be read ({type(error).__name__}); it is made again."
+                f"The tokenizer in {tokenizer_folder} cannot be read ({type(error).__name__}: {error}); it is made "
+                "again."
             )
     tokenizer = train_byte_level_bpe(documents, arguments.vocab_size) if arguments.tokenizer == "bpe" else (
         byte_level_tokenizer()

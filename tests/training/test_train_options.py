@@ -272,6 +272,25 @@ def test_only_step_folders_are_checkpoints_and_a_damaged_tokenizer_folder_is_rem
     assert (output / "tokenizer" / "tokenizer_config.json").is_file()
 
 
+def test_a_tokenizer_json_without_its_config_is_remade_and_refused_in_words(tmp_path, capsys):
+    """tokenizer.json alone loads, but without tokenizer_config.json it has no end-of-text token: a run's tokenizer
+    folder like that is made again (it is derived data), and the library refuses such a tokenizer in words."""
+    from transformers import AutoTokenizer
+
+    from memlm.training.data import tokenize_documents
+
+    output = tmp_path / "run"
+    _train(tmp_path, output, "--steps", "4", "--save-every", "2")
+    (output / "tokenizer" / "tokenizer_config.json").unlink()
+    alone = AutoTokenizer.from_pretrained(output / "tokenizer")
+    with pytest.raises(ValueError, match="has no end-of-text token .* tokenizer.json but no tokenizer_config.json"):
+        tokenize_documents(["def f():\n    return 1\n"], alone)
+    capsys.readouterr()
+    _train(tmp_path, output, "--steps", "4", "--save-every", "2")
+    assert "Resuming from" in capsys.readouterr().out
+    assert (output / "tokenizer" / "tokenizer_config.json").is_file()
+
+
 def test_no_pickled_code_runs_when_resuming(tmp_path):
     """A checkpoint folder from elsewhere: pickles that would run code (here: create a file) are refused. The
     carried memory is read from safetensors only, Accelerate's optimizer/scheduler/random states with
