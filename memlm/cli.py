@@ -13,6 +13,7 @@ environment variable MEMLM_DEBUG=1) shows the Python traceback instead.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -106,13 +107,13 @@ def generate(argv) -> None:
     check_tokenizer(folder)
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, pipeline
+    from transformers import AutoTokenizer, TextStreamer, pipeline
 
     import memlm  # noqa: F401
 
     torch.manual_seed(arguments.seed)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder)
+    model = load_model(folder)
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     options = {"do_sample": False} if arguments.greedy else {
         "do_sample": True, "temperature": arguments.temperature, "top_k": arguments.top_k
@@ -284,7 +285,7 @@ def plot_memory(argv) -> None:
     )
     arguments = parser.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     import memlm  # noqa: F401
     from memlm.visualization import plot_expire_spans, plot_feedback_layer_weights
@@ -296,14 +297,14 @@ def plot_memory(argv) -> None:
             raise ValueError("plot-memory: an Expire-Span model needs --text or --text-file.")
         text = arguments.text if arguments.text is not None else _read_text(arguments.text_file)
         check_tokenizer(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder)
+        model = load_model(folder)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         spans = plot_expire_spans(model, tokenizer, text, arguments.output, width=arguments.width)
         for layer, layer_spans in enumerate(spans, start=1):
             print(f"layer {layer}: mean span {float(layer_spans.mean()):.1f} tokens, "
                   f"longest {float(layer_spans.max()):.1f} (max_span {model.config.max_span})")  # fmt: skip
     elif model_type == "memlm_feedback_transformer":
-        weights = plot_feedback_layer_weights(AutoModelForCausalLM.from_pretrained(folder), arguments.output)
+        weights = plot_feedback_layer_weights(load_model(folder), arguments.output)
         print("memory weights softmax(w): " + ", ".join(f"{weight:.3f}" for weight in weights.tolist()))
     else:
         raise ValueError(
@@ -311,6 +312,28 @@ def plot_memory(argv) -> None:
             "memlm_feedback_transformer models."
         )
     print(f"wrote {arguments.output}")
+
+
+def load_model(folder):
+    """`AutoModelForCausalLM.from_pretrained(folder)`, with a weights file that cannot be read (cut short, damaged)
+    named in a `ValueError` instead of safetensors' bare header error."""
+    from safetensors import SafetensorError, safe_open
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder)
+    except SafetensorError as error:
+        broken = []
+        for file in sorted(Path(folder).glob("*.safetensors")):
+            try:
+                with safe_open(str(file), framework="pt"):
+                    pass
+            except (SafetensorError, OSError):
+                broken.append(file.name)
+        raise ValueError(
+            f"{folder}: {', '.join(broken) or 'a weights file'} cannot be read ({_one_line(error)}): damaged or cut "
+            "short; save the model again, or take an earlier checkpoint."
+        ) from error
 
 
 def _one_line(error: BaseException) -> str:
@@ -377,20 +400,37 @@ def main(argv=None) -> None:
         if argv and argv[0] not in ("-h", "--help"):
             raise SystemExit(f"memlm: unknown command {argv[0]!r}; choose one of {', '.join(commands)}.")
         return
-    try:
+    with one_line_errors("memlm", debug):
         run(argv[0], argv[1:])
+
+
+@contextlib.contextmanager
+def one_line_errors(program: str, debug: bool = False):
+    """Turn the library's errors for bad input (ValueError and its subclasses, missing or unreadable files, a full
+    disk) into one line `PROGRAM: error: ...` on stderr and exit status 1; Ctrl-C into exit status 130. Anything else
+    is a bug and keeps its traceback; so does everything with `debug` (or MEMLM_DEBUG=1)."""
+    debug = debug or os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0")
+    try:
+        yield
     except (ValueError, OSError) as error:
-        # The library's errors for bad input (ValueError and its subclasses, missing or unreadable files) are
-        # meant for the user: one line. Anything else is a bug and keeps its traceback.
         if debug:
             raise
-        print(f"memlm: error: {_one_line(error)}", file=sys.stderr)
+        print(f"{program}: error: {_one_line(error)}", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         if debug:
             raise
-        print("memlm: interrupted", file=sys.stderr)
+        print(f"{program}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def script_main(function, argv=None):
+    """Run a script's `function(argv)` (training/*.py) with `one_line_errors`, named after the script; a leading
+    `--debug` shows the traceback instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = bool(argv) and argv[0] == "--debug"
+    with one_line_errors(Path(sys.argv[0]).name, debug):
+        return function(argv[1:] if debug else argv)
 
 
 if __name__ == "__main__":

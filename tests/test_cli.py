@@ -323,3 +323,15 @@ def test_info_says_whether_hub_kernels_can_swap_the_layers(checkpoints, capsys, 
         expected = f"needs kernels>={import_utils.KERNELS_MIN_VERSION},<{import_utils.KERNELS_MAX_VERSION}"
         assert expected in line
     assert f"kernels {version('kernels')}" in [entry for entry in output.splitlines() if "running with" in entry][0]
+
+
+def test_commands_on_weights_cut_short_name_the_file_in_one_line(checkpoints, tmp_path, capsys):
+    folder = _copy(checkpoints["deltanet"], tmp_path / "cut")
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    expected = f"memlm: error: {folder}: model.safetensors cannot be read (Error while deserializing header"
+    assert _error(capsys, "generate", str(folder)).startswith(expected)
+    (tmp_path / "notes.txt").write_text("def f():\n    return 1\n" * 50)
+    error = _error(capsys, "finetune", "--model", str(folder), "--output-dir", str(tmp_path / "tuned"), "--data",
+                   str(tmp_path / "notes.txt"))  # fmt: skip
+    assert error.startswith(expected) and "save the model again, or take an earlier checkpoint" in error

@@ -3,7 +3,8 @@
 python training/finetune.py --model runs/tiny-deltanet --output-dir runs/tuned --data notes.txt
 """
 
+from memlm.cli import script_main
 from memlm.training.finetune import main
 
 if __name__ == "__main__":
-    main()
+    script_main(main)  # bad input: one line and exit status 1 (--debug: the traceback)

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, pipeline
 from transformers.utils import logging
 
+from memlm.cli import script_main
 from memlm.training import pretrain
 
 
@@ -64,4 +65,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)  # bad input: one line and exit status 1 (--debug: the traceback)

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..configuration.configuration_deltanet import DeltaNetConfig
@@ -41,8 +42,20 @@ LAYER_RENAMES = {
 CONVOLUTIONS = ("attn.q_conv1d.weight", "attn.k_conv1d.weight", "attn.v_conv1d.weight")
 
 
+def _positive(fla_config: dict, name: str, default, integer: bool = False):
+    """The config's `name` (or `default`), refused in words unless it is a number > 0 (an integer if `integer`)."""
+    value = fla_config.get(name, default)
+    allowed = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, allowed) or not value > 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise ValueError(f"The FLA config's {name} must be {kind}, got {value!r}.")
+    return value
+
+
 def convert_config(fla_config: dict) -> DeltaNetConfig:
     """memlm's DeltaNetConfig (FLA preset) equivalent to an FLA DeltaNet config.json."""
+    if not isinstance(fla_config, dict):
+        raise ValueError(f"An FLA config.json holds a JSON object, got {type(fla_config).__name__}.")
     model_type = fla_config.get("model_type")
     if model_type != FLA_MODEL_TYPE:
         raise ValueError(
@@ -67,10 +80,10 @@ def convert_config(fla_config: dict) -> DeltaNetConfig:
         )
     if fla_config.get("hidden_act", "swish") not in ("swish", "silu"):
         raise ValueError(f"hidden_act={fla_config['hidden_act']!r}: FLA's gated MLP only supports 'swish'.")
-    hidden_size = fla_config.get("hidden_size", 2048)
-    num_heads = fla_config.get("num_heads", 16)
-    key_width = int(hidden_size * fla_config.get("expand_k", 1.0))
-    value_width = int(hidden_size * fla_config.get("expand_v", 1.0))
+    hidden_size = _positive(fla_config, "hidden_size", 2048, integer=True)
+    num_heads = _positive(fla_config, "num_heads", 16, integer=True)
+    key_width = int(hidden_size * _positive(fla_config, "expand_k", 1.0))
+    value_width = int(hidden_size * _positive(fla_config, "expand_v", 1.0))
     if key_width % num_heads or value_width % num_heads:
         raise ValueError(
             f"key width {key_width} and value width {value_width} must be multiples of num_heads {num_heads}."
@@ -78,7 +91,7 @@ def convert_config(fla_config: dict) -> DeltaNetConfig:
     intermediate_size = fla_config.get("intermediate_size")
     if intermediate_size is None:
         # FLA's GatedMLP: int(hidden * hidden_ratio * 2/3) rounded up to a multiple of 256.
-        ratio = fla_config.get("hidden_ratio") or 4
+        ratio = _positive(fla_config, "hidden_ratio", 4) if fla_config.get("hidden_ratio") is not None else 4
         intermediate_size = 256 * ((int(hidden_size * ratio * 2 / 3) + 255) // 256)
     return DeltaNetConfig.from_preset(
         "fla",
@@ -160,7 +173,10 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
         )
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        state.update(load_file(path))
+        try:
+            state.update(load_file(path))
+        except SafetensorError as error:
+            raise ValueError(f"{path} cannot be read ({error}): damaged or cut short.") from error
     return state
 
 
@@ -170,7 +186,11 @@ def load_fla_deltanet(directory: str | Path, dtype: torch.dtype | None = None) -
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{directory} has no config.json; expected a flash-linear-attention checkpoint directory.")
-    config = convert_config(json.loads(config_file.read_text()))
+    try:
+        fla_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error}).") from error
+    config = convert_config(fla_config)
     state = convert_state_dict(_read_weights(directory), config)
     with torch.device("meta"):
         model = DeltaNetForCausalLM(config)

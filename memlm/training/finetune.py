@@ -52,16 +52,17 @@ def check_output_folder(model: Path, output_dir: Path):
 
 def finetune(arguments: argparse.Namespace) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+    from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
     import memlm  # noqa: F401  (registers memlm's model types)
 
+    from ..cli import load_model
     from .data import load_texts
 
     if not Path(arguments.model).is_dir():
         raise FileNotFoundError(f"--model {arguments.model!r} is not a folder written by save_pretrained.")
     check_output_folder(Path(arguments.model), arguments.output_dir)
-    model = AutoModelForCausalLM.from_pretrained(arguments.model)
+    model = load_model(arguments.model)
     tokenizer = AutoTokenizer.from_pretrained(arguments.model)
     documents = Dataset.from_dict({"text": load_texts(arguments.data, arguments.text_column, arguments.max_bytes)})
 

@@ -793,11 +793,22 @@ def _train(arguments, accelerator, documents: list[str], settings: dict) -> dict
     }
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        with progress_bars_only_in_a_terminal():
-            unwrapped.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
-        write_training_card(output_dir, metrics, arguments)
-        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        try:
+            with progress_bars_only_in_a_terminal():
+                unwrapped.save_pretrained(output_dir)
+            tokenizer.save_pretrained(output_dir)
+            write_training_card(output_dir, metrics, arguments)
+            (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        except Exception as error:
+            reason = _write_failure(error, output_dir)
+            if reason not in WRITE_FAILURES.values():
+                raise
+            checkpoints = complete_checkpoints(output_dir)
+            resume = f"from {checkpoints[-1]}" if checkpoints else "from the start (no checkpoint was written)"
+            raise TrainingError(
+                f"{reason} while writing the final model into {output_dir}: the training finished but the model is "
+                f"not saved; free space and run the same command again, which resumes {resume} and writes it."
+            ) from error
         save_loss_curve(history, output_dir / "loss.png")
         if arguments.push_to_hub:
             # The card pushed is rendered for the repository: it needs the training and evaluation sections too.

@@ -299,3 +299,31 @@ def test_converted_checkpoint_gives_the_logits_of_flas_own_model(tmp_path, fla_m
     with torch.no_grad():
         expected = fla_model(input_ids).logits  # FLA's layers and kernels (fused_recurrent_delta_rule at 13 tokens)
         torch.testing.assert_close(model(input_ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("config_text", "message"),
+    [
+        (
+            '{"model_type": "delta_net", "hidden_size": "x"}',
+            "The FLA config's hidden_size must be a positive integer, got 'x'.",
+        ),
+        ('{"model_type": "delta_net", "expand_k": 0}', "The FLA config's expand_k must be a positive number, got 0."),
+        ("[1, 2]", "An FLA config.json holds a JSON object, got list."),
+        ("{broken", "config.json is not valid JSON (Expecting property name"),
+        (None, "model.safetensors cannot be read (Error while deserializing header"),
+    ],
+)
+def test_the_command_line_names_a_broken_checkpoint_in_one_line(tmp_path, capsys, config_text, message):
+    """Bad values, a config that is not an object or not JSON, weights cut short: one line and exit status 1."""
+    source = _write(tmp_path / "source", FLA_CONFIG, fla_state_dict(FLA_CONFIG))
+    if config_text is None:
+        weights = (source / "model.safetensors").read_bytes()
+        (source / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    else:
+        (source / "config.json").write_text(config_text)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(source), str(tmp_path / "converted")])
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err
+    assert len(error.strip().splitlines()) == 1 and message in error, error

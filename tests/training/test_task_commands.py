@@ -146,3 +146,25 @@ def test_seeds_problem_names_negative_and_repeated_seeds():
     assert seeds_problem([3, -1, 3]) == (
         "--seeds must be distinct non-negative integers, got [3, -1, 3] (negative [-1], repeated [3])"
     )
+
+
+@pytest.mark.parametrize(
+    ("script", "arguments", "message"),
+    [
+        ("tasks/train_task.py", ["--data", "/nonexistent", "--model", "deltanet", "--output-dir", "/tmp/unused"],
+         "train_task.py: error: --data '/nonexistent' holds no task.json: write it with make_dataset.py."),
+        ("tasks/make_dataset.py", ["far-copy", "--output-dir", "/tmp/unused", "--option", "no_such_option=1"],
+         "make_dataset.py: error: "),
+        ("finetune.py", ["--model", "/nonexistent", "--output-dir", "/tmp/unused", "--data", "/nonexistent"],
+         "finetune.py: error: --model '/nonexistent' is not a folder written by save_pretrained."),
+        ("train.py", ["--preset", "no-such-preset", "--output-dir", "/tmp/unused"],
+         "train.py: error: Unknown preset 'no-such-preset'"),
+    ],
+)  # fmt: skip
+def test_the_scripts_say_bad_input_in_one_line_and_show_the_traceback_with_debug(script, arguments, message):
+    command = [sys.executable, str(ROOT / "training" / script)]
+    result = subprocess.run(command + arguments, env=ENVIRONMENT, capture_output=True, text=True)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
+    result = subprocess.run(command + ["--debug"] + arguments, env=ENVIRONMENT, capture_output=True, text=True)
+    assert result.returncode == 1 and "Traceback" in result.stderr

@@ -371,13 +371,37 @@ def test_a_file_size_limit_is_named_instead_of_pytorchs_enforce_fail(tmp_path):
                              str(_preset(tmp_path, "deltanet")), "--output-dir", str(output), "--data",
                              str(_data(tmp_path)), "--steps", "3", "--save-every", "1"], env=ENVIRONMENT,
                             capture_output=True, text=True, preexec_fn=limit_file_size)  # fmt: skip
-    assert result.returncode != 0
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "enforce fail" not in result.stderr  # one line (--debug: the trace)
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("memlm.training.TrainingError: file too large for the file system or its size limit while "
-                           f"writing checkpoint {output / 'checkpoints' / 'step-0000001'}: the run stopped at step 1 "
-                           "and there is no earlier checkpoint"), last  # fmt: skip
-    assert "enforce fail" in result.stderr  # PyTorch's error, kept as the cause
+    assert last.startswith("train.py: error: file too large for the file system or its size limit while writing "
+                           f"checkpoint {output / 'checkpoints' / 'step-0000001'}: the run stopped at step 1 and "
+                           "there is no earlier checkpoint"), last  # fmt: skip
     assert list((output / "checkpoints").iterdir()) == []  # the partial checkpoint was removed
+
+
+def test_a_failed_final_save_is_one_line_and_the_same_command_then_writes_the_model(tmp_path):
+    """The final model (151 KB here) meets a real file-size limit (100 KB; every file written before it is smaller):
+    one line naming the cause and what to do, exit status 1; the same command without the limit writes the model."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    output = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "training" / "train.py"), "--preset", str(_preset(tmp_path, "deltanet")),
+               "--output-dir", str(output), "--data", str(_data(tmp_path)), "--steps", "2", "--save-every", "100"]  # fmt: skip
+    result = subprocess.run(command, env=ENVIRONMENT, capture_output=True, text=True, preexec_fn=limit_file_size)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: file too large for the file system or its size limit while writing the final model into "
+        f"{output}: the training finished but the model is not saved; free space and run the same command again, "
+        "which resumes from the start (no checkpoint was written) and writes it."
+    )
+    result = subprocess.run(command, env=ENVIRONMENT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert load_file(output / "model.safetensors")
 
 
 def test_finetune_refuses_to_write_into_its_own_model(tmp_path):

@@ -4,7 +4,8 @@ python training/tasks/make_dataset.py corridor --output-dir data/corridor --opti
 python training/tasks/make_dataset.py associative-retrieval --output-dir data/ar2 --option setting=2 --option num_keys=20
 """
 
+from memlm.cli import script_main
 from memlm.training.tasks.commands import make_dataset
 
 if __name__ == "__main__":
-    make_dataset()
+    script_main(make_dataset)  # bad input: one line and exit status 1 (--debug: the traceback)

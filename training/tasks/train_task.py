@@ -4,7 +4,8 @@ python training/tasks/train_task.py --data data/corridor --model expire-span --o
     --config '{"max_span": 128, "span_loss_coefficient": 0.001}' --steps 600
 """
 
+from memlm.cli import script_main
 from memlm.training.tasks.commands import train_task
 
 if __name__ == "__main__":
-    train_task()
+    script_main(train_task)  # bad input: one line and exit status 1 (--debug: the traceback)
