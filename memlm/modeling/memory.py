@@ -1,6 +1,9 @@
 """What memlm's models share around their memories: checking the inputs, the padding mask, and the base of the
 cache classes that carry each model's memory (`cache`, SPEC §4)."""
 
+import os
+from pathlib import Path
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -13,6 +16,48 @@ from ..compat import CacheNameGeneration
 PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels", "output_attentions", *PACKING_KWARGS)
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+# Set to 1 to build a model that looks larger than the memory this machine has left (e.g. with swap in mind).
+ALLOW_LARGE_MODELS = "MEMLM_ALLOW_LARGE_MODELS"
+
+
+def memory_available() -> int | None:
+    """Bytes this process can still allocate: the kernel's MemAvailable, or less under a cgroup's memory limit;
+    None where neither can be read (not Linux)."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v2: the limit minus what the group already uses
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_fits_in_memory(config, weight: torch.Tensor):
+    """Refuse, before the layers are built, a model whose weights alone would not fit in the memory left: a slip in
+    a size (num_hidden_layers=10**7) would otherwise build layers for minutes until memory runs out. `weight` is the
+    first tensor the model made: on the meta device (empty-weight loading) or a GPU nothing is checked here."""
+    if weight.device.type != "cpu" or os.environ.get(ALLOW_LARGE_MODELS, "").strip() == "1":
+        return
+    available = memory_available()
+    count = config.estimated_parameters()
+    needed = count * weight.element_size()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"{type(config).__name__} describes a model of about {count:.3g} parameters, whose {weight.dtype} weights "
+            f"alone need about {needed / 2**30:.3g} GiB; this machine has {available / 2**30:.3g} GiB of memory "
+            f"left. Check the sizes (hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
+            f"num_hidden_layers={config.num_hidden_layers}, vocab_size={config.vocab_size}), or set "
+            f"{ALLOW_LARGE_MODELS}=1 to build it anyway."
+        )
 
 
 def check_extra_kwargs(kwargs: dict, owner: str):

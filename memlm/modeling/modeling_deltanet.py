@@ -35,6 +35,7 @@ from .memory import (
     MemoryCacheLayer,
     causal_lm_loss,
     check_extra_kwargs,
+    check_fits_in_memory,
     current_padding_mask,
     document_starts,
     embed_inputs,
@@ -397,6 +398,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        check_fits_in_memory(config, self.embed_tokens.weight)  # before the layers are built
         self.layers = nn.ModuleList(
             [DeltaNetDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )

@@ -39,6 +39,7 @@ from .memory import (
     MemoryCacheLayer,
     causal_lm_loss,
     check_extra_kwargs,
+    check_fits_in_memory,
     current_padding_mask,
     embed_inputs,
     refuse_packed_documents,
@@ -187,6 +188,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        check_fits_in_memory(config, self.embed_tokens.weight)  # before the layers are built
         self.layers = nn.ModuleList(
             [FeedbackDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
