@@ -336,6 +336,14 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         output_spans: also return, per layer, the span e_t predicted for each input token.
         """
         check_extra_kwargs(kwargs, type(self).__name__)
+        if torch.compiler.is_exporting():
+            # Expired memories are deleted, so the memory's width is data: an exported graph would fix the widths of
+            # the example it was traced with and give other inputs a different answer, without an error.
+            raise ValueError(
+                "torch.export cannot capture Expire-Span: the number of memories it keeps depends on the data (expired "
+                "memories are deleted), which an exported graph would fix to the traced example's. Run it eagerly or "
+                "with torch.compile, which breaks the graph where memories are compacted."
+            )
         cache = resolve_cache_argument(cache, past_key_values, type(self).__name__)
         config = self.config
         use_cache = use_cache if use_cache is not None else config.use_cache

@@ -77,3 +77,15 @@ def test_export_gives_the_eager_logits(name, monkeypatch):
         )
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=258\); got values from 0 to 300"):
         model(torch.tensor([[0, 300]]))
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_export_of_expire_span_is_refused_in_words(use_cache, monkeypatch):
+    """Its memory's width is data, so an exported graph would answer other inputs wrongly: refused, never wrong."""
+    monkeypatch.setenv("MEMLM_KERNELS", "torch")
+    model = _model("expire_span")
+    input_ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad(), pytest.raises(ValueError, match="torch.export cannot capture Expire-Span: the number of"):
+        torch.export.export(model, (input_ids,), kwargs={"use_cache": use_cache})
+    with torch.no_grad():  # eager runs as before
+        assert model(input_ids, use_cache=use_cache).logits.shape == (2, 9, 258)
