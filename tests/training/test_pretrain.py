@@ -4,6 +4,7 @@ carried memory, batches, and bad inputs."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,11 +177,18 @@ def test_the_main_command_trains_then_generates(tmp_path):
     """The README's main command (training/quickstart.py), end to end on a tiny budget."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "training" / "quickstart.py"), "--output-dir", str(tmp_path / "quickstart"),
-         "--steps", "3", "--max-bytes", "150000", "--max-new-tokens", "12"],
+         "--steps", "3", "--max-bytes", "150000", "--max-new-tokens", "12", "--vocab-size", "512",
+         "--contexts", "8", "40"],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert "held-out bits per byte" in result.stdout and "→" in result.stdout
-    assert "sample from" in result.stdout and "12 tokens in" in result.stdout
+    assert "sample from" in result.stdout and re.search(r"\n\d+ tokens in ", result.stdout)
+    # What sets DeltaNet apart, beside a Transformer: its memory has the same size after 8 and after 40 tokens.
+    assert "one decoded token after 8 and after 40 tokens of context" in result.stdout
+    deltanet, llama = (line for line in result.stdout.splitlines() if " ms per token; memory carried " in line)
+    assert "DeltaNet (trained above)" in deltanet and "🤗 Llama, same sizes (untrained)" in llama
+    carried = [line.split("memory carried ")[1].removesuffix(" KiB").split(" → ") for line in (deltanet, llama)]
+    assert carried[0][0] == carried[0][1] and int(carried[1][1]) > int(carried[1][0])
     assert "training:" not in result.stderr and "it/s" not in result.stderr  # no progress bar in logs
     assert (tmp_path / "quickstart" / "model.safetensors").is_file()
 
