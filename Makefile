@@ -1,6 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make main   set up .venv, then build a small DeltaNet and generate from a prompt (text and speed)
-#   make test   set up .venv, then run ruff, the test suite (without the tests marked slow) and the installed-wheel check
+#   make test   set up .venv, then run ruff, the docs build (make docs), the test suite (without the tests marked slow,
+#               with every example of the documentation) and the installed-wheel check
+#   make docs   build the documentation site (mkdocs.yml, docs/) with --strict into build/site, which is never committed
 #   make test-releases   the 🤗-facing tests under the newest and the oldest 🤗 releases setup.cfg allows
 #   make constraints     record the packages of .venv (after make test passed with them) in constraints/tested.txt
 #   make test-slow   the tests marked slow: every GPU-compile scenario, pipelining checks, long exports
@@ -13,7 +15,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: main test test-slow test-releases wheel-check constraints benchmark papers clean
+.PHONY: main test docs test-slow test-releases wheel-check constraints benchmark papers clean
 
 $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +30,14 @@ main: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
+	$(MAKE) --no-print-directory docs
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" --durations=20
 	$(BIN)/python tests/installed/check_wheel.py --python $(PYTHON)
+
+# --strict: a broken link or anchor, an API reference that does not resolve or a docstring griffe cannot read fails.
+# NO_MKDOCS_2_WARNING silences mkdocs-material's banner about MkDocs 2.0.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow

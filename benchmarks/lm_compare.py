@@ -56,7 +56,7 @@ Seeds set the initialisation, the order of the training documents and nothing el
 (low–high)" over the seeds (`across_seeds`, `format_across_seeds`), the JSON keeps every run.
 
     python benchmarks/lm_compare.py [--smoke] [--corpus stdlib pydoc] [--seeds 0 1 2] [--json results.json]
-                                    [--plot benchmarks/lm_compare.png] [--steps N --hidden-size D ...]
+                                    [--plot docs/performance/lm_compare.png] [--steps N --hidden-size D ...]
                                     [--one-seed-models mamba] [--write-docs]
     python benchmarks/lm_compare.py --report results.json
 
@@ -78,10 +78,12 @@ took about 80 times its forward (its scan loops over tokens reading `discrete_A[
 such read likely writes a gradient of the whole (B, E, T, N) tensor). `--corpus stdlib` about halves the budget;
 fewer `--seeds` cut it in proportion.
 
-Report. `--write-docs` ends the run by writing its results into benchmarks/README.md (a section between marker
-comments: the tables, the plot, the papers' claims judged from the seeds' ranges, a short reading) and a "Measured
-comparison" section into each of `hub_cards/*.md` (which become the model cards of saved checkpoints);
-`--report results.json` does the same from the JSON of an earlier run, without training, and redraws its plot.
+Report. `--write-docs` ends the run by writing its results into the documentation and the model cards, each time a
+section between marker comments: docs/performance/language-modelling.md gets the tables, the plot, the papers' claims
+judged from the seeds' ranges and a short reading; each model's page (docs/models/*.md) and each of `hub_cards/*.md`
+(which become the model cards of saved checkpoints) a "Measured comparison" of its models against Llama and Mamba.
+`--report results.json` does the same from the JSON of an earlier run, without training, and redraws its plot;
+benchmarks/lm_compare.json is the JSON of the run the documentation shows.
 """
 
 import argparse
@@ -98,7 +100,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_compare.png")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PLOT = os.path.join(ROOT, "docs", "performance", "lm_compare.png")
 CORPORA = {
     "stdlib": "the Python standard library's source (memlm train's embedded corpus)",
     "pydoc": "the English help texts of the standard library's pydoc_data.topics",
@@ -590,13 +593,15 @@ def plot(results: dict, args, path: str) -> None:
     plt.close(figure)
 
 
-# --- the report: benchmarks/README.md and the hub cards, written from a run's JSON ----------------------------------
+# --- the report: the documentation's pages and the hub cards, written from a run's JSON ------------------------------
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
-HUB_CARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hub_cards")
+REPORT_PAGE = os.path.join(ROOT, "docs", "performance", "language-modelling.md")
+MODEL_PAGES = os.path.join(ROOT, "docs", "models")
+HUB_CARDS = os.path.join(ROOT, "hub_cards")
 BEGIN = "<!-- lm_compare: begin; written by `python benchmarks/lm_compare.py --report results.json`, do not edit -->"
 END = "<!-- lm_compare: end -->"
-# Each hub card's models (the first is the card's own), shown with Llama and Mamba for reference.
+# Each hub card's models (the first is the card's own), shown with Llama and Mamba for reference; the model page of
+# the documentation with the same file name shows the same.
 CARD_MODELS = {
     "deltanet.md": ("deltanet", "deltanet_fla", "linear_transformer"),
     "expire_span.md": ("expire_span", "fixed_span"),
@@ -611,6 +616,7 @@ CLAIMS = (
     ("expire_span", "Expire-Span matches or beats a fixed span's bits per byte", "Sukhbaatar et al., 2021, Fig. 5",
      "expire_span", "fixed_span"),
 )  # fmt: skip
+LANGUAGE_MODELLING_TITLE = "Language modelling against 🤗 Llama and 🤗 Mamba"
 CARD_CLAIMS = {"deltanet.md": ("delta_rule",), "expire_span.md": ("expire_span", "expire_span_memory"),
                "feedback_transformer.md": ("feedback",)}  # fmt: skip
 
@@ -741,8 +747,9 @@ def speed_table(results: dict, models) -> str:
     return markdown_table(header, rows)
 
 
-def readme_section(results: dict, plot_path: str | None) -> str:
-    """The section of benchmarks/README.md: tables, plot and the verdicts, every number from `results`."""
+def report_section(results: dict, plot_path: str | None) -> str:
+    """The section of docs/performance/language-modelling.md: tables, plot and the verdicts, every number from
+    `results`."""
     settings, models = results["settings"], list(results["models"])
     command = "python benchmarks/lm_compare.py --json results.json --write-docs"
     parts = [
@@ -803,8 +810,9 @@ def discussion(results: dict) -> str:
     return " ".join(text)
 
 
-def card_section(results: dict, card: str) -> str:
-    """The "Measured comparison" section of a hub card: its models against Llama and Mamba, from `results`."""
+def card_section(results: dict, card: str, report_link: str | None = None) -> str:
+    """The "Measured comparison" section of a hub card (or, with `report_link`, the link to the whole comparison, of
+    the documentation's model page): its models against Llama and Mamba, from `results`."""
     from memlm.training.tasks.common import format_across_seeds
 
     settings, summary, speed = results["settings"], results["summary"], results["speed"]
@@ -823,14 +831,18 @@ def card_section(results: dict, card: str) -> str:
               f"train tokens/s ({settings['corpus'][0]})", *(f"decode tokens/s after {context:,}" for context in
               contexts), f"cache KiB after {contexts[-1]:,}"]  # fmt: skip
     verdicts = verdict_lines([entry for entry in claim_verdicts(results) if entry["key"] in CARD_CLAIMS[card]])
+    subject = "Small models of this architecture" + (", not this checkpoint," if report_link is None else "")
+    whole = f" The whole comparison: [{LANGUAGE_MODELLING_TITLE}]({report_link})." if report_link else ""
     text = "\n\n".join([
         "## Measured comparison",
-        "Small models of this architecture, not this checkpoint, trained side by side with 🤗 Llama and 🤗 Mamba of "
-        f"the same parameter count by memlm's `benchmarks/lm_compare.py` ({run_description(results)}). Held-out bits "
-        "per byte (bpb, lower is better) are \"mean (low–high)\" over the seeds; decoding is batch 1, greedy.",
+        f"{subject} trained side by side with 🤗 Llama and 🤗 Mamba of the same parameter count by memlm's "
+        f"`benchmarks/lm_compare.py` ({run_description(results)}). Held-out bits per byte (bpb, lower is better) are "
+        f"\"mean (low–high)\" over the seeds; decoding is batch 1, greedy.{whole}",
         markdown_table(header, rows),
         *(["The paper's claim at this scale:\n\n" + "\n".join(verdicts)] if verdicts else []),
     ])  # fmt: skip
+    if report_link is not None:
+        return text
     return text.replace("$", "$$")  # the card is a string.Template: a "$" in the text must stay one
 
 
@@ -846,22 +858,29 @@ def replace_section(text: str, section: str, before: str | None = None) -> str:
     return text.rstrip("\n") + "\n\n" + marked + "\n"
 
 
-def write_report(results: dict, readme: str = README, cards: str = HUB_CARDS, plot_path: str | None = None) -> None:
-    """Writes the section of `readme` and of every hub card in `cards` from `results` (a run's JSON), with the
-    plot `plot_path` (a PNG; linked from the README relative to it) when given."""
-    link = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(readme))) if plot_path else None
-    with open(readme, encoding="utf-8") as file:
+def _rewrite(path: str, section: str, before: str | None = None) -> None:
+    with open(path, encoding="utf-8") as file:
         text = file.read()
-    with open(readme, "w", encoding="utf-8") as file:
-        file.write(replace_section(text, readme_section(results, link)))
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(replace_section(text, section, before))
+
+
+def write_report(results: dict, page: str = REPORT_PAGE, cards: str = HUB_CARDS, plot_path: str | None = None,
+                 model_pages: str | None = MODEL_PAGES) -> None:  # fmt: skip
+    """Writes the section of `page` from `results` (a run's JSON), with the plot `plot_path` (a PNG; linked from the
+    page relative to it) when given, and the "Measured comparison" of every hub card in `cards` and of every model
+    page in `model_pages` (the documentation's pages of the same file names; None: none)."""
+    page_folder = os.path.dirname(os.path.abspath(page))
+    link = os.path.relpath(plot_path, page_folder) if plot_path else None
+    _rewrite(page, report_section(results, link))
     for card in CARD_MODELS:
-        path = os.path.join(cards, card)
-        if not os.path.isfile(path) or CARD_MODELS[card][0] not in results["models"]:
+        if CARD_MODELS[card][0] not in results["models"]:
             continue
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-        with open(path, "w", encoding="utf-8") as file:
-            file.write(replace_section(text, card_section(results, card), before="## Citation"))
+        if os.path.isfile(path := os.path.join(cards, card)):
+            _rewrite(path, card_section(results, card), before="## Citation")
+        if model_pages is not None and os.path.isfile(path := os.path.join(model_pages, card)):
+            report_link = os.path.relpath(page, os.path.dirname(os.path.abspath(path)))
+            _rewrite(path, card_section(results, card, report_link))
 
 
 # --- the run ---------------------------------------------------------------------------------------------------------
@@ -894,11 +913,13 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--plot", default=None, help=f"PNG of the curves (default {DEFAULT_PLOT}, with --smoke a "
                         "temporary folder; '' for none)")  # fmt: skip
     parser.add_argument("--write-docs", action="store_true",
-                        help="at the end, write the results into benchmarks/README.md and hub_cards/*.md")  # fmt: skip
+                        help="at the end, write the results into docs/performance/language-modelling.md, the model "
+                        "pages docs/models/*.md and hub_cards/*.md")  # fmt: skip
     parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
-                        help="train nothing: write benchmarks/README.md's section and the hub cards' from this JSON "
+                        help="train nothing: write the documentation's sections and the hub cards' from this JSON "
                         "of a run (and redraw its plot)")  # fmt: skip
-    parser.add_argument("--readme", default=README, help=argparse.SUPPRESS)
+    parser.add_argument("--report-page", default=REPORT_PAGE, help=argparse.SUPPRESS)
+    parser.add_argument("--model-pages", default=MODEL_PAGES, help=argparse.SUPPRESS)
     parser.add_argument("--hub-cards", default=HUB_CARDS, help=argparse.SUPPRESS)
     parser.add_argument("--measure-memory", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -955,13 +976,14 @@ def machine() -> dict:
 
 
 def report(path: str, args) -> dict:
-    """Writes the README's and the hub cards' sections from the JSON of a run, redrawing its plot (--report)."""
+    """Writes the documentation's and the hub cards' sections from the JSON of a run, redrawing its plot (--report)."""
     with open(path, encoding="utf-8") as file:
         results = json.load(file)
     if args.plot:
         plot(results, argparse.Namespace(**results["settings"]), args.plot)
-    write_report(results, args.readme, args.hub_cards, args.plot or None)
-    print(f"wrote {args.readme} and the hub cards in {args.hub_cards} from {path}")
+    write_report(results, args.report_page, args.hub_cards, args.plot or None, args.model_pages)
+    print(f"wrote {args.report_page}, the model pages in {args.model_pages} and the hub cards in {args.hub_cards} "
+          f"from {path}")  # fmt: skip
     return results
 
 
@@ -1017,7 +1039,7 @@ def main(argv=None) -> dict:
         "settings": {
             key: value
             for key, value in vars(args).items()
-            if key not in ("measure_memory", "report", "readme", "hub_cards")
+            if key not in ("measure_memory", "report", "report_page", "model_pages", "hub_cards")
         },
         "machine": machine(),
         "corpora": {corpus: CORPORA[corpus] for corpus in args.corpus},
@@ -1041,8 +1063,8 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=2, default=str)
     if args.write_docs:
-        write_report(results, args.readme, args.hub_cards, args.plot or None)
-        print(f"wrote {args.readme} and the hub cards in {args.hub_cards}")
+        write_report(results, args.report_page, args.hub_cards, args.plot or None, args.model_pages)
+        print(f"wrote {args.report_page}, the model pages in {args.model_pages} and the hub cards in {args.hub_cards}")
     return results
 
 

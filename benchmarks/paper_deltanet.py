@@ -30,7 +30,7 @@ shows the mean loss. The JSON file keeps every seed's results beside these summa
 
     python benchmarks/paper_deltanet.py [--smoke] [--seeds 0 1 2] [--threads 2] [--json results.json] [--plot PATH]
 
-writes `benchmarks/paper_deltanet.png` (left: mean learning curves of the two update rules; right: mean best
+writes `docs/performance/paper_deltanet.png` (left: mean learning curves of the two update rules; right: mean best
 evaluation loss against S for each feature map; shaded: lowest to highest over the seeds) unless `--plot` says
 otherwise.
 """
@@ -53,7 +53,9 @@ from memlm.training.tasks.common import (
     train_on_task,
 )
 
-DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_deltanet.png")
+DEFAULT_PLOT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "performance", "paper_deltanet.png"
+)
 # The feature maps of the capacity sweep: (name, feature_map, dpfp_nu); d_φ = d_key, 2 d_key, 4 d_key.
 CAPACITY_FEATURE_MAPS = (("elu+1", "elu+1", 1), ("DPFP-1", "dpfp", 1), ("DPFP-2", "dpfp", 2))
 UPDATE_RULES = (("delta rule (ours)", "delta"), ("sum rule", "sum"))

@@ -31,7 +31,7 @@ The spans start at half of L (`--initial-span-fraction 0.5`), not at the paper's
 
     python benchmarks/paper_expire_span.py [--smoke] [--seeds 0 1 2] [--threads 2] [--json results.json] [--plot PATH]
 
-writes `benchmarks/paper_expire_span.png` (accuracy against mean memory size, one panel per task: means over the
+writes `docs/performance/paper_expire_span.png` (accuracy against mean memory size, one panel per task: means over the
 seeds, shaded from the lowest to the highest) unless `--plot` says otherwise (`--plot ""`: no plot). `--json` writes
 every seed's rows and the summaries.
 """
@@ -59,7 +59,9 @@ from memlm.training.tasks.common import (
 from memlm.training.tasks.corridor import corridor_dataset, corridor_symbols
 from memlm.training.tasks.far_copy import far_copy_dataset, far_copy_symbols
 
-DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_expire_span.png")
+DEFAULT_PLOT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "performance", "paper_expire_span.png"
+)
 # Measurements summarised across seeds (besides the per-layer lists `query_memories` and `query_oldest`).
 SUMMARISED = ("max_span", "memory_size", "accuracy", "sequence_accuracy", "final_train_loss", "train_seconds")
 

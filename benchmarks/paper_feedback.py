@@ -26,7 +26,7 @@ step per model and task, shaded from the lowest to the highest seed; `--json` ke
 summaries.
 
     python benchmarks/paper_feedback.py [--smoke] [--seeds 0 1 2 ...] [--json results.json] [--plot curves.png]
-    python benchmarks/paper_feedback.py --tasks algorithmic3 --steps 500 --plot benchmarks/paper_feedback_programs.png
+    python benchmarks/paper_feedback.py --tasks algorithmic3 --steps 500 --plot docs/performance/paper_feedback_programs.png
 
 The default run is the random walk for 1500 steps (the Feedback model learns its step-by-step recurrence slowly:
 at 500 steps it is still behind Llama). A Feedback step on the programs (up to 67 tokens) costs about 2.5 times one
@@ -52,7 +52,7 @@ from memlm.training.tasks.common import (
 )
 from memlm.training.tasks.random_walk import random_walk_dataset, random_walk_symbols
 
-DEFAULT_PLOT = "benchmarks/paper_feedback.png"
+DEFAULT_PLOT = "docs/performance/paper_feedback.png"
 TASKS = ("random_walk", "algorithmic3", "algorithmic5")
 MODELS = ("llama", "feedback")
 LABELS = {"llama": "Llama", "feedback": "Feedback"}

@@ -57,7 +57,19 @@ def cache_keyword(model) -> str:
 
 
 def output_cache(outputs):
-    """The memory a model's output (or a `generate` output) carries, whatever the installed 🤗 calls the field."""
+    """The memory a model's output (or a `generate` output) carries, whatever the installed 🤗 calls the field.
+
+    Example:
+        >>> import torch
+        >>> from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
+        >>> from memlm.compat import output_cache
+        >>> model = FeedbackTransformerForCausalLM(FeedbackTransformerConfig(vocab_size=258, hidden_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2)).eval()
+        >>> out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False,
+        ...                      return_dict_in_generate=True)
+        >>> type(output_cache(out)).__name__
+        'FeedbackCache'
+    """
     for name in ("cache", "past_key_values", "cache_params"):
         if name in getattr(type(outputs), "__dataclass_fields__", {}):
             return getattr(outputs, name)

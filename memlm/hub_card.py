@@ -9,6 +9,10 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
+# Where memlm's documentation site (docs/, mkdocs.yml's `site_url`) is meant to be published: the model cards link to
+# its model pages, `DOCUMENTATION_URL + "models/<model>/"`. Nothing is published there yet.
+DOCUMENTATION_URL = "https://memlm.readthedocs.io/en/latest/"
+
 
 def _template_text(name: str) -> str | None:
     try:
@@ -23,6 +27,12 @@ def _template_text(name: str) -> str | None:
 
 
 def human_count(number: int) -> str:
+    """A count in words a reader takes in at a glance.
+
+    Example:
+        >>> human_count(164_416), human_count(3_546_000), human_count(950)
+        ('164.4K', '3.5M', '950')
+    """
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if number >= size:
             return f"{number / size:.1f}{unit}"
@@ -31,7 +41,21 @@ def human_count(number: int) -> str:
 
 def render_model_card(model, template_name: str | None, mark: str = "", model_id: str | None = None) -> str | None:
     """The card for `model` from `hub_cards/<template_name>`, or None when the template is not available (as in a
-    remote-code bundle, which does not carry the templates)."""
+    remote-code bundle, which does not carry the templates). `save_pretrained` writes it as the checkpoint's README.md.
+
+    The template's `$model_name`, `$model_id`, `$parameters`, `$configuration` (the config's `describe()` lines),
+    `$mark` and `$documentation_url` (`DOCUMENTATION_URL`) are filled in.
+
+    Example:
+        >>> from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
+        >>> model = FeedbackTransformerForCausalLM(FeedbackTransformerConfig(vocab_size=258, hidden_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2))
+        >>> card = render_model_card(model, "feedback_transformer.md", model_id="someone/tiny-feedback")
+        >>> print(next(line for line in card.splitlines() if line.startswith("# ")))
+        # FeedbackTransformerForCausalLM
+        >>> DOCUMENTATION_URL + "models/feedback_transformer/" in card
+        True
+    """
     text = _template_text(template_name) if template_name else None
     if text is None:
         logger.info(f"No model card template {template_name!r} found; README.md not written.")
@@ -43,6 +67,7 @@ def render_model_card(model, template_name: str | None, mark: str = "", model_id
         "model_id": model_id or "path/to/checkpoint",
         "parameters": human_count(sum(parameter.numel() for parameter in model.parameters())),
         "configuration": "\n".join(f"- {line}" for line in config.describe()),
+        "documentation_url": DOCUMENTATION_URL,
     }
     return Template(text).substitute(values)
 

@@ -26,7 +26,16 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def byte_level_tokenizer(model_max_length: int = 1_000_000) -> PreTrainedTokenizerFast:
     """A `PreTrainedTokenizerFast` with 258 tokens: the 256 bytes, `<|endoftext|>` (256, also BOS) and `<|pad|>`
-    (257). Save it beside a model with `save_pretrained`; `AutoTokenizer.from_pretrained` loads it back."""
+    (257). Save it beside a model with `save_pretrained`; `AutoTokenizer.from_pretrained` loads it back.
+
+    Example:
+        >>> from memlm.tokenization import byte_level_tokenizer
+        >>> tokenizer = byte_level_tokenizer()
+        >>> len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
+        (258, 256, 257)
+        >>> tokenizer("é!").input_ids  # UTF-8 bytes: é is two
+        [195, 169, 33]
+    """
     byte_to_char = _bytes_to_unicode()
     vocabulary = {byte_to_char[byte]: byte for byte in range(256)}
     tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=[], fuse_unk=False, byte_fallback=False))

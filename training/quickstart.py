@@ -33,7 +33,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=pretrain.number_option(int, 1), default=900, help="training steps")
     parser.add_argument("--vocab-size", type=pretrain.number_option(int, 258), default=2048,
                         help="of the BPE tokenizer")  # fmt: skip
-    parser.add_argument("--contexts", type=pretrain.number_option(int, 1), nargs=2, default=[64, 2048],
+    parser.add_argument("--contexts", type=pretrain.number_option(int, 1), nargs=2, default=[64, 8192],
                         metavar=("SHORT", "LONG"), help="context lengths before the timed decoding")  # fmt: skip
     parser.add_argument("--max-bytes", type=pretrain.number_option(int, 1), default=4_000_000,
                         help="of the embedded corpus")  # fmt: skip

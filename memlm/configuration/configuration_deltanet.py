@@ -62,51 +62,69 @@ PRESETS = {
 class DeltaNetConfig(PreTrainedConfig):
     r"""
     Configuration of a DeltaNet language model: a stack of pre-norm blocks whose token mixer is a fast-weight memory
-    `S_t` (one `d_k × d_v` matrix per head) written with the delta rule and read with the queries (SPEC §1):
+    `S_t` (one `d_k × d_v` matrix per head) written with the delta rule and read with the queries (SPEC §1; Schlag et
+    al., 2021, Eqs. 20-25):
 
         v̄_t = S_{t-1}ᵀ k_t,   S_t = S_{t-1} + β_t k_t (v_t − v̄_t)ᵀ,   o_t = S_tᵀ q_t
 
     Two presets are one line away: `DeltaNetConfig.from_preset("paper")` (Schlag et al.) and
     `DeltaNetConfig.from_preset("fla")` (the flash-linear-attention layout, so its checkpoints can be converted).
+    Every field is checked when the config is built: a bad value raises `ValueError` naming the field and what is
+    allowed.
 
     Args:
-        vocab_size (`int`): number of tokens in the vocabulary.
-        hidden_size (`int`): width of the residual stream.
-        intermediate_size (`int`, *optional*): width of the gated MLP; defaults to the multiple of 256 nearest above
+        vocab_size: number of tokens in the vocabulary.
+        hidden_size: width of the residual stream.
+        intermediate_size: width of the gated MLP; `None` (default) takes the multiple of 256 nearest above
             `hidden_size * 8 / 3` (the SwiGLU rule flash-linear-attention uses).
-        num_hidden_layers (`int`): number of blocks.
-        num_attention_heads (`int`): number of fast-weight heads.
-        key_head_dim (`int`, *optional*): per-head width of the key/query projections before the feature map;
-            defaults to `hidden_size // num_attention_heads`.
-        value_head_dim (`int`, *optional*): per-head width of the values; defaults to
+        num_hidden_layers: number of blocks.
+        num_attention_heads: number of fast-weight heads.
+        key_head_dim: per-head width of the key/query projections before the feature map; `None` (default) takes
             `hidden_size // num_attention_heads`.
-        feature_map (`str`): φ applied to keys and queries: `"dpfp"` (deterministic parameter-free projection,
-            paper Eq. 37, width `2 * dpfp_nu * key_head_dim`), `"elu+1"`, `"favor+"` (Performer positive random
-            features, width `favor_features`), `"silu"` or `"identity"`.
-        dpfp_nu (`int`): ν of DPFP, one of 1, 2, 3; only used with `feature_map="dpfp"`.
-        favor_features (`int`): number m of random features of FAVOR+; only used with `feature_map="favor+"`. The
-            random projection is redrawn at every training forward, kept fixed in eval mode and saved with the model.
-        query_key_normalization (`str`): how φ(k) and φ(q) are normalised: `"sum"` (divide by the sum of the
-            components, paper Sec. 4.2; needs a non-negative feature map), `"l2"` or `"none"`.
-        update_rule (`str`): `"delta"` (the delta rule above) or `"sum"` (plain linear attention,
-            `S_t = S_{t-1} + k_t v_tᵀ`).
-        attention_normalizer (`bool`): sum rule only: divide the output by `z_tᵀ q_t` with `z_t = Σ k_τ`
-            (Katharopoulos et al.); needs a non-negative feature map.
-        use_beta (`bool`): learn the writing strength `β_t = σ(w_β · x_t)` per head; when off β = 1.
-        short_convolution (`bool`): a causal depthwise convolution over time on the projected queries, keys and
-            values before the feature map.
-        convolution_size (`int`): kernel width of the short convolution (>= 2).
-        output_norm (`bool`): RMSNorm over each head's output.
-        output_gate (`bool`): multiply each head's output by `silu(W_g x_t)`.
-        value_activation (`str`): `"identity"` or `"silu"` applied to the values (after the convolution).
-        scale_queries (`bool`): multiply queries by `d_k^-1/2` (d_k the feature width) before reading the memory.
-        chunk_size (`int`): chunk length of the chunkwise training kernel; does not change the result.
-        hidden_act (`str`): activation of the gated MLP.
-        hidden_dropout (`float`): dropout on the output of each token mixer and MLP before the residual sum.
-        rms_norm_eps (`float`): epsilon of every RMSNorm.
-        initializer_range (`float`): standard deviation of the normal initialisation of linear and embedding weights.
-        use_cache (`bool`): return the memory (`DeltaNetCache`) as `cache`.
-        tie_word_embeddings (`bool`): share the input embedding and the LM head.
+        value_head_dim: per-head width of the values; `None` (default) takes `hidden_size // num_attention_heads`.
+        feature_map: φ applied to keys and queries: `"dpfp"` (deterministic parameter-free projection, paper Eq. 37,
+            width `2 * dpfp_nu * key_head_dim`), `"elu+1"` (Eq. 30), `"favor+"` (Performer positive random features,
+            Eqs. 31-32, width `favor_features`), `"silu"` or `"identity"`.
+        dpfp_nu: ν of DPFP, one of 1, 2, 3; only used with `feature_map="dpfp"`.
+        favor_features: number m of random features of FAVOR+; only used with `feature_map="favor+"`. The random
+            projection is redrawn at every training forward, kept fixed in eval mode and saved with the model.
+        query_key_normalization: how φ(k) and φ(q) are normalised: `"sum"` (divide by the sum of the components,
+            paper Eq. 29; needs a non-negative feature map), `"l2"` or `"none"`.
+        update_rule: `"delta"` (the delta rule above) or `"sum"` (plain linear attention, `S_t = S_{t-1} + k_t v_tᵀ`,
+            paper Eqs. 17-19).
+        attention_normalizer: sum rule only: divide the output by `z_tᵀ q_t` with `z_t = Σ k_τ` (Katharopoulos et
+            al.; paper Eqs. 26-28); needs a non-negative feature map.
+        use_beta: learn the writing strength `β_t = σ(w_β · x_t)` per head (paper Eq. 22); when off, β = 1.
+        short_convolution: a causal depthwise convolution over time on the projected queries, keys and values
+            before the feature map.
+        convolution_size: kernel width of the short convolution (>= 2).
+        output_norm: RMSNorm over each head's output.
+        output_gate: multiply each head's output by `silu(W_g x_t)`.
+        value_activation: `"identity"` or `"silu"`, applied to the values (after the convolution).
+        scale_queries: multiply queries by `d_k^-1/2` (d_k the feature width) before reading the memory.
+        chunk_size: chunk length of the chunkwise training kernel; does not change the result.
+        hidden_act: activation of the gated MLP: `"silu"`, `"gelu"`, `"gelu_new"` or `"relu"`.
+        hidden_dropout: dropout on the output of each token mixer and MLP before the residual sum.
+        rms_norm_eps: epsilon of every RMSNorm.
+        initializer_range: standard deviation of the normal initialisation of linear and embedding weights.
+        use_cache: return the memory (a `DeltaNetCache`) as the output's `cache`.
+        tie_word_embeddings: share the input embedding and the LM head.
+        pad_token_id: id of the padding token, or `None`; must lie in `[0, vocab_size)`.
+        bos_token_id: id of the beginning-of-text token, or `None`; must lie in `[0, vocab_size)`.
+        eos_token_id: id (or list of ids) that ends generation, or `None`; each must lie in `[0, vocab_size)`.
+
+    Example:
+        >>> from memlm import DeltaNetConfig, DeltaNetForCausalLM
+        >>> config = DeltaNetConfig.from_preset("paper", vocab_size=258, hidden_size=64, num_hidden_layers=2,
+        ...                                     num_attention_heads=2)
+        >>> config.feature_map, config.update_rule, config.feature_dim  # DPFP-1 doubles the key width
+        ('dpfp', 'delta', 64)
+        >>> model = DeltaNetForCausalLM(config)
+        >>> sum(parameter.numel() for parameter in model.parameters()) == config.estimated_parameters()
+        True
+        >>> DeltaNetConfig(feature_map="relu")
+        Traceback (most recent call last):
+        ValueError: DeltaNetConfig.feature_map must be one of ...
     """
 
     model_type = "memlm_deltanet"

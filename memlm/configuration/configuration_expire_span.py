@@ -23,39 +23,62 @@ HIDDEN_ACTIVATIONS = ("silu", "gelu", "gelu_new", "relu")
 class ExpireSpanConfig(PreTrainedConfig):
     r"""
     Configuration of an Expire-Span language model: a softmax-attention Transformer whose every memory h_i carries a
-    learned lifetime (SPEC §2, paper Eqs. 4-6):
+    learned lifetime (SPEC §2; Sukhbaatar et al., 2021, Eqs. 3-5):
 
-        e_i  = L · σ(w · h_i / p + b)                  span predicted once per memory, shared by the heads
-        m_ti = clamp(1 + (e_i − (t − i)) / R, 0, 1)    soft mask with ramp R
-        a'_ti ∝ m_ti · softmax_i(s_ti)                  = softmax_i(s_ti + log m_ti)
+        e_i  = L · σ(w · h_i / p + b)                  span predicted once per memory, shared by the heads (Eq. 3)
+        m_ti = clamp(1 + (e_i − (t − i)) / R, 0, 1)    soft mask with ramp R (Eq. 5)
+        a'_ti ∝ m_ti · softmax_i(s_ti)                  = softmax_i(s_ti + log m_ti) (Eq. 4)
 
     Memories with m = 0 can never come back and are deleted, so the memory follows the learned spans rather than the
-    context length.
+    context length. Every field is checked when the config is built: a bad value raises `ValueError` naming the field
+    and what is allowed.
 
     Args:
-        vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads: the Transformer's sizes
-            (`intermediate_size` is the width of the gated MLP; default the multiple of 256 above hidden_size·8/3).
-        max_span (`int`): L, the longest a memory can live (in tokens).
-        ramp (`int` or `float`): R > 0, the length of the soft mask's ramp; a memory is still read, with a weight
-            falling from 1 to 0, for R tokens after its span.
-        span_loss_coefficient (`float`): α of the auxiliary loss `α · Σ_i e_i / T` (computed on the ramp, paper
-            "Loss Computation"), added to the language-modelling loss in training.
-        span_pre_divisor (`float`): p > 0, divides the span predictor's input (the paper uses p = R for huge L).
-        initial_span_fraction (`float`): in (0, 1); the span predictor's bias starts at logit(fraction) and its weight
-            at 0, so every memory starts with span fraction · L (paper: "small initial spans"; official code: 0.1).
-        memory_shortening (`bool`): the paper's regulariser: in training, per forward, draw l ~ U(0, L) and hide
-            memories older than l. Never active in eval mode.
-        block_size (`int`): K; a long input is processed in blocks of K tokens, each attending causally to itself and
-            to the memories of earlier blocks, with expired memories deleted before each block. A block larger than
-            L + R is allowed: the tokens of one block then see each other only as far back as the spans allow, but the
+        vocab_size: number of tokens in the vocabulary.
+        hidden_size: width of the residual stream; a multiple of `num_attention_heads` whose head width is even
+            (rotary embeddings).
+        intermediate_size: width of the gated MLP; `None` (default) takes the multiple of 256 nearest above
+            `hidden_size * 8 / 3`.
+        num_hidden_layers: number of blocks.
+        num_attention_heads: number of attention heads (they share each layer's spans).
+        max_span: L, the longest a memory can live (in tokens).
+        ramp: R > 0, the length of the soft mask's ramp; a memory is still read, with a weight falling from 1 to 0,
+            for R tokens after its span.
+        span_loss_coefficient: α of the auxiliary loss `α · Σ_i e_i / T` (paper Eq. 7, computed where the mask is on
+            its ramp as in the paper's "Loss Computation"), added to the language-modelling loss in training.
+        span_pre_divisor: p > 0, divides the span predictor's input h_i. The paper divides the predictor's logit by R
+            for very long spans (Eq. 8); p = 1 (default) leaves the input as it is.
+        initial_span_fraction: in (0, 1); the span predictor's bias starts at logit(fraction) and its weight at 0,
+            so every memory starts with span fraction · L (paper: "small initial spans"; official code: 0.1).
+        memory_shortening: the paper's regulariser: in training, per forward, draw l ~ U(0, L) and hide memories
+            older than l. Never active in eval mode.
+        block_size: K; a long input is processed in blocks of K tokens, each attending causally to itself and to the
+            memories of earlier blocks, with expired memories deleted before each block. A block larger than L + R is
+            allowed: the tokens of one block then see each other only as far back as the spans allow, but the
             block's attention is still computed over all K × K pairs, so it costs more than the memory needs.
-        expire_memories (`bool`): True for Expire-Span; False turns expiration off: every memory is kept exactly L
-            tokens (a fixed span, as in Transformer-XL) and the span predictor is unused.
-        rope_theta (`float`): base of the rotary position embedding on queries and keys (absolute positions).
-        hidden_dropout (`float`): dropout on each block's attention and MLP outputs before the residual sum.
-        attention_dropout (`float`): dropout on the attention weights.
-        hidden_act (`str`), rms_norm_eps (`float`), initializer_range (`float`), use_cache (`bool`),
-        tie_word_embeddings (`bool`): as in 🤗 Llama.
+        expire_memories: True for Expire-Span; False turns expiration off: every memory is kept exactly L tokens (a
+            fixed span, as in Transformer-XL) and the span predictor is unused.
+        rope_theta: base of the rotary position embedding on queries and keys (absolute positions).
+        hidden_dropout: dropout on each block's attention and MLP outputs before the residual sum.
+        attention_dropout: dropout on the attention weights.
+        hidden_act: activation of the gated MLP: `"silu"`, `"gelu"`, `"gelu_new"` or `"relu"`.
+        rms_norm_eps: epsilon of every RMSNorm.
+        initializer_range: standard deviation of the normal initialisation of linear and embedding weights.
+        use_cache: return the memory (an `ExpireSpanCache`) as the output's `cache`.
+        tie_word_embeddings: share the input embedding and the LM head.
+        pad_token_id: id of the padding token, or `None`; must lie in `[0, vocab_size)`.
+        bos_token_id: id of the beginning-of-text token, or `None`; must lie in `[0, vocab_size)`.
+        eos_token_id: id (or list of ids) that ends generation, or `None`; each must lie in `[0, vocab_size)`.
+
+    Example:
+        >>> from memlm import ExpireSpanConfig
+        >>> config = ExpireSpanConfig(vocab_size=258, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        ...                           max_span=1024, ramp=32, block_size=128)
+        >>> round(config.initial_span_fraction * config.max_span)  # every memory starts with this span
+        102
+        >>> ExpireSpanConfig(max_span=1024, ramp=0)
+        Traceback (most recent call last):
+        ValueError: ExpireSpanConfig.ramp must be ...
     """
 
     model_type = "memlm_expire_span"

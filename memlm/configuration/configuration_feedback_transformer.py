@@ -22,29 +22,51 @@ POSITION_ENCODINGS = ("rotary", "relative_bias")
 class FeedbackTransformerConfig(PreTrainedConfig):
     r"""
     Configuration of a Feedback Transformer: every layer attends to one shared memory of earlier steps, each memory
-    being a learned mix of all layers' outputs at that step (SPEC §3, paper Eq. 1):
+    being a learned mix of all layers' outputs at that step (SPEC §3; Fan et al., 2021, Sec. 3.3 and Eq. 1):
 
-        m_t   = Σ_{l=0..L} softmax(w)_l · x_t^l          x^0 = embedding, x^l = output of layer l
+        m_t   = Σ_{l=0..L} softmax(w)_l · x_t^l          x^0 = embedding, x^l = output of layer l (Eq. 1)
         z_t^l = Attn(query x_t^l, keys/values of m_{t−τ} … m_{t−1})
 
     so the computation is sequential in t (m_t needs the top layer at t) and even the first layer sees the past's
-    most abstract representations.
+    most abstract representations. Every field is checked when the config is built: a bad value raises `ValueError`
+    naming the field and what is allowed.
 
     Args:
-        vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads: the model's sizes
-            (`intermediate_size`: width of the gated MLP; default the multiple of 256 above hidden_size·8/3).
-        memory_span (`int`): τ, how many earlier steps each step attends to.
-        share_key_value (`bool`): True (the paper's efficient form): keys and values of a memory are computed once per
-            step, with one projection for all layers, and the cache holds one set for all layers. False: each layer
+        vocab_size: number of tokens in the vocabulary.
+        hidden_size: width of the residual stream; a multiple of `num_attention_heads`.
+        intermediate_size: width of the gated MLP; `None` (default) takes the multiple of 256 nearest above
+            `hidden_size * 8 / 3`.
+        num_hidden_layers: number of blocks L (the memory mixes L + 1 representations: the embedding and each layer).
+        num_attention_heads: number of attention heads.
+        memory_span: τ, how many earlier steps each step attends to.
+        share_key_value: True (the paper's efficient form): keys and values of a memory are computed once per step,
+            with one projection for all layers, and the cache holds one set for all layers. False: each layer
             projects the memory with its own weights (L sets).
-        position_encoding (`str`): how attention knows how far back a memory is. `"rotary"` (default): rotary
-            embedding of queries and keys by absolute position, so scores depend on the distance t − i; no parameters,
-            any τ. `"relative_bias"`: a learned bias per layer, head and distance 1..τ added to the scores (the
-            paper's relative position information, in its simplest form).
-        rope_theta (`float`): base of the rotary embedding (used with `position_encoding="rotary"`).
-        hidden_dropout (`float`): dropout on each block's attention and MLP outputs before the residual sum.
-        attention_dropout (`float`): dropout on each head's attention output (the context read from the memory).
-        hidden_act, rms_norm_eps, initializer_range, use_cache, tie_word_embeddings: as in 🤗 Llama.
+        position_encoding: how attention knows how far back a memory is. `"rotary"` (default): rotary embedding of
+            queries and keys by absolute position, so scores depend on the distance t − i; no parameters, any τ.
+            `"relative_bias"`: a learned bias per layer, head and distance 1..τ added to the scores (the paper's
+            relative position information, in its simplest form).
+        rope_theta: base of the rotary embedding (used with `position_encoding="rotary"`).
+        hidden_dropout: dropout on each block's attention and MLP outputs before the residual sum.
+        attention_dropout: dropout on each head's attention output (the context read from the memory).
+        hidden_act: activation of the gated MLP: `"silu"`, `"gelu"`, `"gelu_new"` or `"relu"`.
+        rms_norm_eps: epsilon of every RMSNorm.
+        initializer_range: standard deviation of the normal initialisation of linear and embedding weights.
+        use_cache: return the memory (a `FeedbackCache`) as the output's `cache`.
+        tie_word_embeddings: share the input embedding and the LM head.
+        pad_token_id: id of the padding token, or `None`; must lie in `[0, vocab_size)`.
+        bos_token_id: id of the beginning-of-text token, or `None`; must lie in `[0, vocab_size)`.
+        eos_token_id: id (or list of ids) that ends generation, or `None`; each must lie in `[0, vocab_size)`.
+
+    Example:
+        >>> from memlm import FeedbackTransformerConfig
+        >>> config = FeedbackTransformerConfig(vocab_size=258, hidden_size=64, num_hidden_layers=2,
+        ...                                    num_attention_heads=4, memory_span=128)
+        >>> config.memory_groups  # shared keys and values: one set in the cache for all layers
+        1
+        >>> FeedbackTransformerConfig(position_encoding="alibi")
+        Traceback (most recent call last):
+        ValueError: FeedbackTransformerConfig.position_encoding must be one of ...
     """
 
     model_type = "memlm_feedback_transformer"

@@ -166,6 +166,13 @@ def describe_backend(operation: str, device="cpu", dtype=None, backend: str | No
 
     Raises:
         ValueError: for an unknown operation or dtype name, or as :func:`resolve_backend` for the backend.
+
+    Example:
+        >>> from memlm.kernels import describe_backend
+        >>> describe_backend("delta_rule", "cpu", backend="torch")
+        "torch: memlm's PyTorch chunkwise implementation (a one-token step to decode)"
+        >>> describe_backend("delta_rule", "cpu", backend="reference")
+        "reference: memlm's readable reference implementation"
     """
     import torch
 

@@ -129,10 +129,10 @@ def test_unknown_corpus_and_bad_options_are_refused():
             benchmark.parse_arguments(["--smoke", *arguments])
 
 
-def test_report_writes_the_readme_and_hub_cards_from_the_json(smoke_run, tmp_path, monkeypatch):
-    """--report renders the README's section and each hub card's from a run's JSON: a number or a verdict changed in
-    the JSON changes the text, the rest of each file is kept, a second report replaces the section, and a saved
-    model's card (hub_card.render_model_card) still renders with it."""
+def test_report_writes_the_docs_and_hub_cards_from_the_json(smoke_run, tmp_path, monkeypatch):
+    """--report renders the performance page's section, each model page's and each hub card's from a run's JSON: a
+    number or a verdict changed in the JSON changes the text, the rest of each file is kept, a second report replaces
+    the section, and a saved model's card (hub_card.render_model_card) still renders with it."""
     from memlm import DeltaNetConfig, DeltaNetForCausalLM, hub_card
 
     _, results, _ = smoke_run
@@ -141,8 +141,12 @@ def test_report_writes_the_readme_and_hub_cards_from_the_json(smoke_run, tmp_pat
     cards.mkdir()
     for card in (ROOT / "hub_cards").glob("*.md"):
         (cards / card.name).write_text(card.read_text(encoding="utf-8"), encoding="utf-8")
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "performance" / "language-modelling.md"
+    readme.parent.mkdir()
     readme.write_text("# Benchmarks\n\nKept as it is.\n", encoding="utf-8")
+    pages = tmp_path / "models"
+    pages.mkdir()
+    (pages / "deltanet.md").write_text("# DeltaNet\n\nKept.\n", encoding="utf-8")
     # Set bits per byte so that the delta rule wins on stdlib in every seed and loses on pydoc in every seed.
     summary = results["summary"]
     summary["stdlib"]["deltanet"]["final"] = {"mean": 1.2345, "low": 1.2, "high": 1.3, "values": [1.2, 1.3]}
@@ -152,7 +156,8 @@ def test_report_writes_the_readme_and_hub_cards_from_the_json(smoke_run, tmp_pat
     results["seconds"] = 4321.0
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results), encoding="utf-8")
-    arguments = ["--report", str(path), "--readme", str(readme), "--hub-cards", str(cards), "--plot", ""]
+    arguments = ["--report", str(path), "--report-page", str(readme), "--hub-cards", str(cards), "--plot", "",
+                 "--model-pages", str(pages)]  # fmt: skip
     benchmark.main(arguments)
     text = readme.read_text(encoding="utf-8")
     assert text.startswith("# Benchmarks\n\nKept as it is.\n") and text.count(benchmark.BEGIN) == 1
@@ -168,6 +173,11 @@ def test_report_writes_the_readme_and_hub_cards_from_the_json(smoke_run, tmp_pat
     assert deltanet_card.index(benchmark.END) < deltanet_card.index("## Citation")  # the citation stays last
     assert "Feedback Transformer |" not in deltanet_card  # each card shows its own models
     assert "Feedback Transformer |" in (cards / "feedback_transformer.md").read_text(encoding="utf-8")
+    # The model page: the card's table, without "not this checkpoint", linking to the whole comparison.
+    page = (pages / "deltanet.md").read_text(encoding="utf-8")
+    assert page.startswith("# DeltaNet\n\nKept.\n") and "1.234 (1.200–1.300)" in page
+    assert "not this checkpoint" not in page and "](../performance/language-modelling.md)" in page
+    assert not (pages / "expire_span.md").exists()  # only the pages that exist are written
     # Within the spread when the seeds' ranges overlap; a second report replaces the section.
     summary["stdlib"]["linear_transformer"]["final"] = {"mean": 1.25, "low": 1.1, "high": 1.4, "values": [1.1, 1.4]}
     path.write_text(json.dumps(results), encoding="utf-8")

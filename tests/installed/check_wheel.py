@@ -11,8 +11,9 @@
 3. From an empty folder, with no hub (HF_HUB_OFFLINE=1): `core` imports every module of the installed package (the
    Triton kernels may only refuse with their message), runs `memlm --help`, the README's Usage snippet (read from
    README.md), loads its checkpoint as remote code without memlm, and `memlm info` / `memlm generate` on it; `train`
-   runs `memlm train` for the three tiny presets, `memlm info` and `memlm generate` on each run, and the README's
-   synthetic-task commands (make_dataset.py for every task, train_task.py for every memlm model, plot-memory).
+   runs `memlm train` for the three tiny presets, `memlm info` and `memlm generate` on each run, and the synthetic-task
+   commands of docs/guides/tasks.md (make_dataset.py for every task, train_task.py for every memlm model,
+   plot-memory).
 
 Every step checks exit codes and outputs; the first failure stops the run with what went wrong.
 """
@@ -254,13 +255,14 @@ def module_names_in_tree() -> set[str]:
     return names
 
 
-def readme_block(heading: str, language: str) -> str:
-    """The first ```language block under `## heading` of README.md: what users copy is what is run."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def readme_block(heading: str, language: str, page: str = "README.md") -> str:
+    """The first ```language block under `## heading` of README.md (or another page of the repository): what users
+    copy is what is run."""
+    readme = (ROOT / page).read_text(encoding="utf-8")
     section = readme.split(f"\n## {heading}\n", 1)
-    check(len(section) == 2, f"README.md has no '## {heading}' section")
+    check(len(section) == 2, f"{page} has no '## {heading}' section")
     block = re.search(rf"```{language}\n(.*?)```", section[1].split("\n## ", 1)[0], flags=re.DOTALL)
-    check(block is not None, f"README.md's '## {heading}' section has no ```{language} block")
+    check(block is not None, f"{page}'s '## {heading}' section has no ```{language} block")
     return block.group(1)
 
 
@@ -334,11 +336,11 @@ def check_training(train: Path, folder: Path, env: dict) -> None:
         output = run([memlm, "generate", output_dir, "--prompt", "def ", "--max-new-tokens", "8"], cwd=folder, env=env)
         check(output.startswith("def "), f"memlm generate printed:\n{output[-2000:]}")
 
-    # The README's synthetic-task commands, with fewer examples and steps.
-    commands = readme_block("The papers' synthetic tasks", "bash").replace("\\\n", " ")
+    # The synthetic-task commands of the tasks guide, with fewer examples and steps.
+    commands = readme_block("From the command line", "bash", "docs/guides/tasks.md").replace("\\\n", " ")
     commands = [shlex.split(line) for line in commands.splitlines() if line.strip()]
     check([command[:2] for command in commands] == [["python", "training/tasks/make_dataset.py"],
-          ["python", "training/tasks/train_task.py"], ["memlm", "plot-memory"]], f"README task commands: {commands}")  # fmt: skip
+          ["python", "training/tasks/train_task.py"], ["memlm", "plot-memory"]], f"the tasks guide's commands: {commands}")  # fmt: skip
     make, train_task, plot = commands
     sizes = ["--train", "64", "--validation", "16", "--test", "16"]
     output = run([python, ROOT / make[1], *make[2:], *sizes], cwd=folder, env=env)

@@ -173,6 +173,18 @@ def delta_rule(
     Returns:
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
         float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``.
+
+    Example:
+        >>> import torch
+        >>> from memlm.kernels.delta_rule import delta_rule
+        >>> query, value = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+        >>> key = torch.nn.functional.normalize(torch.randn(1, 2, 10, 4), dim=-1)
+        >>> output, state = delta_rule(query, key, value, torch.rand(1, 2, 10), output_final_state=True, chunk_size=4)
+        >>> output.shape, state.shape, state.dtype
+        (torch.Size([1, 2, 10, 4]), torch.Size([1, 2, 4, 4]), torch.float32)
+        >>> with_beta_one, _ = delta_rule(query, key, value)  # β = 1: each key's value is replaced outright
+        >>> torch.allclose(with_beta_one, delta_rule(query, key, value, backend="reference")[0], atol=1e-5)
+        True
     """
     offsets = _check_inputs(query, key, value, beta, initial_state, chunk_size, cu_seqlens, cu_seqlens_cpu)
     backend = resolve_backend(backend, key.device, operation="delta_rule")

@@ -140,6 +140,18 @@ def expire_span_attention(
 
     Returns:
         ``(B, H, T, d_v)`` in the query's dtype.
+
+    Example:
+        >>> import torch
+        >>> from memlm.kernels.expire_attention import expire_span_attention
+        >>> query, key, value = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+        >>> spans = torch.tensor([[0.0, 9.0, 9.0, 9.0, 9.0, 9.0]])  # the memory at position 0 lives 0 tokens
+        >>> at, positions = torch.tensor([[5]]), torch.arange(6)[None]
+        >>> output = expire_span_attention(query, key, value, spans, at, positions, ramp=1.0)
+        >>> without_it = expire_span_attention(query, key[:, :, 1:], value[:, :, 1:], spans[:, 1:], at,
+        ...                                    positions[:, 1:], ramp=1.0)
+        >>> torch.allclose(output, without_it)  # 5 tokens later, past its ramp of 1: it is gone
+        True
     """
     _check_inputs(
         query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
