@@ -4,10 +4,12 @@ Importing memlm registers its configurations and models with AutoConfig, AutoMod
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .configuration.configuration_deltanet import DeltaNetConfig
 from .configuration.configuration_expire_span import ExpireSpanConfig
 from .configuration.configuration_feedback_transformer import FeedbackTransformerConfig
+from .configuration.validation import name_unknown_memlm_types
 from .modeling.modeling_deltanet import DeltaNetCache, DeltaNetForCausalLM, DeltaNetModel, DeltaNetPreTrainedModel
 from .modeling.modeling_expire_span import (
     ExpireSpanCache,
@@ -33,6 +35,7 @@ AutoModelForCausalLM.register(ExpireSpanConfig, ExpireSpanForCausalLM, exist_ok=
 AutoConfig.register(FeedbackTransformerConfig.model_type, FeedbackTransformerConfig, exist_ok=True)
 AutoModel.register(FeedbackTransformerConfig, FeedbackTransformerModel, exist_ok=True)
 AutoModelForCausalLM.register(FeedbackTransformerConfig, FeedbackTransformerForCausalLM, exist_ok=True)
+name_unknown_memlm_types(CONFIG_MAPPING)  # config.json with a memlm_* type memlm does not know: memlm's words
 
 __all__ = [
     "DeltaNetCache",

@@ -76,7 +76,7 @@ def checkpoint_folder(path: str) -> tuple[Path, dict]:
         raise ValueError(f"{path!r} is {CONVERTIBLE_MODEL_TYPES[model_type]}.")
     from transformers import CONFIG_MAPPING
 
-    if model_type not in CONFIG_MAPPING:
+    if model_type.startswith("memlm_") or model_type not in CONFIG_MAPPING:
         raise ValueError(
             f"unknown model type {model_type!r} in {folder / 'config.json'}; known: {', '.join(MEMLM_MODEL_TYPES)} "
             "(memlm) and 🤗 Transformers' own model types."

@@ -221,3 +221,29 @@ def test_the_tested_set_pins_every_package_it_names():
     names = {line.split("==")[0].lower().replace("_", "-") for line in requirements}
     assert {"torch", "transformers", "accelerate", "datasets", "tokenizers", "huggingface-hub", "peft"} <= names
     assert "torch==2.13.0" in requirements
+
+
+def test_an_unknown_memlm_model_type_is_named_by_memlm(tmp_path):
+    """With memlm imported, a config.json whose memlm_* type memlm does not know gets memlm's words (its known types,
+    a newer memlm?) from 🤗's own Auto classes, instead of 🤗's advice to update Transformers; other types, memlm's
+    own and 🤗's, load as before."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import memlm  # noqa: F401
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "memlm_nonsense", "hidden_size": 8}))
+    for loader in (AutoConfig, AutoModelForCausalLM):
+        with pytest.raises(ValueError) as error:
+            loader.from_pretrained(tmp_path)
+        assert str(error.value) == (
+            "model_type 'memlm_nonsense' is not one of memlm's (memlm_deltanet, memlm_expire_span, "
+            "memlm_feedback_transformer): a checkpoint of a newer memlm (pip install -U memlm), or a misspelt "
+            "model_type in config.json."
+        )
+    assert type(AutoConfig.for_model("memlm_feedback_transformer")).__name__ == "FeedbackTransformerConfig"
+    assert type(AutoConfig.for_model("llama")).__name__ == "LlamaConfig"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model_type_anywhere"}))
+    with pytest.raises(ValueError, match="does not recognize this architecture"):  # 🤗's words for the rest
+        AutoConfig.from_pretrained(tmp_path)

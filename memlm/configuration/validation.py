@@ -163,6 +163,30 @@ DERIVED_FIELDS = {
 MAX_PARAMETERS = 10**12
 
 
+class _MemlmTypesFirst(dict):
+    """🤗 AutoConfig's registered model types, answering for every `memlm_*` type: one memlm does not know is refused
+    with memlm's known types (it may come from a newer memlm), instead of 🤗's advice to update Transformers."""
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(key) or (isinstance(key, str) and key.startswith("memlm_"))
+
+    def __getitem__(self, key):
+        if not super().__contains__(key) and isinstance(key, str) and key.startswith("memlm_"):
+            raise ValueError(
+                f"model_type {key!r} is not one of memlm's ({', '.join(MEMLM_MODEL_TYPES)}): a checkpoint of a newer "
+                "memlm (pip install -U memlm), or a misspelt model_type in config.json."
+            )
+        return super().__getitem__(key)
+
+
+def name_unknown_memlm_types(config_mapping):
+    """Make 🤗's `CONFIG_MAPPING` refuse unknown `memlm_*` model types in memlm's words (`_MemlmTypesFirst`). It
+    holds registered types in `_extra_content`; where a 🤗 release has no such dict, 🤗's own message stays."""
+    registered = getattr(config_mapping, "_extra_content", None)
+    if type(registered) is dict:
+        config_mapping._extra_content = _MemlmTypesFirst(registered)
+
+
 def check_model_type(config, extra_options: dict):
     """A config dict of another model type (`model_type` in a loaded config.json) is refused: building a DeltaNet from
     an Expire-Span checkpoint would keep the matching weights and fill the rest at random."""
