@@ -107,9 +107,10 @@ def running_kernel(module) -> str | None:
         return where
     from kernels import get_loaded_kernels
 
+    source = Path(function.__globals__.get("__file__") or "")
     for loaded in get_loaded_kernels():
-        package = loaded.module.__name__
-        if function.__module__ == package or function.__module__.startswith(package + "."):
+        # By folder, not by module name: the same repository generated into two folders has one name.
+        if source.is_relative_to(Path(loaded.module.__file__).parent):
             metadata = loaded.metadata
             backend = str(metadata.backend.backend_type).rpartition(".")[2].lower()
             if loaded.repo_info is not None:
