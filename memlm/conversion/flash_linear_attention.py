@@ -11,7 +11,6 @@ Command line:  python -m memlm.conversion.flash_linear_attention FLA_DIRECTORY O
 
 import argparse
 import json
-import os
 import re
 from pathlib import Path
 
@@ -255,12 +254,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("source", type=Path, help="FLA checkpoint directory (config.json + *.safetensors)")
     parser.add_argument("destination", type=Path, help="where to write the memlm checkpoint (outside the source)")
     arguments = parser.parse_args(argv)
-    try:
+    from ..cli import one_line_errors
+
+    with one_line_errors(parser.prog):
         convert(arguments.source, arguments.destination)
-    except (ValueError, OSError) as error:
-        if os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0"):
-            raise
-        parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 
 if __name__ == "__main__":

@@ -362,3 +362,30 @@ def test_use_kernels(repository, tmp_path, family):
     assert f"kernels {kernels.__version__} installed" in message
     assert f"kernels>={import_utils.KERNELS_MIN_VERSION},<{import_utils.KERNELS_MAX_VERSION}" in message
     assert "kernels.kernelize" in message
+
+
+def test_register_mapping_serves_every_later_kernelize_and_trust_reaches_the_repositories(repository):
+    """`register_mapping` (in a subprocess: it changes the process's global mapping) makes a plain `kernelize` swap
+    memlm's layers; `trust_remote_code` is passed to every Hub repository of the mapping."""
+    from kernels import LayerRepository
+
+    script = f"""
+import torch
+from kernels import Mode, kernelize
+from memlm import DeltaNetConfig, DeltaNetForCausalLM
+from memlm.kernels.hub import register_mapping
+model = DeltaNetForCausalLM(DeltaNetConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2))
+register_mapping({str(repository)!r})
+kernelize(model, mode=Mode.INFERENCE, device="cpu")
+print(model.model.layers[0].attention.forward.__func__.__module__)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith("_memlm_kernels_cpu_")
+    for trust in (False, True):
+        mapping = kernel_mapping("someone/memlm-kernels", trust_remote_code=trust)
+        assert mapping["FeedbackRecurrence"]["cuda"] == LayerRepository(
+            "someone/memlm-kernels", layer_name="FeedbackRecurrence", version=1, trust_remote_code=trust
+        )

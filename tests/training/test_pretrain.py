@@ -191,6 +191,7 @@ def test_the_main_command_trains_then_generates(tmp_path):
     assert carried[0][0] == carried[0][1] and int(carried[1][1]) > int(carried[1][0])
     assert "training:" not in result.stderr and "it/s" not in result.stderr  # no progress bar in logs
     assert (tmp_path / "quickstart" / "model.safetensors").is_file()
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "quickstart")) == 512  # --vocab-size: the BPE's size
 
 
 def test_two_processes_with_gloo_match_one_process_with_the_same_global_batch(tmp_path):
