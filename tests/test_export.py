@@ -123,9 +123,11 @@ def test_flat_names():
         "memlm_delta_rule.py",
         "memlm_delta_rule_chunk.py",
         "memlm_delta_rule_flash_linear_attention.py",
+        "memlm_delta_rule_hub_function.py",
         "memlm_delta_rule_reference.py",
         "memlm_delta_rule_triton_chunk.py",
         "memlm_delta_rule_triton_recurrent.py",
+        "memlm_hub.py",
         "memlm_kernels.py",
     }
 

@@ -49,6 +49,16 @@ def use_kernel_forward_from_hub(layer_name: str):
     return lambda layer_class: layer_class
 
 
+def use_kernelized_func(*functions):
+    """`kernels.use_kernelized_func(*functions)` when `kernels` is installed (each instance of the class then carries
+    the kernel functions, so `kernels.kernelize` can swap them), else a decorator that does nothing."""
+    if kernels_available():
+        from kernels import use_kernelized_func as attach
+
+        return attach(*functions)
+    return lambda layer_class: layer_class
+
+
 def kernel_mapping(
     repository: str | os.PathLike = HUB_REPOSITORY,
     *,
@@ -137,14 +147,19 @@ def _generation_note(kernel_id: str) -> str:
 
 
 class HubLayerMixin:
-    """Mixed into memlm's hub layers: their repr names the kernel that runs once `kernels.kernelize` swapped one in."""
+    """Mixed into memlm's hub layers: their repr names the kernel that runs once `kernels.kernelize` swapped one in
+    (for the layer's forward, and for each kernel function the layer carries)."""
 
     def extra_repr(self) -> str:
-        text = super().extra_repr()
+        parts = [super().extra_repr()]
         kernel = running_kernel(self)
-        if kernel is None:
-            return text
-        return ", ".join(part for part in (text, f"hub_kernel={kernel}") if part)
+        if kernel is not None:
+            parts.append(f"hub_kernel={kernel}")
+        for name, function in self.__dict__.get("_kernel_funcs", {}).items():  # functions swapped in the layer
+            kernel = running_kernel(function)
+            if kernel is not None:
+                parts.append(f"{name}={kernel}")
+        return ", ".join(part for part in parts if part)
 
 
 def use_kernels_requirement() -> str | None:

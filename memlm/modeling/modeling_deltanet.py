@@ -26,8 +26,9 @@ from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
 from ..kernels import describe_backend, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
+from ..kernels.delta_rule.hub_function import chunk_gated_delta_rule, swapped_kernel
 from ..kernels.delta_rule.packing import PaddingPacker
-from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
+from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub, use_kernelized_func
 from .layers import GatedMLP, RMSNorm
 from .memory import (
     CountsOwnPositions,
@@ -181,6 +182,7 @@ class DeltaNetFeatureMap(nn.Module):
 
 
 @use_kernel_forward_from_hub("DeltaNetAttention")
+@use_kernelized_func(chunk_gated_delta_rule)  # 🤗's name for the gated delta rule: a Hub FLA kernel can take the rule
 class DeltaNetAttention(HubLayerMixin, nn.Module):
     """The fast-weight memory of one layer: projections → short convolution → φ and normalisation → delta (or sum)
     rule → per-head output norm and gate → output projection."""
@@ -276,6 +278,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             output, new_state = delta_rule(
                 query, key, value, beta, initial_state=fast_weights, output_final_state=return_state,
                 chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                hub_kernel=swapped_kernel(self),
             )  # fmt: skip
         else:
             if beta is not None:

@@ -144,6 +144,7 @@ def delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
     backend: str | None = None,
+    hub_kernel=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the delta rule over a sequence (SPEC §1).
 
@@ -169,6 +170,10 @@ def delta_rule(
             what those do not take runs as with ``"triton"``: query, key and value of different dtypes, float32
             beyond one token (FLA's chunk kernel refuses float32) and key widths above 256. float64 runs the torch
             implementation on either.
+        hub_kernel: a ``chunk_gated_delta_rule`` kernel that ``kernels.kernelize`` swapped in (see
+            :mod:`memlm.kernels.delta_rule.hub_function`; DeltaNet's layers pass theirs). It runs first, with the gate
+            g = 0, whatever it covers (float16 or bfloat16, key widths up to 256, more than one token or packed
+            sequences); the rest runs on ``backend``.
 
     Returns:
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
@@ -192,7 +197,13 @@ def delta_rule(
         with torch.autocast(key.device.type, enabled=False):
             return delta_rule(query, key, value, beta, initial_state=initial_state,
                               output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                              cu_seqlens_cpu=offsets, backend=backend)  # fmt: skip
+                              cu_seqlens_cpu=offsets, backend=backend, hub_kernel=hub_kernel)  # fmt: skip
+    if hub_kernel is not None:
+        from .hub_function import delta_rule_hub, hub_covers
+
+        if hub_covers(query, key, value, cu_seqlens):
+            return delta_rule_hub(hub_kernel, query, key, value, beta, initial_state, output_final_state, cu_seqlens,
+                                  offsets)  # fmt: skip
     if backend == "fla" and key.dtype != torch.float64:
         check_triton_device(key.device, backend)
         from .flash_linear_attention import delta_rule_fla, fla_covers
