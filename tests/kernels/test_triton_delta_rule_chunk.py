@@ -129,8 +129,8 @@ def test_matches_reference(length, key_dim, value_dim, chunk_size):
 
 
 def test_nearly_parallel_keys_in_chunks_of_64():
-    # Keys that nearly coincide, with β = 1, make (I + A)⁻¹ far from the identity; chunks of 64 take six block
-    # doublings to invert it.
+    # Keys that nearly coincide, with β = 1, make (I + A)⁻¹ far from the identity; chunks of 64 are inverted as four
+    # diagonal blocks of 16 and the six blocks below them.
     tensors, grad_output, grad_state = make_inputs(batch_size=1, num_heads=1, length=70, key_dim=16, value_dim=16)
     generator = torch.Generator().manual_seed(1)
     shared_direction = torch.randn(16, generator=generator)
@@ -138,6 +138,43 @@ def test_nearly_parallel_keys_in_chunks_of_64():
     tensors["key"] = keys.requires_grad_()
     tensors["beta"] = torch.ones(1, 1, 70, requires_grad=True)
     assert_matches_reference(tensors, grad_output, grad_state, tolerance=1e-5, chunk_size=64)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "chunk_size", "tolerance"),
+    [(torch.float64, 64, 1e-12), (torch.float64, 20, 1e-12), (torch.float32, 64, 1e-5)],
+    ids=["float64_four_blocks", "float64_two_blocks_with_tail", "float32_four_blocks"],
+)
+def test_inverse_solves_the_unit_lower_triangular_system(dtype, chunk_size, tolerance):
+    # The rows of (I + A)⁻¹ the forward keeps (16 × 16 diagonal blocks by forward substitution, the blocks below
+    # merged by block products) against torch's triangular solve, chunk by chunk, on nearly parallel keys (β = 1 on
+    # half the tokens) that make (I + A)⁻¹ far from the identity. A tail chunk shorter than its tile keeps zero
+    # columns past its last token.
+    length = 150
+    tensors, _, _ = make_inputs(batch_size=1, num_heads=2, length=length, key_dim=16, value_dim=16, dtype=dtype)
+    generator = torch.Generator().manual_seed(2)
+    shared_direction = torch.randn(16, generator=generator, dtype=torch.float64)
+    keys = F.normalize(
+        shared_direction + 0.05 * torch.randn(1, 2, length, 16, generator=generator, dtype=torch.float64), dim=-1
+    )
+    beta = torch.rand(1, 2, length, generator=generator, dtype=torch.float64)
+    beta[..., ::2] = 1
+    query, value = tensors["query"].detach(), tensors["value"].detach()
+    key, beta = keys.to(dtype), beta.to(dtype)
+    layout = triton_chunk._Layout(query, key, value, chunk_size, None, None, dtype)
+    with torch.no_grad():
+        *_, (inverse, *_) = triton_chunk._forward(query, key, value, beta, None, False, layout)
+    assert inverse.shape == (1, 2, length, layout.block_t)
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        chunk_keys, chunk_beta = key[0, :, start:end].double(), beta[0, :, start:end].double()
+        system = torch.tril(chunk_beta[..., None] * chunk_keys @ chunk_keys.transpose(-1, -2), diagonal=-1)
+        identity = torch.eye(end - start, dtype=torch.float64).expand_as(system)
+        expected = torch.linalg.solve_triangular(identity + system, identity, upper=False)
+        assert (expected - identity).abs().max() > 0.5  # far from the identity
+        rows = inverse[0, :, start:end]
+        assert relative_rms_error(rows[..., : end - start], expected) < tolerance
+        assert torch.all(rows[..., end - start :] == 0)
 
 
 @pytest.mark.parametrize(

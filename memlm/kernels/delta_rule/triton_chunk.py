@@ -11,7 +11,11 @@ entering state ``S ∈ R^{d_k×d_v}`` and rows ``Q, K, V, β`` (SPEC §1)::
     S_next = S + Kᵀ V'                                 (5)
 
 Forward, three kernels: ``_prepare_chunk_kernel`` solves the unit-triangular system (1)-(2) for every
-chunk in parallel (``(I + A)⁻¹`` by block doubling, see ``_unit_lower_inverse``) and forms ``causal(Q Kᵀ)``;
+chunk in parallel and forms ``causal(Q Kᵀ)``. It works on blocks of ``SOLVE_BLOCK`` = 16 tokens, as
+flash-linear-attention's ``solve_tril``: each 16 × 16 diagonal block of ``I + A`` is inverted by forward
+substitution (no matrix products), the blocks below the diagonal of ``(I + A)⁻¹`` follow by block forward
+substitution (16 products of 16 × 16 blocks for a chunk of 64, see ``_unit_lower_inverse``), and ``A``, ``W`` and
+``U`` are formed block by block, so that nothing above the block diagonal is multiplied;
 ``_state_forward_kernel`` runs the recurrence (3), (5) over the chunks of each sequence and keeps only the
 chunk-entry states; ``_output_kernel`` computes (4) for every chunk in parallel.
 
@@ -33,9 +37,10 @@ are bfloat16 / float16 when query, key and value all are (tensor cores), and the
 (``W``, ``U``, ``V'``, ``(I + A)⁻¹``, ``P``, ``dV'``) and the chunk-entry states of a state held in registers are
 stored in that dtype too; the running state, the final state and the gradients' accumulators stay float32.
 Float32 inputs use TF32 products (``FLOAT32_PRECISION``; set it to ``"ieee"`` for exact float32 products on
-CUDA cores). The block-doubling inverse keeps a float32 tile and multiplies with TF32 on tensor cores
-(``INVERSE_PRECISION``; ``"tf32x3"`` gives near-float32 products at three times the cost). Float64 inputs
-use exact float64 products.
+CUDA cores). The inverse keeps float32 blocks: the forward substitution inside the diagonal blocks is exact
+float32 arithmetic, and the products that merge the blocks use TF32 on tensor cores (``INVERSE_PRECISION``;
+``"tf32x3"`` gives near-float32 products at three times the cost, ``"ieee"`` exact float32 ones, which it is whenever
+``FLOAT32_PRECISION`` is ``"ieee"``). Float64 inputs use exact float64 products.
 
 Tiles. The kernels use chunks of at most ``MAX_CHUNK_SIZE`` tokens whatever ``chunk_size`` asks (the result
 does not depend on the chunking), slices of d_k and d_v at most ``BLOCK_WIDTH`` wide (``OUTPUT_BLOCK_WIDTH`` for
@@ -87,11 +92,17 @@ STATE_TILE = 128 * 64
 OUTPUT_BLOCK_WIDTH = 128
 # tl.dot needs every dimension to be at least 16.
 MIN_BLOCK = 16
+# Tokens per block of a chunk in the prepare kernel: (I + A)⁻¹ is solved by forward substitution within these
+# diagonal blocks and merged from products of blocks of this size (``_unit_lower_inverse``). A divisor of every
+# chunk tile (a power of two, at least MIN_BLOCK).
+SOLVE_BLOCK = 16
 # Products of float32 operands: "tf32" (tensor cores) or "ieee" (exact, CUDA cores).
 FLOAT32_PRECISION = "tf32"
-# Products inside the block-doubling inverse, on float32 tiles. With TF32 the inverse is off by 4e-4 to 1e-3
-# (relative; random and nearly parallel keys, chunks of 64, measured in numpy), the size of one TF32 or float16
-# rounding and below bfloat16's; "tf32x3" (three TF32 products, near float32 accuracy) spills registers at 64 × 64.
+# Products that merge the 16 × 16 blocks of the inverse, on float32 blocks (the diagonal blocks themselves are exact
+# float32 forward substitution): "tf32" (tensor cores), "tf32x3" (three TF32 products, near float32 accuracy) or
+# "ieee" (exact, CUDA cores). Float32 inputs with FLOAT32_PRECISION = "ieee" and float64 inputs always use "ieee".
+# With TF32 the inverse is off by up to 1e-4 (random keys) and 1e-3 (nearly parallel keys, β = 1) (relative, chunks of
+# 64, TF32 rounding emulated in PyTorch), the size of one TF32 or float16 rounding and below bfloat16's.
 INVERSE_PRECISION = "tf32"
 # (num_warps, num_stages) per GPU target, operand size in bytes (2: bfloat16 / float16; 4: float32 and float64,
 # whose tiles take twice the shared memory and registers) and kernel; "output_wide" is the output kernel with a
@@ -100,14 +111,16 @@ INVERSE_PRECISION = "tf32"
 # (tests/kernels/test_gpu_compile.py checks every entry: no spills, shared memory within the target's limit, for
 # d = 64 and 128 and the widest allowed d_k): the sm_90 entries pipeline the loads of the chunk-parallel kernels
 # one stage deeper where its 227 KB of shared memory (163 KB on sm_80) leave room.
+# The prepare kernel runs its loops unpipelined (one stage): its 16 × 16 blocks of (I + A)⁻¹ and of K Kᵀ take the
+# registers that buffered loads would need (two stages spill on sm_80 and sm_90).
 LAUNCH_OPTIONS = {
     "sm_80": {
-        2: {"prepare": (8, 2), "state": (8, 2), "output": (4, 2), "output_wide": (8, 2), "chunk_backward": (8, 2)},
-        4: {"prepare": (8, 2), "state": (8, 1), "output": (4, 2), "output_wide": (8, 2), "chunk_backward": (8, 2)},
+        2: {"prepare": (8, 1), "state": (8, 2), "output": (4, 2), "output_wide": (8, 2), "chunk_backward": (8, 2)},
+        4: {"prepare": (8, 1), "state": (8, 1), "output": (4, 2), "output_wide": (8, 2), "chunk_backward": (8, 2)},
     },
     "sm_90": {
-        2: {"prepare": (8, 3), "state": (8, 2), "output": (4, 3), "output_wide": (8, 3), "chunk_backward": (8, 3)},
-        4: {"prepare": (8, 3), "state": (8, 1), "output": (4, 3), "output_wide": (8, 3), "chunk_backward": (8, 3)},
+        2: {"prepare": (8, 1), "state": (8, 2), "output": (4, 3), "output_wide": (8, 3), "chunk_backward": (8, 3)},
+        4: {"prepare": (8, 1), "state": (8, 1), "output": (4, 3), "output_wide": (8, 3), "chunk_backward": (8, 3)},
     },
 }
 
@@ -215,24 +228,97 @@ def _locate_sequence(
 
 
 @triton.jit
-def _unit_lower_inverse(system, offsets, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
-    """``(I + A)⁻¹`` for a strictly lower triangular ``A``, by doubling the size of solved diagonal blocks.
+def _load_blocks(
+    pointer, first_row, rows, valid_blocks, columns, width, BLOCK_ROWS: tl.constexpr, DTYPE: tl.constexpr
+):
+    """The tiles ``rows × columns`` of the chunk's blocks of ``BLOCK_ROWS`` tokens (a tuple, block 0 first)."""
+    tiles = ()
+    for block in tl.static_range(len(valid_blocks)):
+        block_pointer = pointer + (first_row + block * BLOCK_ROWS) * width
+        tiles = tiles + (_load_tile(block_pointer, rows, valid_blocks[block], columns, width, DTYPE),)
+    return tiles
 
-    Split ``L = I + A`` into its diagonal blocks ``D`` of size ``b`` and the lower-left blocks ``E`` that join pairs
-    of them into blocks of size ``2b``. As ``E D⁻¹ E = 0``, ``(D + E)⁻¹ = D⁻¹ − D⁻¹ E D⁻¹``, the block formula
-    ``[[L₁₁, 0], [L₂₁, L₂₂]]⁻¹ = [[L₁₁⁻¹, 0], [−L₂₂⁻¹ L₂₁ L₁₁⁻¹, L₂₂⁻¹]]`` of triangular inversion (Higham,
-    *Accuracy and Stability of Numerical Algorithms*, 2002, §14.2) applied to all pairs at once: no loop over
-    rows, two matrix products per doubling. From ``D⁻¹ = I`` at ``b = 1``, log2(BLOCK_T) doublings give ``L⁻¹``.
-    The products stay on the tile's dtype (float32 or float64) at ``PRECISION``.
+
+@triton.jit
+def _store_lower_blocks(pointer, first_row, rows, valid_blocks, lower_blocks, BLOCK_T: tl.constexpr):
+    """Store a chunk's ``BLOCK_T × BLOCK_T`` lower block-triangular matrix, given its blocks on and below the
+    diagonal (``lower_blocks``: block (i, j), j ≤ i, at ``i(i+1)/2 + j``), as rows of ``BLOCK_T`` columns with zero
+    blocks above the diagonal."""
+    BLOCK_ROWS: tl.constexpr = BLOCK_T // len(valid_blocks)
+    for row_block in tl.static_range(len(valid_blocks)):
+        block_pointer = pointer + (first_row + row_block * BLOCK_ROWS) * BLOCK_T
+        for column_block in tl.static_range(len(valid_blocks)):
+            if column_block <= row_block:
+                tile = lower_blocks[row_block * (row_block + 1) // 2 + column_block]
+            else:
+                tile = tl.zeros((BLOCK_ROWS, BLOCK_ROWS), dtype=lower_blocks[0].dtype)
+            _store_tile(block_pointer + column_block * BLOCK_ROWS, rows, valid_blocks[row_block], rows, BLOCK_T, tile)
+
+
+@triton.jit
+def _store_lower_blocks_times(
+    pointer, first_row, rows, valid_blocks, lower_blocks, tiles, columns, width, OPERAND: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Store the product of a lower block-triangular matrix (``lower_blocks``, as in ``_store_lower_blocks``) and
+    the chunk's ``tiles`` (one per block of rows), block row by block row: the zero blocks are not multiplied."""
+    BLOCK_ROWS: tl.constexpr = tiles[0].shape[0]
+    for row_block in tl.static_range(len(valid_blocks)):
+        # Block (row_block, column_block) is lower_blocks[row_block(row_block + 1)/2 + column_block]; the index is
+        # written out, as a name assigned a compile-time value becomes a run-time one.
+        product = _dot(lower_blocks[row_block * (row_block + 1) // 2], tiles[0], OPERAND, PRECISION)
+        for column_block in tl.static_range(1, row_block + 1):
+            product += _dot(
+                lower_blocks[row_block * (row_block + 1) // 2 + column_block], tiles[column_block], OPERAND, PRECISION
+            )
+        block_pointer = pointer + (first_row + row_block * BLOCK_ROWS) * width
+        _store_tile(block_pointer, rows, valid_blocks[row_block], columns, width, product)
+
+
+@triton.jit
+def _unit_lower_inverse(gram, beta_blocks, rows, PRECISION: tl.constexpr):
+    """The blocks on and below the diagonal of ``(I + A)⁻¹``, ``A = strictly_lower(diag(β) K Kᵀ)`` (Eq. 1).
+
+    ``gram`` holds the blocks ``K_i K_jᵀ`` (j ≤ i, at ``i(i+1)/2 + j``) of the chunk's blocks of b rows, ``beta_blocks``
+    their β; the result is laid out the same way. Two steps, as flash-linear-attention's ``solve_tril``:
+
+    1. Each diagonal block ``L_ii = I + A_ii`` is inverted by forward substitution, row by row and without matrix
+       products: row r of ``X = L_ii⁻¹`` is ``e_r − Σ_{k<r} A_ii[r, k] X[k, :]``, exact in the tile's dtype. The
+       coefficients ``A_ii[r, :]`` are read as a column of ``A_iiᵀ = strictly_upper(K_i K_iᵀ diag(β_i))`` (the Gram
+       block is symmetric), so that they lie along the rows of ``X`` without a transposition.
+    2. The blocks below the diagonal follow by block forward substitution, ``N_ij = −L_ii⁻¹ Σ_{j≤k<i} A_ik N_kj``
+       (Higham, *Accuracy and Stability of Numerical Algorithms*, 2002, §14.2): for four blocks, 16 products of
+       b × b blocks at ``PRECISION``, on the tile's dtype (float32 or float64).
     """
-    rows, columns = offsets[:, None], offsets[None, :]
-    inverse = (rows == columns).to(system.dtype)
-    for level in tl.static_range(BLOCK_T.bit_length() - 1):
-        size = 1 << level
-        same_pair = rows // (2 * size) == columns // (2 * size)
-        joins = same_pair & ((rows // size) % 2 == 1) & ((columns // size) % 2 == 0)  # where E sits
-        joined = tl.dot(tl.where(joins, system, 0), inverse, input_precision=PRECISION)
-        inverse -= tl.dot(inverse, joined, input_precision=PRECISION)
+    BLOCK_ROWS: tl.constexpr = rows.shape[0]
+    NUM_BLOCKS: tl.constexpr = len(beta_blocks)
+    inverse = ()
+    for row_block in tl.static_range(NUM_BLOCKS):
+        beta_rows = beta_blocks[row_block]
+        # 1. X = L_ii⁻¹, rows 1 .. b − 1 in order (row 0 is e_0), from A_iiᵀ.
+        gram_block = gram[row_block * (row_block + 1) // 2 + row_block]
+        system_transposed = tl.where(rows[:, None] < rows[None, :], gram_block * beta_rows[None, :], 0)
+        diagonal = (rows[:, None] == rows[None, :]).to(gram_block.dtype)
+        for step in range(1, BLOCK_ROWS):
+            coefficients = tl.sum(tl.where(rows[None, :] == step, system_transposed, 0), 1)  # A_ii[step, :]
+            row = tl.sum(coefficients[:, None] * diagonal, 0)
+            diagonal -= tl.where(rows[:, None] == step, row[None, :], 0)
+        # 2. N_ij for j < i, from the blocks N_kj of the rows above; A_ik = diag(β_i) K_i K_kᵀ is gram[i(i+1)/2 + k]
+        # scaled.
+        for column_block in tl.static_range(row_block):
+            joined = tl.dot(
+                beta_rows[:, None] * gram[row_block * (row_block + 1) // 2 + column_block],
+                inverse[column_block * (column_block + 1) // 2 + column_block],
+                input_precision=PRECISION,
+            )
+            for middle in tl.static_range(column_block + 1, row_block):
+                joined += tl.dot(
+                    beta_rows[:, None] * gram[row_block * (row_block + 1) // 2 + middle],
+                    inverse[middle * (middle + 1) // 2 + column_block],
+                    input_precision=PRECISION,
+                )
+            inverse = inverse + (-tl.dot(diagonal, joined, input_precision=PRECISION),)
+        inverse = inverse + (diagonal,)
     return inverse
 
 
@@ -257,6 +343,7 @@ def _prepare_chunk_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    SOLVE_BLOCK: tl.constexpr,
     HAS_BETA: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -264,51 +351,86 @@ def _prepare_chunk_kernel(
     PRECISION: tl.constexpr,
     INVERSE_PRECISION: tl.constexpr,
 ):
-    """Per (chunk, head): the rows of ``(I + A)⁻¹``, ``W``, ``U`` (Eqs. 1-2) and ``P = causal(Q Kᵀ)``."""
+    """Per (chunk, head): the rows of ``(I + A)⁻¹``, ``W``, ``U`` (Eqs. 1-2) and ``P = causal(Q Kᵀ)``.
+
+    ``A``, ``(I + A)⁻¹``, ``W`` and ``U`` are formed from products of blocks of ``SOLVE_BLOCK`` tokens, none above the
+    block diagonal of the lower triangular ``A`` and ``(I + A)⁻¹``; ``P`` from whole tiles.
+    """
     chunk_head = tl.program_id(0)
     chunk, head = chunk_head // num_heads, chunk_head % num_heads
     batch, start, end = _locate_chunk(chunk, cu_seqlens, chunk_indices, length, num_chunks, CHUNK_SIZE, IS_VARLEN)
+    BLOCK_ROWS: tl.constexpr = SOLVE_BLOCK
+    NUM_BLOCKS: tl.constexpr = BLOCK_T // BLOCK_ROWS
+    rows = tl.arange(0, BLOCK_ROWS)
+    first_row = (batch * num_heads + head).to(tl.int64) * length + start  # 64-bit, scalar
+    valid_blocks = ()
+    beta_blocks = ()
+    for block in tl.static_range(NUM_BLOCKS):
+        valid = start + block * BLOCK_ROWS + rows < end
+        if HAS_BETA:
+            beta_rows = tl.load(beta + first_row + block * BLOCK_ROWS + rows, mask=valid, other=0).to(DTYPE)
+        else:
+            beta_rows = valid.to(DTYPE)
+        valid_blocks = valid_blocks + (valid,)
+        beta_blocks = beta_blocks + (beta_rows,)
+
+    # P = causal(Q Kᵀ) for Eqs. (4) and (6), on whole tiles: as blocks, its 10 accumulators beside the Gram
+    # blocks' would spill registers.
     offsets = tl.arange(0, BLOCK_T)
     valid = start + offsets < end
-    first_row = (batch * num_heads + head).to(tl.int64) * length + start  # 64-bit, scalar
-    if HAS_BETA:
-        beta_rows = tl.load(beta + first_row + offsets, mask=valid, other=0).to(DTYPE)
-    else:
-        beta_rows = valid.to(DTYPE)
-
-    # (1) A = strictly_lower(diag(β) K Kᵀ), and P = causal(Q Kᵀ) for Eqs. (4) and (6).
-    gram = tl.zeros((BLOCK_T, BLOCK_T), dtype=DTYPE)
     query_key = tl.zeros((BLOCK_T, BLOCK_T), dtype=DTYPE)
     for column_start in range(0, key_dim, BLOCK_K):
         columns = column_start + tl.arange(0, BLOCK_K)
         keys = _load_tile(key + first_row * key_dim, offsets, valid, columns, key_dim, OPERAND)
         queries = _load_tile(query + first_row * key_dim, offsets, valid, columns, key_dim, OPERAND)
-        gram += _dot(keys, tl.trans(keys), OPERAND, PRECISION)
         query_key += _dot(queries, tl.trans(keys), OPERAND, PRECISION)
-    _store_tile(
-        scores + first_row * BLOCK_T,
-        offsets,
-        valid,
-        offsets,
-        BLOCK_T,
-        tl.where(offsets[:, None] >= offsets[None, :], query_key, 0),
-    )
-    system = tl.where(offsets[:, None] > offsets[None, :], beta_rows[:, None] * gram, 0)
-    inverse_tile = _unit_lower_inverse(system, offsets, BLOCK_T, INVERSE_PRECISION)
-    _store_tile(inverse + first_row * BLOCK_T, offsets, valid, offsets, BLOCK_T, inverse_tile)
+    causal = offsets[:, None] >= offsets[None, :]
+    _store_tile(scores + first_row * BLOCK_T, offsets, valid, offsets, BLOCK_T, tl.where(causal, query_key, 0))
 
-    # (2) W = (I + A)⁻¹ diag(β) K and U = (I + A)⁻¹ diag(β) V.
-    inverse_operand = _cast(inverse_tile, OPERAND)
+    # (1) The blocks K_i K_jᵀ of A = strictly_lower(diag(β) K Kᵀ), j ≤ i, at i(i+1)/2 + j.
+    gram = ()
+    for _ in tl.static_range(NUM_BLOCKS * (NUM_BLOCKS + 1) // 2):
+        gram = gram + (tl.zeros((BLOCK_ROWS, BLOCK_ROWS), dtype=DTYPE),)
     for column_start in range(0, key_dim, BLOCK_K):
         columns = column_start + tl.arange(0, BLOCK_K)
-        keys = _load_tile(key + first_row * key_dim, offsets, valid, columns, key_dim, DTYPE)
-        chunk_weights = _dot(inverse_operand, keys * beta_rows[:, None], OPERAND, PRECISION)
-        _store_tile(weights + first_row * key_dim, offsets, valid, columns, key_dim, chunk_weights)
+        keys = _load_blocks(key, first_row, rows, valid_blocks, columns, key_dim, BLOCK_ROWS, OPERAND)
+        gram_sums = ()
+        for row_block in tl.static_range(NUM_BLOCKS):
+            for column_block in tl.static_range(row_block + 1):
+                # Block (row_block, column_block) at row_block(row_block + 1)/2 + column_block, written out: a name
+                # assigned a compile-time value becomes a run-time one, which cannot index a tuple.
+                gram_sums = gram_sums + (
+                    gram[row_block * (row_block + 1) // 2 + column_block]
+                    + _dot(keys[row_block], tl.trans(keys[column_block]), OPERAND, PRECISION),
+                )
+        gram = gram_sums
+    inverse_blocks = _unit_lower_inverse(gram, beta_blocks, rows, INVERSE_PRECISION)
+    _store_lower_blocks(inverse, first_row, rows, valid_blocks, inverse_blocks, BLOCK_T)
+
+    # (2) W = (I + A)⁻¹ diag(β) K and U = (I + A)⁻¹ diag(β) V.
+    inverse_operands = ()
+    for pair in tl.static_range(len(inverse_blocks)):
+        inverse_operands = inverse_operands + (_cast(inverse_blocks[pair], OPERAND),)
+    for column_start in range(0, key_dim, BLOCK_K):
+        columns = column_start + tl.arange(0, BLOCK_K)
+        keys = _load_blocks(key, first_row, rows, valid_blocks, columns, key_dim, BLOCK_ROWS, DTYPE)
+        weighted_keys = ()
+        for block in tl.static_range(NUM_BLOCKS):
+            weighted_keys = weighted_keys + (keys[block] * beta_blocks[block][:, None],)
+        _store_lower_blocks_times(
+            weights, first_row, rows, valid_blocks, inverse_operands, weighted_keys, columns, key_dim, OPERAND,
+            PRECISION,
+        )  # fmt: skip
     for column_start in range(0, value_dim, BLOCK_V):
         columns = column_start + tl.arange(0, BLOCK_V)
-        values = _load_tile(value + first_row * value_dim, offsets, valid, columns, value_dim, DTYPE)
-        chunk_updates = _dot(inverse_operand, values * beta_rows[:, None], OPERAND, PRECISION)
-        _store_tile(updates + first_row * value_dim, offsets, valid, columns, value_dim, chunk_updates)
+        values = _load_blocks(value, first_row, rows, valid_blocks, columns, value_dim, BLOCK_ROWS, DTYPE)
+        weighted_values = ()
+        for block in tl.static_range(NUM_BLOCKS):
+            weighted_values = weighted_values + (values[block] * beta_blocks[block][:, None],)
+        _store_lower_blocks_times(
+            updates, first_row, rows, valid_blocks, inverse_operands, weighted_values, columns, value_dim, OPERAND,
+            PRECISION,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -892,7 +1014,7 @@ def _forward(query, key, value, beta, initial_state, output_final_state, layout)
         _prepare_chunk_kernel[layout.chunk_grid()](
             query, key, value, beta, inverse, scores, weights, updates, layout.cu_seqlens, layout.chunk_indices,
             *layout.arguments(), BLOCK_K=layout.block_k, BLOCK_V=layout.block_v, HAS_BETA=beta is not None,
-            INVERSE_PRECISION=layout.inverse_precision, **layout.kernel_options("prepare"),
+            SOLVE_BLOCK=SOLVE_BLOCK, INVERSE_PRECISION=layout.inverse_precision, **layout.kernel_options("prepare"),
         )  # fmt: skip
     _state_forward_kernel[layout.sequence_grid(layout.state_block_v)](
         key, weights, updates, initial_state, states, new_values, final_state, layout.cu_seqlens,
