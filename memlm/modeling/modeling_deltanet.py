@@ -26,6 +26,7 @@ from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
 from ..kernels import describe_backend, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
+from ..kernels.delta_rule.feature_map import dpfp
 from ..kernels.delta_rule.hub_function import chunk_gated_delta_rule, swapped_kernel
 from ..kernels.delta_rule.packing import PaddingPacker
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub, use_kernelized_func
@@ -155,11 +156,10 @@ class DeltaNetFeatureMap(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.kind == "dpfp":
-            # Paper Eq. 37: r = [relu(x), relu(−x)], φ(x) = concat_{j=1..ν} r ⊙ roll(r, j).
-            rectified = torch.cat([F.relu(hidden_states), F.relu(-hidden_states)], dim=-1)
-            products = [rectified * rectified.roll(shifts=j, dims=-1) for j in range(1, self.nu + 1)]
-            features = products[0] if self.nu == 1 else torch.cat(products, -1)
-        elif self.kind == "elu+1":
+            # Paper Eq. 37 and the normalisation as one operation with a hand-written backward (feature_map.py).
+            eps = SUM_NORM_EPS if self.normalization == "sum" else L2_NORM_EPS
+            return dpfp(hidden_states, self.nu, self.normalization, eps)
+        if self.kind == "elu+1":
             features = F.elu(hidden_states) + 1
         elif self.kind == "silu":
             features = F.silu(hidden_states)
@@ -176,8 +176,8 @@ class DeltaNetFeatureMap(nn.Module):
             # Paper Sec. 4.2 (sum normalisation): φ(x) / Σ_j φ(x)_j.
             return features / features.sum(-1, keepdim=True).clamp_min(SUM_NORM_EPS)
         if self.normalization == "l2":
-            features32 = features.float()
-            return (features32 * torch.rsqrt(features32.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)).to(features.dtype)
+            wide = features.to(torch.promote_types(features.dtype, torch.float32))  # float64 stays float64
+            return (wide * torch.rsqrt(wide.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)).to(features.dtype)
         return features
 
 

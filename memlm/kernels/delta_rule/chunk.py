@@ -7,19 +7,23 @@ rows ``K, Q, V, β`` (SPEC §1, the WY form of the delta rule)::
     O = Q S₀ + causal(Q Kᵀ) (U − W S₀)            causal keeps j ≤ i
     S_C = S₀ + Kᵀ (U − W S₀)
 
-Everything that does not depend on ``S₀`` is computed for all chunks at once, so that per chunk ``n``::
+Everything that does not depend on ``S₀`` (``A⁻¹``, ``[W | U]``, ``P = causal(Q Kᵀ)``) is computed for all chunks at
+once; only the ``N``-step state recurrence runs as a Python loop, two small products per chunk::
 
-    Qeff_n = Q_n − causal(Q_n K_nᵀ) W_n    Decay_n = I − K_nᵀ W_n
-    Base_n = causal(Q_n K_nᵀ) U_n          Add_n   = K_nᵀ U_n
-    O_n = Qeff_n S_n + Base_n              S_{n+1} = Decay_n S_n + Add_n
+    V'_n = U_n − W_n S_n          S_{n+1} = S_n + K_nᵀ V'_n          (then, for all chunks: O_n = Q_n S_n + P_n V'_n)
 
-and only the ``N``-step state recurrence (one small matmul per chunk) runs as a Python loop.
+This factored form never builds the ``d_k × d_k`` transition ``I − Kᵀ W``: per chunk it costs ``2·C·d_k·d_v``
+multiply-adds in the loop against ``d_k²·d_v`` for the transition's product plus ``C·d_k·(d_k + d_v)`` to build it,
+fewer at every ``d_k ≥ C / 2``, and far fewer when DPFP doubles ``d_k`` to ``2C``.
 
-The backward (hand-written, :class:`DeltaRuleChunkFunction`) runs the state-gradient recurrence by hand
-in reverse, ``dS_n = Qeff_nᵀ dO_n + Decay_nᵀ dS_{n+1}``, from the ``N`` chunk-entry states saved by the
-forward (never one state per token, never autograd through the loop), then differentiates the
-chunk-local quantities in closed form, batched over all chunks. Measured on CPU (B=2, H=4, D=64),
-this is about 2x faster than recomputing the chunk-local part under autograd and calling
+The backward (hand-written, :class:`DeltaRuleChunkFunction`) runs the state-gradient recurrence in reverse from the
+``N`` chunk-entry states and new values ``V'`` saved by the forward (never one state per token, never autograd
+through the loop)::
+
+    dV'_n = P_nᵀ dO_n + K_n dS_{n+1}          dS_n = Q_nᵀ dO_n + dS_{n+1} − W_nᵀ dV'_n
+
+then differentiates the chunk-local quantities in closed form, batched over all chunks. Measured on CPU (B=2, H=4,
+D=64), a hand-written backward is about 2x faster than recomputing the chunk-local part under autograd and calling
 ``torch.autograd.grad`` on it.
 
 Without autograd (inference, prefill) the sequence is processed in segments of whole chunks with the
@@ -120,26 +124,22 @@ def _delta_rule_forward(
     inverse = torch.linalg.solve_triangular(gram, identity, upper=False, unitriangular=True)
     solved = torch.bmm(inverse, weighted)  # X = [W | U] = A⁻¹ R
     scores = torch.bmm(query_flat, key_flat.mT).tril_()  # P = causal(Q Kᵀ)
-    # P X = [P W | P U] → Qeff = Q − P W and Base = P U, both views of one buffer.
-    scores_solved = torch.bmm(scores, solved)
-    query_effective = scores_solved[..., :key_dim].neg_().add_(query_flat)
-    base = scores_solved[..., key_dim:]
-    # Kᵀ X = [Kᵀ W | Kᵀ U] → Decay = I − Kᵀ W and Add = Kᵀ U, both views of one buffer.
-    transition = torch.bmm(key_flat.mT, solved)
-    transition[..., :key_dim].neg_().diagonal(dim1=-2, dim2=-1).add_(1)
-    transition = transition.view(heads, num_chunks, key_dim, key_dim + value_dim)
-    decay, add = transition[..., :key_dim], transition[..., key_dim:]
+    solved_chunks = solved.view(heads, num_chunks, chunk_size, key_dim + value_dim)
+    weights, updates = solved_chunks[..., :key_dim], solved_chunks[..., key_dim:]
 
-    # The only sequential part: S_{n+1} = Decay_n S_n + Add_n over the N chunks.
-    states = [state]
+    # The only sequential part, two small products per chunk: V'_n = U_n − W_n S_n, S_{n+1} = S_n + K_nᵀ V'_n.
+    states, new_values = [], []
     for index in range(num_chunks):
-        state = torch.baddbmm(add[:, index], decay[:, index], state)
         states.append(state)
-    final_state = states.pop()
+        new_value = torch.baddbmm(updates[:, index], weights[:, index], state, alpha=-1)
+        new_values.append(new_value)
+        state = torch.baddbmm(state, key_chunks[:, index].mT, new_value)
+    final_state = state
     states = torch.stack(states, dim=1).view(heads * num_chunks, key_dim, value_dim)  # S_n entering chunk n
+    new_values = torch.stack(new_values, dim=1).view(*flat, value_dim)
 
-    output = torch.baddbmm(base, query_effective, states)  # O_n = Qeff_n S_n + Base_n
-    saved = (query_flat, key_flat, value_chunks, beta_chunks, inverse, solved, scores, query_effective, decay, states)
+    output = torch.bmm(query_flat, states).baddbmm_(scores, new_values)  # O_n = Q_n S_n + P_n V'_n
+    saved = (query_flat, key_flat, value_chunks, beta_chunks, inverse, solved, scores, new_values, states)
     return output, final_state, saved
 
 
@@ -171,21 +171,13 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_output, grad_final_state):
-        (
-            query_flat,
-            key_flat,
-            value_chunks,
-            beta_chunks,
-            inverse,
-            solved,
-            scores,
-            query_effective,
-            decay,
-            states,
-        ) = ctx.saved_tensors
+        query_flat, key_flat, value_chunks, beta_chunks, inverse, solved, scores, new_values, states = (
+            ctx.saved_tensors
+        )
         batch_size, num_heads, length, chunk_size = ctx.shape
-        heads, num_chunks, _, key_dim = decay.shape
-        value_dim = states.shape[-1]
+        heads = batch_size * num_heads
+        key_dim, value_dim = states.shape[-2:]
+        num_chunks = states.shape[0] // heads
         dtype = states.dtype
         flat = (heads * num_chunks, chunk_size)
 
@@ -194,26 +186,29 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
         else:
             grad_output_flat = _to_chunks(grad_output, chunk_size, dtype).reshape(*flat, value_dim)
 
-        # Reverse state recurrence: dS_n = Qeff_nᵀ dO_n + Decay_nᵀ dS_{n+1}, from dS_N = d(final state).
-        grad_state_from_output = torch.bmm(query_effective.mT, grad_output_flat).view(
-            heads, num_chunks, key_dim, value_dim
-        )
+        # Reverse recurrence from dS_N = d(final state): dV'_n = P_nᵀ dO_n + K_n dS_{n+1},
+        # dS_n = Q_nᵀ dO_n + dS_{n+1} − W_nᵀ dV'_n. The parts without dS are batched over all chunks first.
+        grad_state_from_output = torch.bmm(query_flat.mT, grad_output_flat).view(heads, num_chunks, key_dim, value_dim)
+        grad_values_from_output = torch.bmm(scores.mT, grad_output_flat).view(heads, num_chunks, chunk_size, value_dim)
+        key_chunks = key_flat.reshape(heads, num_chunks, chunk_size, key_dim)
+        weights = solved.reshape(heads, num_chunks, chunk_size, -1)[..., :key_dim]
         if grad_final_state is None:
             grad_state = states.new_zeros(heads, key_dim, value_dim)
         else:
             grad_state = grad_final_state.to(dtype).reshape(heads, key_dim, value_dim)
         grad_next_states = [None] * num_chunks  # dS_{n+1}: gradient of the state leaving chunk n
+        grad_new_values = [None] * num_chunks
         for index in reversed(range(num_chunks)):
             grad_next_states[index] = grad_state
-            grad_state = torch.baddbmm(grad_state_from_output[:, index], decay[:, index].mT, grad_state)
+            grad_new_value = torch.baddbmm(grad_values_from_output[:, index], key_chunks[:, index], grad_state)
+            grad_new_values[index] = grad_new_value
+            grad_state = torch.baddbmm(grad_state_from_output[:, index].add(grad_state), weights[:, index].mT,
+                                       grad_new_value, alpha=-1)  # fmt: skip
         grad_next_states = torch.stack(grad_next_states, dim=1).view(heads * num_chunks, key_dim, value_dim)
+        grad_new_values = torch.stack(grad_new_values, dim=1).view(*flat, value_dim)
 
-        # Chunk-local gradients, all chunks at once. In the form O = Q S + P V', S_next = S + Kᵀ V' with the
-        # chunk's new values V' = U − W S (SPEC §1), everything below is a product of saved chunk quantities.
-        weights, updates = solved[..., :key_dim], solved[..., key_dim:]
-        new_values = torch.baddbmm(updates, weights, states, alpha=-1)  # V' = U − W S
-        # dV' = Pᵀ dO + K dS_next
-        grad_new_values = torch.bmm(scores.mT, grad_output_flat).baddbmm_(key_flat, grad_next_states)
+        # Chunk-local gradients, all chunks at once, in the form O = Q S + P V', S_next = S + Kᵀ V' with the
+        # chunk's new values V' = U − W S (SPEC §1): everything below is a product of saved chunk quantities.
         grad_scores = torch.bmm(grad_output_flat, new_values.mT).tril_()  # dP = causal(dO V'ᵀ)
         grad_query = torch.bmm(grad_output_flat, states.mT).baddbmm_(grad_scores, key_flat)  # dO Sᵀ + dP K
         # dK (first part) = V' dS_nextᵀ + dPᵀ Q
@@ -240,7 +235,7 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
             # (fresh large allocations are slow on CPU).
             value_flat = value_chunks.reshape(*flat, value_dim)
             grad_beta = grad_key_beta.mul_(key_flat).sum(-1)
-            grad_beta += torch.mul(grad_value_beta, value_flat, out=new_values).sum(-1)
+            grad_beta += torch.mul(grad_value_beta, value_flat, out=grad_new_values).sum(-1)
             grad_beta = unchunk(grad_beta, beta_dtype).squeeze(-1)
         grad_initial_state = None
         if ctx.needs_input_grad[4]:
