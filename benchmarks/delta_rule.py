@@ -29,6 +29,11 @@ default number of threads. Absolute numbers depend on the machine; the ratios ar
     python benchmarks/delta_rule.py [--json results.json]     # about 10 minutes on 2 quiet cores
     python benchmarks/delta_rule.py --quick                   # short sizes: a smoke run
     python benchmarks/delta_rule.py --tables models           # only the model-level table
+    python benchmarks/delta_rule.py --write-docs --json benchmarks/results/delta_rule.json   # what the docs quote
+    python benchmarks/delta_rule.py --report benchmarks/results/delta_rule.json  # rewrite the docs from a saved run
+
+``--write-docs`` (after a full run) and ``--report RESULTS_JSON`` rewrite the DeltaNet section of
+docs/performance/speed.md from the results (see ``report.py``).
 """
 
 import argparse
@@ -43,6 +48,11 @@ from tqdm.auto import tqdm
 
 from memlm.compat import cache_keyword, output_cache
 from memlm.kernels.delta_rule import delta_rule
+
+try:  # run as a script (python benchmarks/delta_rule.py) or imported as benchmarks.delta_rule
+    import report
+except ImportError:
+    from benchmarks import report
 
 TRAINING_LENGTHS = (512, 2048, 8192)
 FORWARD_LENGTHS = (2048, 32768)
@@ -344,6 +354,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="short sequences and contexts, fewer repeats")
     parser.add_argument("--json", type=str, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--write-docs", action="store_true", help="rewrite the DeltaNet section of the speed page")
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: rewrite the speed page's DeltaNet section from a saved run's JSON")  # fmt: skip
+    parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = {
         "training_lengths": TRAINING_LENGTHS,
@@ -394,14 +408,99 @@ def print_model_tables(parameters: dict, training_rows: list[dict], decode_rows:
     )
 
 
+REPORT_SECTION = "delta_rule"
+REPORT_COMMAND = "python benchmarks/delta_rule.py --report benchmarks/results/delta_rule.json"
+# Issue 22's goals for the model table: DeltaNet / Llama training tokens/s at T = 2K and 8K.
+TRAINING_GOALS = {2048: 1.25, 8192: 2.5}
+
+
+def docs_section(results: dict) -> str:
+    """The DeltaNet section of docs/performance/speed.md, from one full run's results."""
+    settings = results["settings"]
+    shape = f"B={settings['batch_size']}, H={settings['num_heads']}, D={settings['head_dim']}, chunk {settings['chunk_size']}"
+    parts = [
+        f"From `python benchmarks/delta_rule.py` (medians of {settings['repeats']} repeats; models: "
+        f"{settings['model_repeats']} timed steps each, in turns). {report.measured_on(settings)}",
+        f"Forward + backward of the delta rule, {shape} (the recurrent reference is timed up to "
+        f"T={settings['reference_max_length']}):",
+        report.markdown_table(
+            [
+                ("T", "tokens", "d"),
+                ("chunkwise ms", "chunk_ms", ".1f"),
+                ("reference ms", "reference_ms", ".1f"),
+                ("causal SDPA ms", "sdpa_ms", ".1f"),
+                ("reference / chunkwise", "reference_over_chunk", ".1f"),
+                ("chunkwise / SDPA", "chunk_over_sdpa", ".2f"),
+            ],
+            results["training"],
+        ),  # fmt: skip
+    ]
+    forward, decode = results["forward"], results["decode"]
+    parts.append(
+        "Forward time per token of the chunkwise op (no autograd): "
+        + ", ".join(f"{row['us_per_token']:.2f} µs at T={row['tokens']}" for row in forward)
+        + f" (ratio {forward[-1]['over_shortest']:.2f}). Decode time per token of a `DeltaNetForCausalLM` (paper "
+        "preset, hidden 256, 4 layers, 4 heads, batch 1): "
+        + ", ".join(f"{row['ms_per_token']:.2f} ms after {row['context']} tokens" for row in decode)
+        + f" (ratio {decode[-1]['over_shortest']:.2f}): the memory has a fixed size, so a step costs the same at any "
+        "context length."
+    )
+    models = results["models"]
+    counts = " / ".join(f"{count / 1e6:.3f}M" for count in models["parameters"].values())
+    parts.append(
+        "The whole model next to 🤗 Llama (SDPA, same hidden size, layers, heads and MLP) and 🤗 Mamba (its PyTorch "
+        f"path: no `mamba-ssm` on CPU; hidden 256, 8 layers), {counts} parameters; training = forward + backward of "
+        f"the LM loss on {settings['model_tokens']:,} tokens per step; decoding = greedy steps at batch 1 with the "
+        f"cache (Mamba's state has a fixed size, so its prefill is capped at {settings['mamba_prefill']} tokens"
+        + ("" if settings["mamba_training"] else "; its training, minutes per step on CPU, is not timed")
+        + "):"
+    )
+    rows = [
+        {"what": f"training tokens/s, T = {row['tokens']} (batch {row['batch_size']})", **row}
+        for row in models["training"]
+    ] + [{"what": f"decode tokens/s after {row['context'] // 1024}K", **row} for row in models["decode"]]
+    parts.append(
+        report.markdown_table(
+            [("", "what", "s"), ("DeltaNet", "deltanet_tokens_per_s", ".1f"), ("Llama", "llama_tokens_per_s", ".1f"),
+             ("Mamba", "mamba_tokens_per_s", ".1f"), ("DeltaNet / Llama", "deltanet_over_llama", ".2f"),
+             ("DeltaNet / Mamba", "deltanet_over_mamba", ".2f")],
+            rows,
+        )
+    )  # fmt: skip
+    goals = []
+    for row in models["training"]:
+        goal = TRAINING_GOALS.get(row["tokens"])
+        if goal is not None:
+            met = "met" if row["deltanet_over_llama"] >= goal else "missed"
+            goals.append(f"{row['deltanet_over_llama']:.2f}× at T = {row['tokens']} (goal ≥ {goal}×: {met})")
+    if goals:
+        parts.append("Training, DeltaNet over Llama: " + "; ".join(goals) + ".")
+    return "\n\n".join(parts)
+
+
+def write_docs(results: dict, page: str = report.SPEED_PAGE) -> None:
+    missing = {"training", "forward", "decode", "models"} - set(results)
+    if missing or results["settings"].get("quick"):
+        raise SystemExit(f"the docs quote a full run of every table; this one lacks {sorted(missing) or '--quick'}")
+    report.rewrite_section(page, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
+    print(f"wrote the DeltaNet section of {page}")
+
+
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
+    if args.report:
+        with open(args.report) as file:
+            results = json.load(file)
+        write_docs(results, args.report_page)
+        return results
     shape = f"B={args.batch_size}, H={args.num_heads}, D={args.head_dim}, chunk={args.chunk_size}"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
     )
     settings = {key: list(value) if isinstance(value, tuple) else value for key, value in vars(args).items()}
-    results = {"settings": settings | {"torch": torch.__version__, "threads": torch.get_num_threads()}}
+    for key in ("json", "report", "report_page", "write_docs"):
+        settings.pop(key)
+    results = {"settings": settings | report.machine()}
     if "kernel" in args.tables:
         results["training"] = training_table(args)
         print_table(
@@ -444,6 +543,8 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=2)
+    if args.write_docs:
+        write_docs(results, args.report_page)
     return results
 
 

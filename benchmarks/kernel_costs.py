@@ -15,6 +15,8 @@ Prints side-by-side tables measured in one run (medians of CUDA-event timings af
     python benchmarks/kernel_costs.py [--json results.json]
     python benchmarks/kernel_costs.py --smoke     # tiny shapes: checks the script end to end (CPU: Triton's interpreter)
     python benchmarks/kernel_costs.py --static    # no GPU needed: the static cost table below
+    python benchmarks/kernel_costs.py --static --write-docs --json benchmarks/results/kernel_costs_static_sm_90.json
+    python benchmarks/kernel_costs.py --report benchmarks/results/kernel_costs_static_sm_90.json   # docs from a run
 
 flash-linear-attention columns read "n/a" when the package (pip install flash-linear-attention) is not installed.
 
@@ -56,6 +58,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+try:  # run as a script (python benchmarks/kernel_costs.py) or imported as benchmarks.kernel_costs
+    import report
+except ImportError:
+    from benchmarks import report
 
 DELTA_SHAPES = [(8, 2048, 16, 64), (4, 4096, 16, 128), (1, 16384, 16, 128)]
 STEP_SHAPES = [(8, 16, 128), (64, 16, 128)]
@@ -337,6 +344,74 @@ def print_static(rows, shape, target):
                      "FLA dot GFLOP"], summary)  # fmt: skip
 
 
+def static_totals(rows) -> list[dict]:
+    """Per width and phase: memlm's and FLA's traffic and dot FLOPs, memlm's tensor-core share and the spills."""
+    totals = []
+    for width in sorted({row["width"] for row in rows}):
+        for phase in ("forward", "backward"):
+            total = {"width": width, "phase": phase}
+            for library in ("memlm", "fla"):
+                selected = [
+                    row for row in rows if (row["width"], row["phase"], row["library"]) == (width, phase, library)
+                ]
+                total[f"{library}_mb"] = sum(row["bytes_read"] + row["bytes_written"] for row in selected) / 1e6
+                tensor_core = sum(row["tensor_core_flops"] for row in selected)
+                total[f"{library}_gflop"] = (tensor_core + sum(row["cuda_core_flops"] for row in selected)) / 1e9
+                total[f"{library}_tensor_core_share"] = tensor_core / 1e9 / total[f"{library}_gflop"] if total[
+                    f"{library}_gflop"] else None  # fmt: skip
+                spilled = [row for row in selected if row["spill_stores"] or row["spill_loads"]]
+                total[f"{library}_spills"] = (
+                    "none"
+                    if not spilled
+                    else f"{len(spilled)} kernel{'s' if len(spilled) > 1 else ''} "
+                    f"({max(row['spill_stores'] for row in spilled)} B stored at most)"
+                )
+            total["mb_ratio"] = total["memlm_mb"] / total["fla_mb"] if total["fla_mb"] else None
+            total["gflop_ratio"] = total["memlm_gflop"] / total["fla_gflop"] if total["fla_gflop"] else None
+            totals.append(total)
+    return totals
+
+
+REPORT_SECTION = "kernel_costs_static"
+
+
+def report_command(target: str) -> str:
+    return f"python benchmarks/kernel_costs.py --report benchmarks/results/kernel_costs_static_{target}.json"
+
+
+def static_section(results: dict) -> str:
+    """The static-cost section of docs/performance/speed.md, from one `--static` run's results."""
+    settings = results["settings"]
+    batch, length, heads = settings["shape"]
+    totals = static_totals(results["static"])
+    for total in totals:
+        total["memlm_flops_cell"] = f"{total['memlm_gflop']:.2f} ({total['memlm_tensor_core_share']:.0%})"
+        total["spills_cell"] = f"{total['memlm_spills']} / {total['fla_spills']}"
+    table = report.markdown_table(
+        [("D", "width", "d"), ("phase", "phase", "s"), ("memlm MB", "memlm_mb", ".1f"), ("FLA MB", "fla_mb", ".1f"),
+         ("memlm / FLA", "mb_ratio", ".2f"), ("memlm dot GFLOP (on tensor cores)", "memlm_flops_cell", "s"),
+         ("FLA dot GFLOP", "fla_gflop", ".2f"), ("memlm / FLA dot FLOPs", "gflop_ratio", ".2f"),
+         ("spills memlm / FLA", "spills_cell", "s")],
+        totals,
+    )  # fmt: skip
+    return (
+        f"From `python benchmarks/kernel_costs.py --static --target {settings['target']}` (B={batch}, T={length}, "
+        f"H={heads}, bf16, compiled for {settings['target']}; bytes are the unmasked elements every load and store "
+        "touches, counted in Triton's interpreter at B=H=1 and scaled by B·H, without cache hits; FLOPs are those of "
+        "`tl.dot`, 2·M·N·K per product, on tensor cores when the compiled code uses `mma`/`wgmma` for them; "
+        "element-wise FLOPs are not counted; FLA's autotuned kernels take their first configuration, and FLA's "
+        "import-time hardware checks see no GPU, so its `solve_tril` compiles with exact fp32 dots). FLA's backward "
+        f"includes the forward kernels it recomputes. flash-linear-attention {settings['fla']}, Triton "
+        f"{settings['triton']}; computed on {settings['date']} (no GPU: nothing here is timed).\n\n{table}"
+    )
+
+
+def write_docs(results: dict, page: str = report.SPEED_PAGE) -> None:
+    target = results["settings"]["target"]
+    report.rewrite_section(page, f"{REPORT_SECTION}_{target}", report_command(target), static_section(results))
+    print(f"wrote the {target} static-cost section of {page}")
+
+
 def print_table(title, header, rows):
     print(f"\n{title}")
     print(" | ".join(header))
@@ -351,7 +426,17 @@ def main(argv=None):
     parser.add_argument("--static", action="store_true", help="the static cost table (no GPU needed)")
     parser.add_argument("--target", default="sm_90", choices=["sm_80", "sm_90"], help="GPU target of --static")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="with --static: rewrite the target's static-cost section of the speed page")  # fmt: skip
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                        help="compute nothing: rewrite the speed page's static-cost section from a saved --static run")  # fmt: skip
+    parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
+    if arguments.report:
+        with open(arguments.report) as file:
+            results = json.load(file)
+        write_docs(results, arguments.report_page)
+        return results
     if arguments.static:
         # The launches are recorded and counted in Triton's interpreter, set before any kernel is imported.
         os.environ["TRITON_INTERPRET"] = "1"
@@ -359,10 +444,21 @@ def main(argv=None):
         widths = (64,) if arguments.smoke else STATIC_WIDTHS
         rows = static_rows(widths, shape, arguments.target)
         print_static(rows, shape, arguments.target)
+        import triton
+
+        from memlm.kernels import flash_linear_attention_version
+
+        settings = {"target": arguments.target, "shape": list(shape), "widths": list(widths), "smoke": arguments.smoke,
+                    "fla": flash_linear_attention_version(), "triton": triton.__version__} | report.machine()  # fmt: skip
+        results = {"settings": settings, "static": rows}
         if arguments.json:
             with open(arguments.json, "w") as file:
-                json.dump({"static": rows}, file, indent=2)
-        return {"static": rows}
+                json.dump(results, file, indent=2)
+        if arguments.write_docs:
+            if arguments.smoke:
+                raise SystemExit("--write-docs: the docs quote a full --static run, not --smoke")
+            write_docs(results, arguments.report_page)
+        return results
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("No GPU: run on a CUDA machine, or with --smoke and TRITON_INTERPRET=1 to check the script.")

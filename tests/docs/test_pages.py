@@ -99,6 +99,31 @@ def test_the_measured_sections_are_what_lm_compare_writes_from_its_json():
         assert card == lm_compare.card_section(results, name), name
 
 
+# Each measured section of the speed page: the script that writes it, its JSON under benchmarks/results/, and the
+# function of the script that turns that JSON into the section.
+SPEED_SECTIONS = {
+    "delta_rule": ("delta_rule.py", "delta_rule.json", "docs_section"),
+    "feedback": ("feedback.py", "feedback.json", "docs_section"),
+    "kernel_costs_static_sm_90": ("kernel_costs.py", "kernel_costs_static_sm_90.json", "static_section"),
+    "kernel_costs_static_sm_80": ("kernel_costs.py", "kernel_costs_static_sm_80.json", "static_section"),
+}
+
+
+@pytest.mark.parametrize("section", sorted(SPEED_SECTIONS))
+def test_the_speed_page_s_measured_sections_are_what_the_scripts_write_from_their_json(section, monkeypatch):
+    """Every figure of docs/performance/speed.md between a section's markers is what `python benchmarks/SCRIPT
+    --report benchmarks/results/JSON` writes: measured by the script in one run, never typed in."""
+    script, results, function = SPEED_SECTIONS[section]
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the scripts import their sibling report.py
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), ROOT / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = json.loads((ROOT / "benchmarks" / "results" / results).read_text(encoding="utf-8"))
+    import report
+
+    assert report.section_text(report.SPEED_PAGE, section) == getattr(module, function)(results)
+
+
 def test_the_cards_link_to_the_model_pages_where_the_site_is_meant_to_be():
     site_url = re.search(r"^site_url: (\S+)$", (ROOT / "mkdocs.yml").read_text(encoding="utf-8"), re.MULTILINE)
     assert site_url.group(1) == hub_card.DOCUMENTATION_URL and hub_card.DOCUMENTATION_URL.endswith("/")

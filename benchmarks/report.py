@@ -1,0 +1,85 @@
+"""The speed scripts' measured tables, written into the documentation's speed page from a run's JSON.
+
+Each script (`delta_rule.py`, `feedback.py`, `kernel_costs.py --static`) keeps its own section of
+`docs/performance/speed.md` between two markers, and rewrites it from the results of one run:
+`--write-docs` right after measuring, or `--report RESULTS_JSON` from a saved run (the JSON the documentation quotes
+is kept under `benchmarks/results/`). Nothing between the markers is written by hand.
+"""
+
+import datetime
+import os
+import platform
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEED_PAGE = os.path.join(ROOT, "docs", "performance", "speed.md")
+RESULTS_FOLDER = os.path.join(ROOT, "benchmarks", "results")
+
+
+def machine() -> dict:
+    """What the run was measured on: date (UTC), processor, logical CPUs, torch and its threads."""
+    import torch
+
+    processor = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as file:
+            names = [line.split(":", 1)[1].strip() for line in file if line.startswith("model name")]
+        processor = names[0] if names else processor
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "processor": processor,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def measured_on(settings: dict) -> str:
+    """One sentence naming the machine and the date of a run (its `settings`, holding what `machine()` gave)."""
+    return (
+        f"Measured on {settings['date']} on {settings['cpus']} logical CPUs ({settings['processor']}), torch "
+        f"{settings['torch']} with {settings['threads']} threads, in one run of the script."
+    )
+
+
+def cell(value, pattern: str) -> str:
+    return "—" if value is None else format(value, pattern)
+
+
+def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
+    """A Markdown table of `rows`; `columns` are (header, row key, format) triples; numbers are right-aligned."""
+    lines = ["| " + " | ".join(header for header, _, _ in columns) + " |"]
+    lines.append("| " + " | ".join("---" if pattern == "s" else "---:" for _, _, pattern in columns) + " |")
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row.get(key), pattern) for _, key, pattern in columns) + " |")
+    return "\n".join(lines)
+
+
+def markers(name: str, command: str) -> tuple[str, str]:
+    begin = f"<!-- {name}: begin; written by `{command}`, do not edit -->"
+    return begin, f"<!-- {name}: end -->"
+
+
+def section_text(page: str, name: str) -> str | None:
+    """The text between `name`'s markers in `page` (without them), or None when the page has no such section."""
+    with open(page) as file:
+        text = file.read()
+    start = text.find(f"<!-- {name}: begin;")
+    end = text.find(f"<!-- {name}: end -->")
+    if start < 0 or end < 0:
+        return None
+    return text[text.index("\n", start) + 1 : end].rstrip("\n")
+
+
+def rewrite_section(page: str, name: str, command: str, section: str) -> None:
+    """Replace `name`'s section of `page` (markers included) by `section`; the page must already have the markers."""
+    with open(page) as file:
+        text = file.read()
+    begin, end = markers(name, command)
+    start, stop = text.find(f"<!-- {name}: begin;"), text.find(end)
+    if start < 0 or stop < 0:
+        raise SystemExit(f"{page} has no section {name!r}: add the two lines\n{begin}\n{end}\nwhere it belongs.")
+    text = text[:start] + f"{begin}\n{section}\n" + text[stop:]
+    with open(page, "w") as file:
+        file.write(text)
