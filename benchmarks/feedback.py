@@ -9,9 +9,16 @@ Prints one side-by-side table, all measured in this one process:
   one per layer.
 
 Both models: hidden 256, 4 layers, 4 heads, gated MLP of width 768, byte vocabulary; the Feedback memory span
-τ = 2048 so both see the whole context. Times are medians of `--repeats` runs after a warm-up.
+τ = 2048 so both see the whole context. Times are medians of `--repeats` runs after a warm-up; the models take
+turns run by run, so that a machine busy with something else slows them alike. `--compile-step` adds a column for
+the Feedback Transformer with `compile_step=True` (its step body through `torch.compile`; warm-up compiles).
 
-    python benchmarks/feedback.py [--json results.json]
+    python benchmarks/feedback.py [--compile-step] [--json results.json]
+    python benchmarks/feedback.py --write-docs --json benchmarks/results/feedback.json   # what the docs quote
+    python benchmarks/feedback.py --report benchmarks/results/feedback.json   # rewrite the docs from a saved run
+
+``--write-docs`` (after a run) and ``--report RESULTS_JSON`` rewrite the Feedback Transformer section of
+docs/performance/speed.md from the results (see ``report.py``).
 """
 
 import argparse
@@ -26,29 +33,43 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import cache_keyword, output_cache
 
+try:  # run as a script (python benchmarks/feedback.py) or imported as benchmarks.feedback
+    import report
+except ImportError:
+    from benchmarks import report
+
 SIZES = {"vocab_size": 258, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
          "num_attention_heads": 4}  # fmt: skip
 DECODE_CONTEXTS = (512, 2048)
 
 
-def build_models():
+def build_models(compile_step: bool = False):
     torch.manual_seed(0)
     feedback = FeedbackTransformerForCausalLM(FeedbackTransformerConfig(**SIZES, memory_span=2048))
     llama = LlamaForCausalLM(LlamaConfig(**SIZES, max_position_embeddings=4096, attn_implementation="sdpa"))
-    return {"feedback": feedback, "llama": llama}
+    models = {"feedback": feedback, "llama": llama}
+    if compile_step:  # the same weights, its step compiled
+        models["feedback_compiled"] = FeedbackTransformerForCausalLM(
+            FeedbackTransformerConfig(**SIZES, memory_span=2048, compile_step=True)
+        )
+        models["feedback_compiled"].load_state_dict(feedback.state_dict())
+    return models
 
 
-def median_seconds(function, repeats: int) -> float:
-    function()  # warm-up
-    timings = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def median_seconds_in_turns(functions: dict, repeats: int) -> dict[str, float]:
+    """The median time of each function, run in turns (one run of each, then again) after a warm-up of each."""
+    for function in functions.values():
         function()
-        timings.append(time.perf_counter() - start)
-    return statistics.median(timings)
+    timings = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            timings[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in timings.items()}
 
 
-def training_tokens_per_second(model, batch_size: int, length: int, repeats: int) -> float:
+def training_step(model, batch_size: int, length: int):
     model.train()
     tokens = torch.randint(0, 258, (batch_size, length), generator=torch.Generator().manual_seed(0))
 
@@ -56,26 +77,27 @@ def training_tokens_per_second(model, batch_size: int, length: int, repeats: int
         model.zero_grad(set_to_none=True)
         model(tokens, labels=tokens).loss.backward()
 
-    return batch_size * length / median_seconds(step, repeats)
+    return step
 
 
-def decode_tokens_per_second(model, context: int, steps: int, repeats: int) -> tuple[float, int]:
-    model.eval()
-    prompt = torch.randint(0, 258, (1, context), generator=torch.Generator().manual_seed(1))
-    cache_argument = cache_keyword(model)  # `cache`, or `past_key_values` before 🤗 5.24
-    with torch.no_grad():
-        cache = output_cache(model(prompt, use_cache=True, logits_to_keep=1))
+class Decoding:
+    """Greedy decoding (batch 1) of `steps` tokens after a prefill of `context` tokens; `cache` is the last one."""
 
-        def run():
-            nonlocal cache
-            token = prompt[:, -1:]
-            for _ in range(steps):
-                output = model(token, use_cache=True, logits_to_keep=1, **{cache_argument: cache})
-                cache = output_cache(output)
-                token = output.logits[:, -1:].argmax(-1)
+    def __init__(self, model, context: int, steps: int):
+        model.eval()
+        self.model, self.steps = model, steps
+        self.prompt = torch.randint(0, 258, (1, context), generator=torch.Generator().manual_seed(1))
+        self.cache_argument = cache_keyword(model)  # `cache`, or `past_key_values` before 🤗 5.24
+        with torch.no_grad():
+            self.cache = output_cache(model(self.prompt, use_cache=True, logits_to_keep=1))
 
-        seconds = median_seconds(run, repeats)
-    return steps / seconds, cache
+    @torch.no_grad()
+    def __call__(self):
+        token = self.prompt[:, -1:]
+        for _ in range(self.steps):
+            output = self.model(token, use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
+            self.cache = output_cache(output)
+            token = output.logits[:, -1:].argmax(-1)
 
 
 def cache_bytes(cache) -> int:
@@ -85,42 +107,114 @@ def cache_bytes(cache) -> int:
                for layer in cache.layers)  # fmt: skip
 
 
+REPORT_SECTION = "feedback"
+REPORT_COMMAND = "python benchmarks/feedback.py --report benchmarks/results/feedback.json"
+# Issue 22's goals: Feedback / Llama training tokens/s, and decoding tokens/s after 2048 tokens.
+GOALS = {"train_tokens_per_s": ("training", 0.5), "decode_2048_tokens_per_s": ("decoding at 2K", 2.0)}
+ROWS = [
+    ("train_tokens_per_s", "training tokens/s (B={batch_size}, T={length})"),
+    *((f"decode_{context}_tokens_per_s", f"decode tokens/s at {context}") for context in DECODE_CONTEXTS),
+    ("cache_bytes_per_token", "cache bytes/token"),
+]
+
+
+def table_rows(results: dict) -> list[dict]:
+    """One row per measurement: each model's figure and the Feedback models' ratios to Llama."""
+    settings, llama = results["settings"], results["results"]["llama"]
+    rows = []
+    for key, header in ROWS:
+        row = {"what": header.format(**settings)}
+        for name, figures in results["results"].items():
+            row[name] = figures[key]
+            if name != "llama":
+                row[f"{name}_over_llama"] = figures[key] / llama[key]
+        rows.append(row)
+    return rows
+
+
+def docs_section(results: dict) -> str:
+    """The Feedback Transformer section of docs/performance/speed.md, from one run's results."""
+    settings = results["settings"]
+    compiled = "feedback_compiled" in results["results"]
+    columns = [("", "what", "s"), ("Feedback", "feedback", ".1f"), ("Llama (sdpa)", "llama", ".1f"),
+               ("Feedback / Llama", "feedback_over_llama", ".2f")]  # fmt: skip
+    if compiled:
+        columns += [("compile_step", "feedback_compiled", ".1f"), ("compiled / Llama", "feedback_compiled_over_llama",
+                                                                    ".2f")]  # fmt: skip
+    parts = [
+        f"From `python benchmarks/feedback.py{' --compile-step' if compiled else ''}`: hidden 256, 4 layers, 4 heads, "
+        f"MLP 768, τ = 2048; training = forward + backward on B = {settings['batch_size']} sequences of "
+        f"T = {settings['length']}; decoding = {settings['decode_steps']} greedy steps at batch 1 after a prefill; "
+        f"medians of {settings['repeats']} runs, the models in turns. {report.measured_on(settings)}",
+        report.markdown_table(columns, table_rows(results)),
+    ]
+    feedback, llama = results["results"]["feedback"], results["results"]["llama"]
+    goals = []
+    for key, (what, goal) in GOALS.items():
+        ratio = feedback[key] / llama[key]
+        goals.append(f"{what} {ratio:.2f}× (goal ≥ {goal}×: {'met' if ratio >= goal else 'missed'})")
+    parts.append("Feedback over Llama: " + "; ".join(goals) + ".")
+    return "\n\n".join(parts)
+
+
+def write_docs(results: dict, page: str = report.SPEED_PAGE) -> None:
+    report.rewrite_section(page, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
+    print(f"wrote the Feedback Transformer section of {page}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--compile-step", action="store_true", help="add the Feedback model with compile_step=True")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--write-docs", action="store_true", help="rewrite the Feedback section of the speed page")
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: rewrite the speed page's Feedback section from a saved run's JSON")  # fmt: skip
+    parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.report:
+        with open(args.report) as file:
+            saved = json.load(file)
+        write_docs(saved, args.report_page)
+        return saved
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
-    models = build_models()
-    results = {}
-    for name, model in models.items():
-        row = {"train_tokens_per_s": training_tokens_per_second(model, args.batch_size, args.length, args.repeats)}
-        for context in DECODE_CONTEXTS:
-            speed, cache = decode_tokens_per_second(model, context, args.decode_steps, args.repeats)
-            row[f"decode_{context}_tokens_per_s"] = speed
+    models = build_models(args.compile_step)
+    results = {name: {} for name in models}
+    seconds = median_seconds_in_turns(
+        {name: training_step(model, args.batch_size, args.length) for name, model in models.items()}, args.repeats
+    )
+    for name in models:
+        results[name]["train_tokens_per_s"] = args.batch_size * args.length / seconds[name]
+    for context in DECODE_CONTEXTS:
+        decodings = {name: Decoding(model, context, args.decode_steps) for name, model in models.items()}
+        seconds = median_seconds_in_turns(decodings, args.repeats)
+        for name, decoding in decodings.items():
+            results[name][f"decode_{context}_tokens_per_s"] = args.decode_steps / seconds[name]
             if context == DECODE_CONTEXTS[-1]:
                 # The Feedback ring holds τ slots; Llama holds every token seen: per token of context.
-                seen = cache.get_seq_length()
-                slots = model.config.memory_span if name == "feedback" else seen
-                row["cache_bytes_per_token"] = cache_bytes(cache) / slots
-        results[name] = row
-    feedback, llama = results["feedback"], results["llama"]
-    columns = (
-        ["train_tokens_per_s"] + [f"decode_{c}_tokens_per_s" for c in DECODE_CONTEXTS] + ["cache_bytes_per_token"]
-    )
-    headers = [f"training tokens/s (B={args.batch_size}, T={args.length})"] + [
-        f"decode tokens/s at {c}" for c in DECODE_CONTEXTS
-    ] + ["cache bytes/token"]  # fmt: skip
-    print(f"\n{'':28}{'Feedback':>14}{'Llama (sdpa)':>14}{'ratio':>10}")
-    for column, header in zip(columns, headers):
-        print(f"{header:28}{feedback[column]:14.1f}{llama[column]:14.1f}{feedback[column] / llama[column]:10.2f}")
+                seen = decoding.cache.get_seq_length()
+                slots = models[name].config.memory_span if name.startswith("feedback") else seen
+                results[name]["cache_bytes_per_token"] = cache_bytes(decoding.cache) / slots
+    settings = {key: value for key, value in vars(args).items() if key not in ("json", "report", "report_page",
+                                                                                 "write_docs")}  # fmt: skip
+    saved = {"settings": settings | report.machine(), "results": results}
+    rows = table_rows(saved)
+    print(f"\n{'':28}{'Feedback':>14}{'Llama (sdpa)':>14}{'ratio':>10}"
+          + (f"{'compiled':>14}{'ratio':>10}" if args.compile_step else ""))  # fmt: skip
+    for row in rows:
+        line = f"{row['what']:28}{row['feedback']:14.1f}{row['llama']:14.1f}{row['feedback_over_llama']:10.2f}"
+        if args.compile_step:
+            line += f"{row['feedback_compiled']:14.1f}{row['feedback_compiled_over_llama']:10.2f}"
+        print(line)
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"settings": vars(args), "results": results}, file, indent=2)
-    return results
+            json.dump(saved, file, indent=2)
+    if args.write_docs:
+        write_docs(saved, args.report_page)
+    return saved
 
 
 if __name__ == "__main__":

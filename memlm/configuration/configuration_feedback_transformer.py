@@ -47,6 +47,13 @@ class FeedbackTransformerConfig(PreTrainedConfig):
             `"relative_bias"`: a learned bias per layer, head and distance 1..τ added to the scores (the paper's
             relative position information, in its simplest form).
         rope_theta: base of the rotary embedding (used with `position_encoding="rotary"`).
+        compile_step: False (default): the step loop runs eagerly. True: the step's pure functions (a layer's query,
+            its block after the memory read, the memory mix of Eq. 1 and its keys/values) run through
+            `torch.compile`, which fuses their small element-wise ops, wherever no autograd graph is needed: prefill,
+            decoding and the training forward of the hand-written backward, without dropout, hooks or adapters. The
+            same numbers up to the order of float operations; the first calls compile (tens of seconds on a CPU).
+            Without a compiler (a C++ compiler for the CPU, Triton for GPUs) a warning is logged and the eager step
+            runs.
         hidden_dropout: dropout on each block's attention and MLP outputs before the residual sum.
         attention_dropout: dropout on each head's attention output (the context read from the memory).
         hidden_act: activation of the gated MLP: `"silu"`, `"gelu"`, `"gelu_new"` or `"relu"`.
@@ -82,6 +89,7 @@ class FeedbackTransformerConfig(PreTrainedConfig):
     share_key_value: bool = True
     position_encoding: str = "rotary"
     rope_theta: float = 10000.0
+    compile_step: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     hidden_act: str = "silu"
@@ -161,7 +169,7 @@ class FeedbackTransformerConfig(PreTrainedConfig):
         check_number(self, "attention_dropout", minimum=0, maximum=1, strict_maximum=True)
         check_number(self, "rms_norm_eps", minimum=0, strict_minimum=True)
         check_number(self, "initializer_range", minimum=0)
-        check_bools(self, "share_key_value", "use_cache", "tie_word_embeddings")
+        check_bools(self, "share_key_value", "compile_step", "use_cache", "tie_word_embeddings")
         check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
         check_token_ids(self)
         check_buildable_size(self)

@@ -10,11 +10,12 @@ m_t needs the top layer at t, so the computation is sequential in t, in training
 (`FeedbackTransformerModel.step`: the layers, then the memory mix of Eq. 1 and its keys/values) serves the full
 forward and decoding, so they cannot drift apart. The loop over the steps and the memory it reads and writes are the
 operation `memlm.kernels.feedback.feedback_recurrence`: its `reference.py` is the plain loop; its fast path keeps the
-memory in preallocated buffers (the cache's ring of τ slots, a training tape) and differentiates the loop by hand.
+memory in preallocated buffers (the cache's ring of up to τ slots, a training tape) and differentiates the loop by hand.
 The `record` arguments of `step` keep what that hand-written backward needs (`Recording`).
 
-The file reads top to bottom: attention → decoder layer → recurrence (the loop, a hub layer of 🤗's `kernels`) →
-cache → PreTrainedModel → FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerForCausalLM.
+The file reads top to bottom: the step's pure functions (what the config's `compile_step` compiles) → attention →
+decoder layer → recurrence (the loop, a hub layer of 🤗's `kernels`) → cache → PreTrainedModel →
+FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerForCausalLM.
 """
 
 import math
@@ -30,7 +31,9 @@ from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPas
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
-from ..kernels.feedback.through_time import Recording, StepGradients
+from ..kernels.feedback.compiled import compiled as compiled_function
+from ..kernels.feedback.compiled import compiler_available, warn_no_compiler
+from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .memory import (
@@ -54,6 +57,60 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     if states.dtype in (torch.float32, torch.float64):  # already at least float32: no conversions
         return states * cos + rolled * signed_sin
     return (states.float() * cos + rolled.float() * signed_sin).to(states.dtype)
+
+
+def _gelu_tanh(states: torch.Tensor) -> torch.Tensor:
+    return F.gelu(states, approximate="tanh")  # 🤗's "gelu_new"
+
+
+# The config's `hidden_act` as plain functions, for the compiled step (one function object for every layer).
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_new": _gelu_tanh}
+
+
+def _rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm.forward` as a function of its weight."""
+    dtype = torch.promote_types(states.dtype, torch.float32)
+    return F.rms_norm(states.to(dtype), weight.shape, weight.to(dtype), eps).to(states.dtype)
+
+
+def step_query(hidden_states, norm_weight, eps: float, query_weight, cos, signed_sin, head_dim: int):
+    """A layer's query of the memory, q = rotate(W_q · norm(x)): (B, D) → (B·H, d). The step body of
+    `compile_step` (compiled) and the eager step compute the same numbers."""
+    query = F.linear(_rms_norm(hidden_states, norm_weight, eps), query_weight)
+    query = query.view(query.shape[0], -1, head_dim)
+    if cos is not None:
+        query = _rotate(query, cos, signed_sin)
+    return query.reshape(-1, head_dim)
+
+
+def step_block(hidden_states, context, output_weight, norm_weight, eps: float, gate_weight, up_weight, down_weight,
+               activation):  # fmt: skip
+    """The rest of a layer once the memory is read: residual = x + W_o · context; x' = residual + MLP(norm(residual)).
+    `up_weight` None: `gate_weight` holds [W_gate; W_up] stacked (one product). Returns residual, gate, up and x'."""
+    residual = hidden_states + F.linear(context, output_weight)
+    normed = _rms_norm(residual, norm_weight, eps)
+    if up_weight is None:
+        gate, up = F.linear(normed, gate_weight).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(normed, gate_weight), F.linear(normed, up_weight)
+    return residual, gate, up, residual + F.linear(activation(gate) * up, down_weight)
+
+
+def step_memory(states: list, layer_weights, norm_weight, eps: float, projections, cos, signed_sin, head_dim: int):
+    """Paper Eq. 1, m_t = norm(Σ_l softmax(w)_l · x_t^l), and its keys and values (G, B, H, d), rotated; `projections`
+    holds a (W_k, W_v) pair per key/value set. Returns the stack of the states, the mix, m_t, keys and values."""
+    wide = torch.promote_types(layer_weights.dtype, torch.float32)
+    weights = torch.softmax(layer_weights.to(wide), dim=0).to(states[0].dtype)
+    stack = torch.stack(states)
+    mixture = torch.einsum("l,lbd->bd", weights, stack)
+    memory = _rms_norm(mixture, norm_weight, eps)
+    batch_size = memory.shape[0]
+    keys = torch.stack([F.linear(memory, key) for key, _ in projections]).view(len(projections), batch_size, -1,
+                                                                                 head_dim)  # fmt: skip
+    values = torch.stack([F.linear(memory, value) for _, value in projections]).view_as(keys)
+    if cos is not None:
+        keys = _rotate(keys, cos, signed_sin)
+    return stack, mixture, memory, keys, values
 
 
 class FeedbackAttention(nn.Module):
@@ -104,8 +161,10 @@ class FeedbackRecurrence(HubLayerMixin, nn.Module):
 
 
 class FeedbackCacheLayer(MemoryCacheLayer):
-    """One key/value set of the feedback memory: τ slots per row (slot = position mod τ), with each slot's position and
-    whether it holds a memory."""
+    """One key/value set of the feedback memory: up to τ slots per row (slot = position mod τ), with each slot's
+    position and whether it holds a memory. The ring grows with the context (doubling, capped at τ): while it holds
+    fewer than τ slots no position has reached its end, so slot = position mod τ = position and growing keeps every
+    slot where it is."""
 
     tensor_names = ("keys", "values", "positions", "valid")
     rollback_message = "A Feedback memory cannot be rolled back: its ring buffer overwrites the oldest memories."
@@ -120,13 +179,28 @@ class FeedbackCacheLayer(MemoryCacheLayer):
         # order (what a training forward or the reference loop leaves), turned into a ring when inference needs one.
         self.ring = False
 
-    def allocate_ring(self, batch_size: int, config: FeedbackTransformerConfig, dtype, device):
+    def allocate_ring(
+        self, batch_size: int, config: FeedbackTransformerConfig, dtype, device, slots: int | None = None
+    ):
+        """An empty ring of `slots` slots per row (default τ; fewer while the context is shorter than τ)."""
         self.ring = True
-        shape = (batch_size, config.num_attention_heads, config.memory_span, config.head_dim)
+        slots = config.memory_span if slots is None else slots
+        shape = (batch_size, config.num_attention_heads, slots, config.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.positions = torch.zeros(batch_size, config.memory_span, dtype=torch.long, device=device)
-        self.valid = torch.zeros(batch_size, config.memory_span, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch_size, slots, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch_size, slots, dtype=torch.bool, device=device)
+
+    def grow_ring(self, slots: int):
+        """Widen the ring to `slots` slots per row, its memories in the same slots (see the class docstring)."""
+        size = self.keys.shape[2]
+        for name in self.tensor_names:
+            old = getattr(self, name)  # keys, values (B, H, slots, d); positions, valid (B, slots)
+            shape = list(old.shape)
+            shape[2 if old.dim() == 4 else 1] = slots
+            new = old.new_zeros(shape)
+            new.narrow(2 if old.dim() == 4 else 1, 0, size).copy_(old)
+            setattr(self, name, new)
 
 
 class FeedbackCache(MemoryCache):
@@ -210,6 +284,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.memory_span = config.memory_span
         self.share_key_value = config.share_key_value
         self.shared_bias = config.position_encoding == "rotary"  # no learned bias: one bias serves every layer
+        self.rms_norm_eps = config.rms_norm_eps
         self.recurrence = FeedbackRecurrence()
         self.post_init()
 
@@ -249,17 +324,24 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         return self._dropout(output, layer.dropout.p, record, ("mlp",) + key)
 
     def step(self, embeddings: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, store, step: int,
-             record: "Recording | None" = None):  # fmt: skip
+             record: "Recording | None" = None, compiled: bool = False):  # fmt: skip
         """One time step for a batch: embeddings (B, D) of the tokens at `positions` (B,); `valid` (B,) False for
         padding, which writes nothing into the memory. Returns the top layer's output (B, D) and every layer's.
-        `record` (training without autograd) keeps what the hand-written backward needs."""
+        `record` (training without autograd) keeps what the hand-written backward needs. `compiled` (only without
+        autograd, dropout or hooks: `compiled_step_applies`) runs the step's pure functions through `torch.compile`."""
         batch_size = embeddings.shape[0]
         cos = sin = None
+        rotation = (None, None)
         if self.rotary_emb is not None:
             cos, sin = self.rotary_emb(positions[:, None])  # (B, 1, 1, d)
             # For (B, H, d) queries and (G, B, H, d) keys, with rotate-half's sign folded into sin (`_rotate`).
             half = self.head_dim // 2
             rotation = cos[:, 0], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, 0]  # (B, 1, d)
+        if compiled:
+            query_function, block_function, memory_function = (
+                compiled_function(step_query), compiled_function(step_block), compiled_function(step_memory)
+            )  # fmt: skip
+            activation = ACTIVATIONS[self.config.hidden_act]
         states = [embeddings]
         hidden_states = embeddings
         # Every group's slots hold the same positions, so without relative bias one bias serves all layers.
@@ -270,51 +352,96 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         for layer_idx, layer in enumerate(self.layers):
             attention = layer.attention
             key = (layer_idx, step)
-            query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, self.head_dim)
-            if cos is not None:
-                query = _rotate(query, *rotation)
-            query = query.reshape(-1, self.head_dim)
+            if compiled:
+                query = query_function(hidden_states, layer.input_layernorm.weight, self.rms_norm_eps,
+                                       attention.q_proj.weight, *rotation, self.head_dim)  # fmt: skip
+            else:
+                query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, self.head_dim)
+                if cos is not None:
+                    query = _rotate(query, *rotation)
+                query = query.reshape(-1, self.head_dim)
             group = 0 if self.share_key_value else layer_idx
             bias = shared_bias
             if bias is None:
                 bias = self._memory_bias(layer, store.window(group, step), positions)  # (B, H, W)
                 bias = bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
             context = store.read(group, step, query, bias.to(query.dtype))
-            context = self._dropout(context, attention.dropout.p, record, ("context",) + key)
-            mixed = self._dropout(attention.o_proj(context.reshape(batch_size, -1)), layer.dropout.p, record,
-                                  ("attention",) + key)  # fmt: skip
-            residual = hidden_states + mixed
-            if layer.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                feed_forward = layer._gradient_checkpointing_func(self._feed_forward, layer, residual)
+            if compiled:  # no dropout (see `compiled_step_applies`)
+                mlp = layer.mlp
+                gate_up = (record.gate_up[layer_idx], None) if record is not None else (
+                    mlp.gate_proj.weight, mlp.up_proj.weight
+                )  # fmt: skip
+                residual, gate, up, hidden_states_next = block_function(
+                    hidden_states, context.view(batch_size, -1), attention.o_proj.weight,
+                    layer.post_attention_layernorm.weight, self.rms_norm_eps, *gate_up, mlp.down_proj.weight,
+                    activation,
+                )  # fmt: skip
+                if record is not None and not layer.gradient_checkpointing:
+                    record.gates[key], record.ups[key] = gate, up
             else:
-                feed_forward = self._feed_forward(layer, residual, record, key)
+                context = self._dropout(context, attention.dropout.p, record, ("context",) + key)
+                mixed = self._dropout(attention.o_proj(context.reshape(batch_size, -1)), layer.dropout.p, record,
+                                      ("attention",) + key)  # fmt: skip
+                residual = hidden_states + mixed
+                if layer.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                    feed_forward = layer._gradient_checkpointing_func(self._feed_forward, layer, residual)
+                else:
+                    feed_forward = self._feed_forward(layer, residual, record, key)
+                hidden_states_next = residual + feed_forward
             if record is not None:
                 record.inputs[key], record.queries[key], record.weights[key] = hidden_states, query, store.last_weights
                 record.contexts[key], record.residuals[key] = context, residual
-            hidden_states = residual + feed_forward
+            hidden_states = hidden_states_next
             states.append(hidden_states)
         # Paper Eq. 1: the memory of this step mixes the embedding and every layer's output.
-        wide = torch.promote_types(self.layer_weights.dtype, torch.float32)
-        weights = torch.softmax(self.layer_weights.to(wide), dim=0).to(hidden_states.dtype)
-        stack = torch.stack(states)
-        mixture = torch.einsum("l,lbd->bd", weights, stack)
-        memory = self.memory_norm(mixture)
-        if record is not None:
-            keys, values = torch.stack([F.linear(memory, weight) for weight in record.key_value]).chunk(2, dim=-1)
-        elif self.share_key_value:
-            keys, values = self.k_proj(memory)[None], self.v_proj(memory)[None]
+        if compiled:
+            stack, mixture, memory, keys, values = memory_function(
+                states, self.layer_weights, self.memory_norm.weight, self.rms_norm_eps, self._projections(),
+                *rotation, self.head_dim,
+            )  # fmt: skip
         else:
-            keys = torch.stack([layer.attention.k_proj(memory) for layer in self.layers])
-            values = torch.stack([layer.attention.v_proj(memory) for layer in self.layers])
-        keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
-        values = values.view(values.shape[0], batch_size, -1, self.head_dim)
-        if cos is not None:
-            keys = _rotate(keys, *rotation)
+            wide = torch.promote_types(self.layer_weights.dtype, torch.float32)
+            weights = torch.softmax(self.layer_weights.to(wide), dim=0).to(hidden_states.dtype)
+            stack = torch.stack(states)
+            mixture = torch.einsum("l,lbd->bd", weights, stack)
+            memory = self.memory_norm(mixture)
+            if record is not None:
+                keys, values = torch.stack([F.linear(memory, weight) for weight in record.key_value]).chunk(2, dim=-1)
+            elif self.share_key_value:
+                keys, values = self.k_proj(memory)[None], self.v_proj(memory)[None]
+            else:
+                keys = torch.stack([layer.attention.k_proj(memory) for layer in self.layers])
+                values = torch.stack([layer.attention.v_proj(memory) for layer in self.layers])
+            keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
+            values = values.view(values.shape[0], batch_size, -1, self.head_dim)
+            if cos is not None:
+                keys = _rotate(keys, *rotation)
         store.write(step, keys, values, positions, valid)
         if record is not None:
             record.mixtures[step], record.stacks[step] = mixture, stack
             record.memories[step], record.rotations[step] = memory, (cos, sin)
         return hidden_states, states
+
+    def _projections(self) -> tuple:
+        """(W_k, W_v) of each key/value set: one pair shared by the layers, or one per layer."""
+        if self.share_key_value:
+            return ((self.k_proj.weight, self.v_proj.weight),)
+        return tuple((layer.attention.k_proj.weight, layer.attention.v_proj.weight) for layer in self.layers)
+
+    def compiled_step_applies(self, inputs_embeds: torch.Tensor) -> bool:
+        """Whether `step` runs compiled (`config.compile_step`): without autograd (inference, and the training
+        forward of the hand-written backward), without active dropout, and only for the model's plain modules without
+        hooks (`through_time.covers`), where a compiler is present; otherwise the eager step runs."""
+        if not self.config.compile_step or torch.is_grad_enabled():
+            return False
+        if self.training and any(
+            layer.dropout.p > 0 or layer.attention.dropout.p > 0 for layer in self.layers
+        ):  # fmt: skip
+            return False
+        if not compiler_available(inputs_embeds.device.type):
+            warn_no_compiler(inputs_embeds.device.type)
+            return False
+        return covers(self, inputs_embeds, keep_states=False)
 
     def forward(
         self,

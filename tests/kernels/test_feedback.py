@@ -222,3 +222,77 @@ def test_ring_read_is_softmax_attention_and_zero_where_nothing_is_visible():
     read = store.read(0, 0, query, bias)
     torch.testing.assert_close(read, expected, atol=1e-12, rtol=0)
     assert read[heads].abs().sum() == 0 and read[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
+def test_compiled_step_equals_the_reference(variant, monkeypatch):
+    """compile_step=True: the training forward of the hand-written backward and the ring's prefill and decoding run
+    the step's functions through torch.compile, and equal the reference loop (float64), padding and all."""
+    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 3)
+    model = _model(variant, compile_step=True).train().double()
+    torch._dynamo.reset()  # compile here, whatever earlier tests compiled
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    input_ids = torch.randint(0, 256, (3, 11))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids}
+    result = _loss_and_gradients(model, "torch", monkeypatch, **dict(inputs))
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # the step's functions were compiled
+    _assert_same(result, _loss_and_gradients(model, "reference", monkeypatch, **dict(inputs)), 1e-10)
+
+    model.eval()
+    following = torch.randint(0, 256, (3, 4))
+
+    def run(backend):
+        monkeypatch.setenv("MEMLM_KERNELS", backend)
+        with torch.no_grad():
+            output = model(input_ids, attention_mask=attention_mask, use_cache=True)
+            logits, cache, mask = [output.logits * attention_mask[..., None]], output.cache, attention_mask
+            for t in range(following.shape[1]):
+                mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+                output = model(following[:, t : t + 1], attention_mask=mask, cache=cache)
+                logits.append(output.logits)
+        return torch.cat(logits, 1)
+
+    torch.testing.assert_close(run("torch"), run("reference"), atol=1e-10, rtol=0)
+
+
+def test_compiled_step_with_checkpointing_equals_the_reference(monkeypatch):
+    """Under gradient checkpointing the compiled forward keeps no MLP projections and the compiled backward
+    recomputes them (float64)."""
+    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 4)
+    model = _model(compile_step=True).train().double()
+    activation_checkpointing_enable(model)
+    input_ids = torch.randint(0, 256, (2, 9))
+    results = [
+        _loss_and_gradients(model, backend, monkeypatch, input_ids=input_ids, labels=input_ids)
+        for backend in ("torch", "reference")
+    ]
+    _assert_same(*results, 1e-10)
+
+
+def test_compiled_step_only_where_it_computes_what_the_eager_step_does(monkeypatch, caplog):
+    """The compiled step runs without autograd, dropout or hooks, and only when asked; without a compiler it warns
+    and the eager step runs."""
+    model = _model(compile_step=True).model
+    embeddings = torch.zeros(1, 2, 32)
+    with torch.no_grad():
+        assert model.compiled_step_applies(embeddings)
+        model.config.compile_step = False
+        assert not model.compiled_step_applies(embeddings)
+        model.config.compile_step = True
+        handle = model.layers[0].mlp.register_forward_hook(lambda module, inputs, output: output)
+        assert not model.compiled_step_applies(embeddings)
+        handle.remove()
+        model.layers[1].dropout.p = 0.1
+        assert model.compiled_step_applies(embeddings)  # dropout is off in eval
+        assert not model.train().compiled_step_applies(embeddings)
+        model.layers[1].dropout.p = 0.0
+        assert model.compiled_step_applies(embeddings)
+        from memlm.modeling import modeling_feedback_transformer
+
+        monkeypatch.setattr(modeling_feedback_transformer, "compiler_available", lambda device_type: False)
+        with caplog.at_level("WARNING"):
+            assert not model.compiled_step_applies(embeddings)
+        assert "has no compiler for cpu" in caplog.text
+    assert not model.compiled_step_applies(embeddings)  # autograd: the eager step

@@ -221,6 +221,33 @@ def test_cache_holds_one_set_for_all_layers_when_shared():
     assert unshared_cache.memory_bytes() == 3 * shared_cache.memory_bytes()
 
 
+@pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
+def test_the_ring_grows_with_the_context_up_to_the_memory_span(variant):
+    """A short prompt holds memory for its tokens, not for τ; decoding doubles the ring (capped at τ), then
+    overwrites the oldest memories; the logits equal the un-cached forward's throughout."""
+    model = _model(variant, memory_span=48)
+    config = model.config
+    input_ids = torch.randint(0, 256, (2, 70))
+    bytes_per_slot = 2 * 2 * config.num_attention_heads * config.head_dim * 4 * config.memory_groups  # k and v
+
+    def slots(cache):
+        return cache.layers[0].keys.shape[2]
+
+    with torch.no_grad():
+        full = model(input_ids).logits
+        output = model(input_ids[:, :6], use_cache=True)
+        cache, pieces, seen = output.cache, [output.logits], []
+        assert cache.memory_bytes() == 6 * bytes_per_slot  # the prompt's 6 memories, not τ = 48
+        for t in range(6, 70):
+            output = model(input_ids[:, t : t + 1], cache=cache)
+            pieces.append(output.logits)
+            seen.append(slots(cache))
+    # 6 slots, then doubled at least to 16, 32, then capped at τ = 48, never more.
+    assert sorted(set(seen)) == [16, 32, 48] and seen == sorted(seen)
+    assert cache.memory_bytes() == 48 * bytes_per_slot
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-4, rtol=0)
+
+
 def test_bad_inputs_and_configs():
     model = _model()
     input_ids = torch.randint(0, 256, (2, 4))
@@ -351,3 +378,11 @@ def test_step_rotation_gives_apply_rotarys_very_numbers(dtype):
     keys = torch.randn(1, 3, 2, 8, dtype=torch.float64).to(dtype)  # (G, B, H, d)
     assert torch.equal(_rotate(queries, cos[:, 0], signed_sin), apply_rotary(queries[:, :, None], cos, sin)[:, :, 0])
     assert torch.equal(_rotate(keys, cos[:, 0], signed_sin), apply_rotary(keys[:, :, :, None], cos, sin)[:, :, :, 0])
+
+
+def test_compile_step_option():
+    with pytest.raises(ValueError, match="compile_step must be True or False"):
+        FeedbackTransformerConfig(compile_step="yes")
+    config = FeedbackTransformerConfig(compile_step=True)
+    assert FeedbackTransformerConfig.from_dict(config.to_dict()).compile_step is True
+    assert FeedbackTransformerConfig().compile_step is False

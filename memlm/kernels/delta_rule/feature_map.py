@@ -9,7 +9,7 @@ Schlag et al. (2021), Eq. 37 (deterministic parameter-free projection) and Sec. 
 Written with separate PyTorch ops (as :func:`dpfp_reference` does), autograd keeps r, its rolled copies, the products
 and the normaliser, and runs about a dozen element-wise passes backward. Here the forward writes each product
 straight into the output (no rolled copy, no concatenation) and the backward differentiates the whole map in closed
-form from the input and the output:
+form from r and the output:
 
     sum:  ∂L/∂p = (g − (g·φ)) / s     (s = Σ_i p_i, and ∂L/∂p = g / ε where s was clamped)
     l2:   ∂L/∂p = n (g − φ (g·φ))     (n = (Σ_i p_i² + ε)^(−1/2))
@@ -107,9 +107,11 @@ class DPFPFunction(torch.autograd.Function):
                 tail.addcmul_(grad_product[..., :shift], rectified[..., width - shift :])
             grad_rectified[..., : width - shift].addcmul_(grad_product[..., shift:], rectified[..., shift:])
             grad_rectified[..., width - shift :].addcmul_(grad_product[..., :shift], rectified[..., :shift])
-        # r_{:d} = relu(x) and r_{d:} = relu(−x): x > 0 where r_{:d} > 0, x < 0 where r_{d:} > 0.
-        positive, negative = grad_rectified[..., :dim], grad_rectified[..., dim:]
-        grad_inputs = torch.where(rectified[..., :dim] > 0, positive, negative.neg_().mul_(rectified[..., dim:] > 0))
+        # r_{:d} = relu(x) and r_{d:} = relu(−x): relu's backward (one fused op each) keeps the gradient where the
+        # rectified value is positive, i.e. x > 0 for r_{:d} and x < 0 for r_{d:}.
+        positive = torch.ops.aten.threshold_backward(grad_rectified[..., :dim], rectified[..., :dim], 0)
+        negative = torch.ops.aten.threshold_backward(grad_rectified[..., dim:], rectified[..., dim:], 0)
+        grad_inputs = positive.sub_(negative)
         return grad_inputs.to(ctx.input_dtype), None, None, None
 
 

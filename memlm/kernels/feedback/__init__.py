@@ -7,12 +7,14 @@ validates its inputs and dispatches on the backend (see :func:`memlm.kernels.res
 
 - ``"reference"``: `reference.py`, the memory as Python lists and autograd through every step;
 - ``"torch"`` (and ``"triton"``/``"fla"``, which have no kernel of their own for this recurrence): the memory in
-  preallocated buffers (`tape.py`): without gradients the cache's ring of τ slots, written in place; in training a
+  preallocated buffers (`tape.py`): without gradients the cache's ring of up to τ slots, written in place; in training a
   tape of all steps, and the hand-written backward of `through_time.py` (`_ThroughTime`), or autograd through every
   step where that backward does not know the forward (float16/bfloat16, autocast, per-step outputs kept, adapters,
   hooks: see `through_time.covers`).
 
-The step itself (layers, memory mix, projections) is the model's: `model.step`, in `modeling_feedback_transformer.py`.
+The step itself (layers, memory mix, projections) is the model's: `model.step`, in `modeling_feedback_transformer.py`;
+with the config's `compile_step`, its pure functions run through `torch.compile` where no autograd is needed
+(`compiled.py`).
 """
 
 import torch
@@ -79,7 +81,8 @@ def feedback_recurrence(
         positions: (B, T) each token's position (counted from the row's first real token); −1 for padding.
         valid: (B, T) False for padding, which writes nothing into the memory.
         cache_layers: the cache's key/value sets (one, or one per layer): the memory entering the sequence. Without
-            gradients (fast path) they are laid out as a ring of τ slots and written in place.
+            gradients (fast path) they are laid out as a ring of up to τ slots (as many as the context needs) and
+            written in place.
         next_positions: (B,) the position of each row's next real token before this call.
         padding_steps: the most padding tokens of a row; the training tape widens its windows by it.
         keep_states: also return every layer's output at every step (for ``output_hidden_states``).
@@ -101,7 +104,7 @@ def feedback_recurrence(
         inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in model.parameters())
     )
     if not training:
-        store = _RingStore(cache_layers, next_positions, config, inputs_embeds)
+        store = _RingStore(cache_layers, next_positions, config, inputs_embeds, positions)
     else:
         store = _Tape(cache_layers, inputs_embeds.shape[1], config, inputs_embeds, padding_steps)
         if covers(model, inputs_embeds, keep_states):
@@ -109,11 +112,12 @@ def feedback_recurrence(
             top = _ThroughTime.apply(model, store, inputs_embeds, positions, valid, *parameters)
             return top, [], store.last_memories()
     outputs, all_states = [], []
+    compiled = model.compiled_step_applies(inputs_embeds)  # `compile_step`, without autograd
     # unbind once: indexing step by step would give each step's gradient the size of the whole input.
     for step, (embeddings, step_positions, step_valid) in enumerate(
         zip(inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1))
     ):
-        hidden_states, states = model.step(embeddings, step_positions, step_valid, store, step)
+        hidden_states, states = model.step(embeddings, step_positions, step_valid, store, step, compiled=compiled)
         outputs.append(hidden_states)
         if keep_states:
             all_states.append(states)

@@ -1,7 +1,8 @@
 """The memory of the Feedback recurrence in preallocated buffers (the fast path of `memlm.kernels.feedback`).
 
-- `_RingStore`: when no gradient is needed (prefill, decoding): τ slots per row, slot = position mod τ, written in
-  place; the cache's own buffers, so a decoded token costs O(τ) whatever the context length.
+- `_RingStore`: when no gradient is needed (prefill, decoding): up to τ slots per row, slot = position mod τ, written
+  in place; the cache's own buffers, so a decoded token costs O(τ) whatever the context length. The ring holds as
+  many slots as the context needs, doubling as it grows, up to τ.
 - `_Tape`: in training: one slot per step, written once. With autograd through every step, its gradients are routed
   by hand (`_TapeWrite`, `_TapeRead`), because autograd forbids reading a buffer that later steps write into.
 
@@ -26,26 +27,41 @@ def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tenso
 
 
 class _RingStore:
-    """The memory when no gradient is needed: τ slots per row, slot = position mod τ, written in place. The cache's
-    own buffers, so decoding a token costs O(τ) whatever the context length, with no copying."""
+    """The memory when no gradient is needed: up to τ slots per row, slot = position mod τ, written in place. The
+    cache's own buffers, so decoding a token costs O(τ) whatever the context length, with no copying; the ring holds
+    the slots the context needs and doubles (capped at τ) when a call needs more (`FeedbackCacheLayer.grow_ring`)."""
 
-    def __init__(self, cache_layers: list, next_positions: torch.Tensor, config, like):
+    # A growing ring gets at least this many slots (decoding from a short prompt would otherwise double it often).
+    least_slots = 16
+
+    def __init__(self, cache_layers: list, next_positions: torch.Tensor, config, like, positions=None):
+        """`positions` (B, T): the positions this call writes (−1 for padding); the ring grows to hold them."""
         self.layers = cache_layers
+        self.memory_span = config.memory_span
         self._blind_bias = self._blind = None  # the last bias `read` saw, and its rows that see no memory
+        # Slots at or beyond `filled` hold nothing yet (slot = position mod τ and positions start at 0): skip them.
+        # Counting them reads tensors, which torch.compile cannot trace: compiled, the ring has τ slots from the start
+        # and every slot is read (empty ones are masked out, so the output is the same).
+        compiling = torch.compiler.is_compiling()
+        self.filled = config.memory_span
+        needed = config.memory_span
+        if not compiling:
+            self.filled = min(config.memory_span, int(next_positions.max()) if next_positions.numel() else 0)
+            last = int(positions.max()) + 1 if positions is not None and positions.numel() else 0
+            needed = min(config.memory_span, max(self.filled, last, 1))
         window = None
         if not cache_layers[0].ring:
-            # An empty cache, or the window a training forward left: lay it out as a ring of τ slots.
+            # An empty cache, or the window a training forward left: lay it out as a ring.
             if cache_layers[0].keys is not None:
                 window = [(layer.keys, layer.values) for layer in cache_layers]
                 window_positions, window_valid = cache_layers[0].positions, cache_layers[0].valid
             for layer in cache_layers:
-                layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device)
-        # Slots at or beyond `filled` hold nothing yet (slot = position mod τ and positions start at 0): skip them.
-        # Counting them reads tensors, which torch.compile cannot trace: compiled, every slot is read (empty ones are
-        # masked out, so the output is the same).
-        self.filled = config.memory_span
-        if not torch.compiler.is_compiling():
-            self.filled = min(config.memory_span, int(next_positions.max()) if next_positions.numel() else 0)
+                layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device, needed)
+        elif cache_layers[0].keys.shape[2] < needed:  # a longer context: double the ring (at most τ slots)
+            size = cache_layers[0].keys.shape[2]
+            slots = min(config.memory_span, max(needed, 2 * size, self.least_slots))
+            for layer in cache_layers:
+                layer.grow_ring(slots)
         if window is not None:
             keys = torch.stack([pair[0] for pair in window])
             values = torch.stack([pair[1] for pair in window])
@@ -81,7 +97,7 @@ class _RingStore:
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing (its slot
         gets its old contents back, so no row count depends on the data and torch.compile traces it)."""
-        span = self.layers[0].keys.shape[2]
+        span = self.memory_span  # a ring of fewer slots holds no position ≥ its size, so `slots` fits it
         rows = torch.arange(positions.shape[0], device=positions.device)
         slots = positions.clamp_min(0) % span
         if not torch.compiler.is_compiling():  # padding has position −1, so an all-padding step changes nothing

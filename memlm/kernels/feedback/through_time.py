@@ -4,7 +4,8 @@
 `_backward_through_time` walks the steps back by hand. A graph of ~160 small autograd nodes per step costs more than
 the step itself on a CPU, and the weight gradients become products of many steps at once (`_WeightGradients`); the
 tape's key/value gradients are added block by block (`_TapeGradients`). The tests check it against autograd through
-`reference.py` in float64 to 1e-10.
+`reference.py` in float64 to 1e-10. With the config's `compile_step` (and no dropout), each layer's lines before and
+after its memory read run as two pure functions through `torch.compile` (`block_backward`, `query_backward`).
 """
 
 import functools
@@ -90,6 +91,58 @@ def _activation_backward(act_fn, name: str, gate: torch.Tensor, grad: torch.Tens
     with torch.enable_grad():  # other activations: their own autograd formula on this small tensor
         leaf = gate.detach().requires_grad_()
         return torch.autograd.grad(act_fn(leaf), leaf, grad)[0]
+
+
+# Activations whose derivative `block_backward` knows as one op (the others run the eager backward).
+COMPILED_ACTIVATIONS = ("silu", "gelu", "relu")
+
+
+def _rms_norm_parts(grad_output, inputs, weight, eps: float):
+    """`_rms_norm_backward` as a pure function: (input gradient, output y, the weight gradient's term dy ⊙ x̂)."""
+    reciprocal = torch.rsqrt(inputs.pow(2).mean(-1, keepdim=True) + eps)
+    normalized = inputs * reciprocal
+    grad_normalized = grad_output * weight
+    dot = (grad_normalized * normalized).sum(-1, keepdim=True)
+    grad_inputs = (grad_normalized - normalized * dot / inputs.shape[-1]) * reciprocal
+    return grad_inputs, normalized * weight, grad_output * normalized
+
+
+def block_backward(grad_hidden, residual, gate, up, context, down_weight, gate_up_weight, norm_weight, eps: float,
+                   output_weight, activation: str):  # fmt: skip
+    """The backward of a layer's block after its memory read (`step_block`: residual = x + W_o·context, x' = residual
+    + down(act(gate)·up), [gate, up] = W·norm(residual)), without dropout, for `compile_step`. Returns the gradient
+    of the residual and of the context, the post-attention norm's weight-gradient term, and the operands of the
+    weight gradients: (dx' , act(gate)·up) for down, (d[gate, up], norm(residual)) for gate_up, (d residual, context)
+    for o_proj."""
+    activated = _ACTIVATION_FUNCTIONS[activation](gate)
+    grad_product = grad_hidden @ down_weight
+    grad_gate = _ACTIVATION_BACKWARDS[activation](grad_product * up, gate)
+    grad_gate_up = torch.cat([grad_gate, grad_product * activated], dim=-1)
+    grad_normed, normed, norm_term = _rms_norm_parts(grad_gate_up @ gate_up_weight, residual, norm_weight, eps)
+    grad_residual = grad_hidden + grad_normed
+    grad_context = grad_residual @ output_weight
+    return grad_residual, grad_context, norm_term, activated * up, grad_gate_up, normed
+
+
+def query_backward(grad_query, cos, sin, query_weight, inputs, norm_weight, eps: float, grad_residual, mix,
+                   grad_mixture):  # fmt: skip
+    """The backward of a layer's query (`step_query`: q = rotate(W_q · norm(x))) and of the paths of its input x into
+    the residual and the memory mix, for `compile_step`. Returns dx, the input norm's weight-gradient term and the
+    operands (dq, norm(x)) of W_q's gradient."""
+    if cos is not None:
+        grad_query = _rotary_backward(grad_query, cos, sin)
+    grad_query = grad_query.reshape(grad_query.shape[0], -1)
+    grad_normed, normed, norm_term = _rms_norm_parts(grad_query @ query_weight, inputs, norm_weight, eps)
+    return grad_residual + grad_normed + mix * grad_mixture, norm_term, grad_query, normed
+
+
+_ACTIVATION_FUNCTIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+                         "relu": torch.nn.functional.relu}  # fmt: skip
+_ACTIVATION_BACKWARDS = {
+    "silu": torch.ops.aten.silu_backward,
+    "gelu": lambda grad, gate: torch.ops.aten.gelu_backward(grad, gate, approximate="none"),
+    "relu": lambda grad, gate: torch.ops.aten.threshold_backward(grad, gate, 0),
+}
 
 
 class _WeightGradients:
@@ -206,13 +259,14 @@ class _ThroughTime(torch.autograd.Function):
     @staticmethod
     def forward(ctx, model, store, inputs_embeds, positions, valid, *parameters):
         record = Recording(model)
+        compiled = model.compiled_step_applies(inputs_embeds)  # `compile_step` (autograd is off in here)
         outputs = [
-            model.step(embeddings, step_positions, step_valid, store, step, record)[0]
+            model.step(embeddings, step_positions, step_valid, store, step, record, compiled)[0]
             for step, (embeddings, step_positions, step_valid) in enumerate(
                 zip(inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1))
             )
         ]
-        ctx.model, ctx.store, ctx.record, ctx.positions = model, store, record, positions
+        ctx.model, ctx.store, ctx.record, ctx.positions, ctx.compiled = model, store, record, positions, compiled
         return torch.stack(outputs, dim=1)
 
     @staticmethod
@@ -220,16 +274,22 @@ class _ThroughTime(torch.autograd.Function):
         parameters = recurrent_parameters(ctx.model)
         needed = {name for (name, _), needs in zip(parameters, ctx.needs_input_grad[5:]) if needs}
         grad_embeddings, gradients = _backward_through_time(ctx.model, ctx.store, ctx.record, ctx.positions,
-                                                            grad_outputs, needed)  # fmt: skip
+                                                            grad_outputs, needed, ctx.compiled)  # fmt: skip
         grad_embeddings = grad_embeddings if ctx.needs_input_grad[2] else None
         return (None, None, grad_embeddings, None, None) + tuple(gradients.get(name) for name, _ in parameters)
 
 
-def _backward_through_time(model, store, record, positions, grad_outputs, needed):
+def _backward_through_time(model, store, record, positions, grad_outputs, needed, compiled=False):
     """Back-propagation through the loop of `FeedbackTransformerModel.step`, from the last step to the first; each
     block reverses a line of the step. Returns the gradient of the input embeddings (B, T, D) and {name: gradient}
-    of the parameters named in `needed`."""
+    of the parameters named in `needed`. `compiled` (`compile_step`, no dropout): the layer's lines before and after
+    its memory read run as `block_backward` and `query_backward` through `torch.compile`."""
     config, layers = model.config, model.layers
+    compiled = compiled and config.hidden_act in COMPILED_ACTIVATIONS and not record.masks
+    if compiled:
+        from .compiled import compiled as compiled_function
+
+        block_function, query_function = compiled_function(block_backward), compiled_function(query_backward)
     batch_size, steps, hidden_size = grad_outputs.shape
     num_heads, head_dim, num_layers = config.num_attention_heads, config.head_dim, len(layers)
     scale = head_dim**-0.5
@@ -279,32 +339,45 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
         for index in reversed(range(num_layers)):
             layer, key, prefix = layers[index], (index, step), f"layers.{index}."
             mlp, attention = layer.mlp, layer.attention
-            # hidden = residual + dropout(down(act(gate) · up)), [gate, up] = W · post_norm(residual)
-            mask = record.masks.get(("mlp",) + key)
-            grad_down = grad_hidden if mask is None else grad_hidden * mask
             residual = record.residuals[key]
             if key in record.gates:
                 gate, up = record.gates[key], record.ups[key]
             else:  # gradient checkpointing: recompute the block's projections
                 normed = layer.post_attention_layernorm(residual)
                 gate, up = (normed @ gate_up[index].t()).split(config.intermediate_size, dim=-1)
-            activated = mlp.act_fn(gate)
-            products.add(prefix + "mlp.down_proj.weight", grad_down, activated * up)
-            grad_product = grad_down @ mlp.down_proj.weight
-            grad_gate = _activation_backward(mlp.act_fn, config.hidden_act, gate, grad_product * up)
-            grad_gate_up = torch.cat([grad_gate, grad_product * activated], dim=-1)
-            grad_residual_norm, normed = _rms_norm_backward(grad_gate_up @ gate_up[index], residual,
-                                                            layer.post_attention_layernorm,
-                                                            norm_gradients[prefix + "post_attention_layernorm.weight"])  # fmt: skip
-            products.add(prefix + "mlp.gate_up.weight", grad_gate_up, normed)
-            grad_residual = grad_hidden + grad_residual_norm
-            # residual = input + dropout(o_proj(dropout(context)))
-            mask = record.masks.get(("attention",) + key)
-            grad_mixed = grad_residual if mask is None else grad_residual * mask
-            products.add(prefix + "attention.o_proj.weight", grad_mixed, record.contexts[key].view(batch_size, -1))
-            grad_context = (grad_mixed @ attention.o_proj.weight).view(-1, head_dim)
-            mask = record.masks.get(("context",) + key)
-            grad_context = grad_context if mask is None else grad_context * mask
+            if compiled:  # the lines below, as one compiled function (no dropout)
+                context = record.contexts[key].view(batch_size, -1)
+                grad_residual, grad_context, norm_term, activated_up, grad_gate_up, normed = block_function(
+                    grad_hidden, residual, gate, up, context, mlp.down_proj.weight, gate_up[index],
+                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                    attention.o_proj.weight, config.hidden_act,
+                )  # fmt: skip
+                norm_gradients[prefix + "post_attention_layernorm.weight"].add_(norm_term)
+                products.add(prefix + "mlp.down_proj.weight", grad_hidden, activated_up)
+                products.add(prefix + "mlp.gate_up.weight", grad_gate_up, normed)
+                products.add(prefix + "attention.o_proj.weight", grad_residual, context)
+                grad_context = grad_context.view(-1, head_dim)
+            else:
+                # hidden = residual + dropout(down(act(gate) · up)), [gate, up] = W · post_norm(residual)
+                mask = record.masks.get(("mlp",) + key)
+                grad_down = grad_hidden if mask is None else grad_hidden * mask
+                activated = mlp.act_fn(gate)
+                products.add(prefix + "mlp.down_proj.weight", grad_down, activated * up)
+                grad_product = grad_down @ mlp.down_proj.weight
+                grad_gate = _activation_backward(mlp.act_fn, config.hidden_act, gate, grad_product * up)
+                grad_gate_up = torch.cat([grad_gate, grad_product * activated], dim=-1)
+                grad_residual_norm, normed = _rms_norm_backward(grad_gate_up @ gate_up[index], residual,
+                                                                layer.post_attention_layernorm,
+                                                                norm_gradients[prefix + "post_attention_layernorm.weight"])  # fmt: skip
+                products.add(prefix + "mlp.gate_up.weight", grad_gate_up, normed)
+                grad_residual = grad_hidden + grad_residual_norm
+                # residual = input + dropout(o_proj(dropout(context)))
+                mask = record.masks.get(("attention",) + key)
+                grad_mixed = grad_residual if mask is None else grad_residual * mask
+                products.add(prefix + "attention.o_proj.weight", grad_mixed, record.contexts[key].view(batch_size, -1))
+                grad_context = (grad_mixed @ attention.o_proj.weight).view(-1, head_dim)
+                mask = record.masks.get(("context",) + key)
+                grad_context = grad_context if mask is None else grad_context * mask
             # context = softmax(q·Kᵀ/√d + bias) · V over the window (`attention_weights`)
             weights, query = record.weights[key], record.queries[key]
             if weights is None:  # no memory was visible: the attention term was zero
@@ -324,6 +397,15 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                     per_head = grad_scores.view(batch_size, num_heads, -1).transpose(0, 1).reshape(num_heads, -1)
                     relative_gradients[index].index_add_(1, slots.flatten(), per_head)
             grad_query = grad_query.view(batch_size, num_heads, head_dim)
+            if compiled:  # the lines below, as one compiled function
+                grad_hidden, norm_term, grad_query, normed = query_function(
+                    grad_query, None if cos is None else cos[:, 0], None if sin is None else sin[:, 0],
+                    attention.q_proj.weight, record.inputs[key], layer.input_layernorm.weight,
+                    layer.input_layernorm.variance_epsilon, grad_residual, mix[index], grad_mixture,
+                )  # fmt: skip
+                norm_gradients[prefix + "input_layernorm.weight"].add_(norm_term)
+                products.add(prefix + "attention.q_proj.weight", grad_query, normed)
+                continue
             if cos is not None:
                 grad_query = _rotary_backward(grad_query, cos[:, 0], sin[:, 0])
             grad_query = grad_query.reshape(batch_size, -1)
