@@ -127,7 +127,6 @@ def describe(path: str, broken: list[str] | None = None) -> list[str]:
     metrics file that cannot be read is flagged on its line (and its name appended to `broken`); the rest is still
     described."""
     import torch
-    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig
 
     import memlm  # noqa: F401
@@ -138,17 +137,11 @@ def describe(path: str, broken: list[str] | None = None) -> list[str]:
     folder, _ = checkpoint_folder(path)
     config = AutoConfig.from_pretrained(folder)
     lines = [f"{folder}: {type(config).__name__} (model_type {config.model_type})"]
-    weights = sorted(folder.glob("*.safetensors"))
-    count, readable, unreadable = 0, [], []
-    for file in weights:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                count += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
-            readable.append(file.name)
-        except (SafetensorError, OSError, ValueError) as error:
-            unreadable.append(f"{file.name} cannot be read ({_one_line(error)})")
-            if broken is not None:
-                broken.append(file.name)
+    counts, unreadable = _read_weights(folder)
+    count, readable = sum(counts.values()), list(counts)
+    if broken is not None:
+        broken += list(unreadable)
+    unreadable = [f"{name} cannot be read ({reason})" for name, reason in unreadable.items()]
     if readable:
         lines.append(f"parameters: {count:,} in {', '.join(readable)}")
     lines += [f"weights: {entry}" for entry in unreadable]
@@ -314,22 +307,31 @@ def plot_memory(argv) -> None:
     print(f"wrote {arguments.output}")
 
 
+def _read_weights(folder: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """Each `*.safetensors` file of `folder` that opens, with its number of parameters, and each that does not, with
+    the reason in one line."""
+    from safetensors import SafetensorError, safe_open
+
+    counts, unreadable = {}, {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                counts[file.name] = sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+        except (SafetensorError, OSError, ValueError) as error:
+            unreadable[file.name] = _one_line(error)
+    return counts, unreadable
+
+
 def load_model(folder):
     """`AutoModelForCausalLM.from_pretrained(folder)`, with a weights file that cannot be read (cut short, damaged)
     named in a `ValueError` instead of safetensors' bare header error."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
         return AutoModelForCausalLM.from_pretrained(folder)
     except SafetensorError as error:
-        broken = []
-        for file in sorted(Path(folder).glob("*.safetensors")):
-            try:
-                with safe_open(str(file), framework="pt"):
-                    pass
-            except (SafetensorError, OSError):
-                broken.append(file.name)
+        broken = list(_read_weights(Path(folder))[1])
         raise ValueError(
             f"{folder}: {', '.join(broken) or 'a weights file'} cannot be read ({_one_line(error)}): damaged or cut "
             "short; save the model again, or take an earlier checkpoint."

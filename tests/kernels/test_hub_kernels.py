@@ -142,6 +142,14 @@ def test_inference_logits_and_generation_equal(repository, family):
     assert tokens.shape[1] == 13
 
 
+def _assert_same_gradients(kernelized, model):
+    """Every parameter of `model` has a gradient, bitwise equal to the same parameter's in `kernelized`."""
+    gradients = dict(kernelized.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_gradients_equal(repository, family):
     model = DeltaNetForCausalLM(DELTANET_VARIANTS[family]()).train()
@@ -150,10 +158,7 @@ def test_training_gradients_equal(repository, family):
     for candidate in (model, kernelized):
         torch.manual_seed(1)  # the same random draws in training mode (FAVOR+ features), kernel or not
         candidate(input_ids, labels=input_ids).loss.backward()
-    gradients = dict(kernelized.named_parameters())
-    for name, parameter in model.named_parameters():
-        assert parameter.grad is not None, name
-        torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
+    _assert_same_gradients(kernelized, model)
 
 
 def test_hub_mapping_loads_a_local_override(repository, monkeypatch):
@@ -199,10 +204,7 @@ def test_expire_span_training_gradients_equal(repository):
     for candidate in (model, kernelized):
         torch.manual_seed(1)
         candidate(input_ids, labels=input_ids).loss.backward()
-    gradients = dict(kernelized.named_parameters())
-    for name, parameter in model.named_parameters():
-        assert parameter.grad is not None, name
-        torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
+    _assert_same_gradients(kernelized, model)
     assert model.model.layers[0].attention.span_predictor.weight.grad.abs().sum() > 0  # the span loss trains
 
 
@@ -250,10 +252,7 @@ def test_feedback_training_gradients_equal(repository, dtype):
     input_ids = torch.randint(0, 256, (2, 11))
     for candidate in (model, kernelized):
         candidate(input_ids, labels=input_ids).loss.backward()
-    gradients = dict(kernelized.named_parameters())
-    for name, parameter in model.named_parameters():
-        assert parameter.grad is not None, name
-        torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
+    _assert_same_gradients(kernelized, model)
 
 
 def test_repr_names_the_kernel_that_runs(repository, tmp_path):
@@ -350,9 +349,7 @@ def test_use_kernels(repository, tmp_path, family):
             torch.testing.assert_close(model(input_ids).logits, plain(input_ids).logits, rtol=0, atol=0)
         for candidate in (plain, model):
             candidate(input_ids, labels=input_ids).loss.backward()
-        gradients = dict(model.named_parameters())
-        for name, parameter in plain.named_parameters():
-            torch.testing.assert_close(gradients[name].grad, parameter.grad, rtol=0, atol=0, msg=name)
+        _assert_same_gradients(model, plain)
         return
     with pytest.raises(ValueError) as error:
         AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
