@@ -50,13 +50,32 @@ def use_kernel_forward_from_hub(layer_name: str):
 
 
 def use_kernelized_func(*functions):
-    """`kernels.use_kernelized_func(*functions)` when `kernels` is installed (each instance of the class then carries
-    the kernel functions, so `kernels.kernelize` can swap them), else a decorator that does nothing."""
-    if kernels_available():
-        from kernels import use_kernelized_func as attach
+    """Like `kernels.use_kernelized_func(*functions)`: each instance of the decorated class carries the kernel
+    functions (in `_kernel_funcs`, where `kernels.kernelize` looks), so that kernelize can swap them. Unlike it, every
+    instance gets its own copy of each function's module: the `kernels` package attaches one shared instance, so that
+    kernelizing one model would swap the function in every model of the process. Without `kernels`, it does
+    nothing."""
+    if not kernels_available():
+        return lambda layer_class: layer_class
+    for function in functions:
+        if not hasattr(function, "kernel_layer_name"):
+            raise ValueError(f"{function!r} is not marked with use_kernel_forward_from_hub")
 
-        return attach(*functions)
-    return lambda layer_class: layer_class
+    def decorate(layer_class):
+        initialize = layer_class.__init__
+
+        def __init__(self, *args, **kwargs):
+            initialize(self, *args, **kwargs)
+            # Not a submodule (no weights, not in the state dict): a plain attribute, as `kernels` keeps it.
+            attached = self.__dict__.setdefault("_kernel_funcs", {})
+            for function in functions:
+                attached[function.kernel_layer_name] = type(function)()
+
+        __init__.__wrapped__ = initialize
+        layer_class.__init__ = __init__
+        return layer_class
+
+    return decorate
 
 
 def kernel_mapping(

@@ -144,6 +144,9 @@ def test_kernelized_hub_kernel_runs_the_rule_and_matches_the_fla_backend(fla_rep
         kernelize(model, mode=Mode.TRAINING, device="cpu")
     assert all(swapped_kernel(layer.attention) is not None for layer in model.model.layers)
     assert "chunk_gated_delta_rule=fla-standin version 2 (cpu) from " in repr(model.model.layers[0].attention)
+    # Each layer carries its own copy of the function: the other models of the process keep memlm's.
+    for other in (plain, _model()):
+        assert all(swapped_kernel(layer.attention) is None for layer in other.model.layers)
     calls = _stand_in_calls()
     calls.clear()
     logits = model(tokens).logits  # on CPU without MEMLM_KERNELS: the rest of memlm runs PyTorch

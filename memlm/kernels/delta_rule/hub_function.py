@@ -64,8 +64,11 @@ def chunk_gated_delta_rule(
 
 
 def swapped_kernel(module: torch.nn.Module):
-    """The `chunk_gated_delta_rule` kernel `kernels.kernelize` swapped into `module` (a layer carrying it through
-    `use_kernelized_func`), or `None` while it runs memlm's own function."""
+    """The `chunk_gated_delta_rule` kernel `kernels.kernelize` swapped into `module` (a layer carrying its own copy
+    through `memlm.kernels.hub.use_kernelized_func`), or `None` while it runs memlm's own function, and under
+    `torch.compile`."""
+    if torch.compiler.is_compiling():  # a graph captured by torch.compile runs memlm's own kernels
+        return None
     function = module.__dict__.get("_kernel_funcs", {}).get(HUB_FUNCTION_NAME)
     if function is None or running_kernel(function) is None:
         return None
