@@ -210,21 +210,6 @@ def comparison_models() -> dict:
     return {"deltanet": deltanet, "llama": llama, "mamba": mamba}
 
 
-def interleaved_median_times(functions: dict, warmup: int, repeats: int) -> dict:
-    """Median seconds of each of `functions` (name → callable), timed in turns: one run of each per round, so
-    that a change in the machine's load (other jobs) weighs on all of them alike."""
-    for _ in range(warmup):
-        for function in functions.values():
-            function()
-    times = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, function in functions.items():
-            start = time.perf_counter()
-            function()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def training_step(model, length: int, args):
     """One forward + backward of the language-model loss on ``args.model_tokens // length`` rows of `length`
     tokens (gradients dropped after each step)."""
@@ -264,7 +249,7 @@ def decode_steps(model, context: int, args, prefill: int | None):
 
 def model_table(args) -> tuple[dict, list[dict], list[dict]]:
     """Parameter counts, then training rows (per T) and decode rows (per context), with the DeltaNet ratios. The
-    models are timed in turns (see `interleaved_median_times`)."""
+    models are timed in turns (see `report.interleaved_median_times`)."""
     models = comparison_models()
     parameters = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
     for model in models.values():
@@ -272,7 +257,7 @@ def model_table(args) -> tuple[dict, list[dict], list[dict]]:
     training_rows = []
     for length in tqdm(args.model_training_lengths, desc="model training", leave=False):
         timed = {name: model for name, model in models.items() if name != "mamba" or args.mamba_training}
-        seconds = interleaved_median_times(
+        seconds = report.interleaved_median_times(
             {name: training_step(model, length, args) for name, model in timed.items()}, 1, args.model_repeats
         )
         batch_size = max(1, args.model_tokens // length)
@@ -286,7 +271,7 @@ def model_table(args) -> tuple[dict, list[dict], list[dict]]:
             name: decode_steps(model, context, args, prefill=args.mamba_prefill if name == "mamba" else None)
             for name, model in models.items()
         }
-        seconds = interleaved_median_times(functions, 1, args.repeats)
+        seconds = report.interleaved_median_times(functions, 1, args.repeats)
         decode_rows.append(
             {"context": context} | {f"{name}_tokens_per_s": args.decode_steps / seconds[name] for name in models}
         )

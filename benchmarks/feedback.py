@@ -24,8 +24,6 @@ docs/performance/speed.md from the results (see ``report.py``).
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,19 +52,6 @@ def build_models(compile_step: bool = False):
         )
         models["feedback_compiled"].load_state_dict(feedback.state_dict())
     return models
-
-
-def median_seconds_in_turns(functions: dict, repeats: int) -> dict[str, float]:
-    """The median time of each function, run in turns (one run of each, then again) after a warm-up of each."""
-    for function in functions.values():
-        function()
-    timings = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, function in functions.items():
-            start = time.perf_counter()
-            function()
-            timings[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in timings.items()}
 
 
 def training_step(model, batch_size: int, length: int):
@@ -183,14 +168,14 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
     models = build_models(args.compile_step)
     results = {name: {} for name in models}
-    seconds = median_seconds_in_turns(
-        {name: training_step(model, args.batch_size, args.length) for name, model in models.items()}, args.repeats
+    seconds = report.interleaved_median_times(
+        {name: training_step(model, args.batch_size, args.length) for name, model in models.items()}, 1, args.repeats
     )
     for name in models:
         results[name]["train_tokens_per_s"] = args.batch_size * args.length / seconds[name]
     for context in DECODE_CONTEXTS:
         decodings = {name: Decoding(model, context, args.decode_steps) for name, model in models.items()}
-        seconds = median_seconds_in_turns(decodings, args.repeats)
+        seconds = report.interleaved_median_times(decodings, 1, args.repeats)
         for name, decoding in decodings.items():
             results[name][f"decode_{context}_tokens_per_s"] = args.decode_steps / seconds[name]
             if context == DECODE_CONTEXTS[-1]:

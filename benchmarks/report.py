@@ -1,4 +1,5 @@
-"""The speed scripts' measured tables, written into the documentation's speed page from a run's JSON.
+"""What the speed scripts share: timing functions in turns, and writing their measured tables into the
+documentation's speed page from a run's JSON.
 
 Each script (`delta_rule.py`, `feedback.py`, `kernel_costs.py --static`) keeps its own section of
 `docs/performance/speed.md` between two markers, and rewrites it from the results of one run:
@@ -9,6 +10,8 @@ is kept under `benchmarks/results/`). Nothing between the markers is written by 
 import datetime
 import os
 import platform
+import statistics
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEED_PAGE = os.path.join(ROOT, "docs", "performance", "speed.md")
@@ -83,3 +86,18 @@ def rewrite_section(page: str, name: str, command: str, section: str) -> None:
     text = text[:start] + f"{begin}\n{section}\n" + text[stop:]
     with open(page, "w") as file:
         file.write(text)
+
+
+def interleaved_median_times(functions: dict, warmup: int, repeats: int) -> dict:
+    """Median seconds of each of `functions` (name → callable), timed in turns: one run of each per round, so
+    that a change in the machine's load (other jobs) weighs on all of them alike."""
+    for _ in range(warmup):
+        for function in functions.values():
+            function()
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}

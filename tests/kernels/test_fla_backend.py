@@ -21,6 +21,8 @@ recurrent reference: 3e-3 in float16 (its rounding is 4.9e-4; measured ≈ 6e-4)
 """
 
 import builtins
+import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -195,22 +197,30 @@ def _interpreter_range(*arguments):
         yield interpreter_semantic.to_tensor(index, False)
 
 
-@pytest.fixture(scope="module")
-def fla_kernels():
-    """FLA's delta-rule functions, ready to run on this machine's tensors (see the module docstring)."""
+@contextlib.contextmanager
+def fla_on_this_machine(*module_names: str):
+    """Import FLA's `module_names` and make their kernels runnable here (see the module docstring), for the block;
+    skip the test where FLA's kernels cannot run."""
     if not flash_linear_attention_available():
         pytest.skip("flash-linear-attention >= 0.6 (pip install memlm[fla]) and triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("FLA's kernels need CUDA or Triton's interpreter")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # on CPU: "Triton is not supported on current platform"
+        modules = [importlib.import_module(name) for name in module_names]  # before their autotuners are pinned
         from fla.ops.common import chunk_delta_h
-        from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
     with pytest.MonkeyPatch.context() as monkeypatch:
         if not torch.cuda.is_available():
             assert _first_configuration_only(monkeypatch) > 5
             monkeypatch.setattr(chunk_delta_h, "range", _interpreter_range, raising=False)
-        yield {"chunk": chunk_delta_rule, "recurrent": fused_recurrent_delta_rule}
+        yield modules
+
+
+@pytest.fixture(scope="module")
+def fla_kernels():
+    """FLA's delta-rule functions, ready to run on this machine's tensors (see the module docstring)."""
+    with fla_on_this_machine("fla.ops.delta_rule") as (delta_rule_module,):
+        yield {"chunk": delta_rule_module.chunk_delta_rule, "recurrent": delta_rule_module.fused_recurrent_delta_rule}
 
 
 def _inputs(length, dtype, *, batch_size=2, num_heads=2, key_dim=16, value_dim=16, states=None, seed=0):

@@ -9,9 +9,7 @@ a mapping that names the stand-in for "cpu"; what runs on a GPU is the same call
 """
 
 import json
-import os
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ kernels = pytest.importorskip("kernels")
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
 
 from memlm import DeltaNetForCausalLM  # noqa: E402
-from memlm.kernels import flash_linear_attention_available  # noqa: E402
 from memlm.kernels.delta_rule import delta_rule  # noqa: E402
 from memlm.kernels.delta_rule.hub_function import (  # noqa: E402
     HUB_FUNCTION_NAME,
@@ -30,7 +27,7 @@ from memlm.kernels.delta_rule.hub_function import (  # noqa: E402
     swapped_kernel,
 )
 from tests.conftest import DELTANET_VARIANTS  # noqa: E402
-from tests.kernels.test_fla_backend import _first_configuration_only, _interpreter_range  # noqa: E402
+from tests.kernels.test_fla_backend import fla_on_this_machine  # noqa: E402
 
 FLOAT16_TOLERANCE = 3e-3  # relative RMS error against float32, as in test_fla_backend.py
 
@@ -57,14 +54,6 @@ STAND_IN_LAYER = '''
 def fla_repository(tmp_path_factory) -> Path:
     """A local kernel repository with FLA's gated delta rule as its `chunk_gated_delta_rule` layer, and FLA's gated
     kernels ready for the interpreter."""
-    if not flash_linear_attention_available():
-        pytest.skip("flash-linear-attention >= 0.6 (pip install memlm[fla]) and triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("FLA's kernels need CUDA or Triton's interpreter")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # on CPU: "Triton is not supported on current platform"
-        import fla.ops.gated_delta_rule  # noqa: F401  (loaded before its autotuners are pinned)
-        from fla.ops.common import chunk_delta_h
     directory = tmp_path_factory.mktemp("fla_standin")
     variant = directory / "build" / "torch-cpu"
     package = variant / "fla_standin"
@@ -74,10 +63,7 @@ def fla_repository(tmp_path_factory) -> Path:
     (variant / "metadata.json").write_text(json.dumps(metadata))
     (package / "__init__.py").write_text("from . import layers\n")
     (package / "layers.py").write_text(textwrap.dedent(STAND_IN_LAYER))
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        if not torch.cuda.is_available():
-            _first_configuration_only(monkeypatch)
-            monkeypatch.setattr(chunk_delta_h, "range", _interpreter_range, raising=False)
+    with fla_on_this_machine("fla.ops.gated_delta_rule"):
         yield directory
 
 
