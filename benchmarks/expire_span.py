@@ -3,19 +3,25 @@
 Prints two side-by-side tables, measured on this machine in one run:
 
 1. Training step (forward + backward of one segment of `--segment` tokens, blocks of `--block-size`, carrying the
-   memory of earlier segments as in truncated-BPTT training) at maximum span L ∈ {4096, 16384}: time and peak memory
-   of an Expire-Span model whose spans are L/8 against the same model with `expire_memories=False`, which keeps every
-   memory for the full L (Transformer-XL style). Before measuring, enough segments are run to fill the memory to its
-   steady state. Every measurement runs in its own subprocess: times with the default allocator; peak memory in a
-   separate run where large buffers are returned to the system when freed (MALLOC_MMAP_THRESHOLD_), so that the
-   resident set size tracks live tensors: peak = the rise of VmHWM (reset through /proc/self/clear_refs) during a
-   step over the resident size before it.
+   memory of earlier segments as in truncated-BPTT training) at maximum span L ∈ {4096, 16384} (`--max-spans`): time
+   and peak memory of an Expire-Span model whose spans are L/8 against the same model with `expire_memories=False`,
+   which keeps every memory for the full L (Transformer-XL style). Before measuring, enough segments are run to fill
+   the memory to its steady state. Every measurement runs in its own subprocess: times with the default allocator;
+   peak memory in a separate run where large buffers are returned to the system when freed (MALLOC_MMAP_THRESHOLD_),
+   so that the resident set size tracks live tensors: peak = the rise of VmHWM (reset through /proc/self/clear_refs)
+   during a step over the resident size before it.
 2. Generation: decode time per token and the number of cache entries per layer after a prefill of 1K, 8K and 32K
-   tokens, for the same two models at L = 16384, measured in one process with their repeats interleaved.
+   tokens (`--contexts`), for the same two models at L = 16384, measured in one process with their repeats
+   interleaved.
 
 Model: hidden 128, 2 layers, 4 heads, ramp R = 128, byte vocabulary. Times are medians of `--repeats` steps.
 
     python benchmarks/expire_span.py [--json results.json] [--tables generation] [--contexts 1024 ...]
+    python benchmarks/expire_span.py --write-docs --json benchmarks/results/expire_span.json   # what the docs quote
+    python benchmarks/expire_span.py --report benchmarks/results/expire_span.json   # rewrite the docs from a saved run
+
+``--write-docs`` (after a run of both tables) and ``--report RESULTS_JSON`` rewrite the Expire-Span section of
+docs/performance/speed.md from the results (see ``report.py``).
 """
 
 import argparse
@@ -29,6 +35,14 @@ import time
 
 import torch
 
+try:  # run as a script (python benchmarks/expire_span.py) or imported as benchmarks.expire_span
+    import report
+except ImportError:
+    from benchmarks import report
+
+# The model at every span: spans start at initial_span_fraction · L (L/8) for every memory.
+SIZES = {"vocab_size": 258, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "ramp": 128, "initial_span_fraction": 1 / 8}  # fmt: skip
 MAX_SPANS = (4096, 16384)
 DECODE_CONTEXTS = (1024, 8192, 32768)
 DECODE_MAX_SPAN = 16384
@@ -38,12 +52,8 @@ def build_model(max_span: int, expire: bool, block_size: int):
     from memlm import ExpireSpanConfig, ExpireSpanForCausalLM
 
     torch.manual_seed(0)
-    config = ExpireSpanConfig(
-        vocab_size=258, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-        max_span=max_span, ramp=128, block_size=block_size, expire_memories=expire, initial_span_fraction=1 / 8,
-        span_loss_coefficient=1e-6,
-    )  # fmt: skip
-    # Freshly initialised spans are exactly initial_span_fraction · L = L/8 for every memory.
+    config = ExpireSpanConfig(**SIZES, max_span=max_span, block_size=block_size, expire_memories=expire,
+                              span_loss_coefficient=1e-6)  # fmt: skip
     return ExpireSpanForCausalLM(config)
 
 
@@ -127,19 +137,116 @@ def run_isolated(kind: str, args, memory: bool = False, **values) -> dict | list
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]):
+REPORT_SECTION = "expire_span"
+REPORT_COMMAND = "python benchmarks/expire_span.py --report benchmarks/results/expire_span.json"
+# The two tables' (header, row key, format) columns, printed and in the docs; ratios are fixed / Expire-Span.
+TRAINING_COLUMNS = [
+    ("L", "max_span", "d"),
+    ("memories (Expire-Span)", "expire_span_memories", "d"),
+    ("memories (fixed)", "fixed_memories", "d"),
+    ("Expire-Span s/step", "expire_span_seconds", ".2f"),
+    ("fixed s/step", "fixed_seconds", ".2f"),
+    ("speed-up", "speed_up", ".2f"),
+    ("Expire-Span peak MiB", "expire_span_mib", ".0f"),
+    ("fixed peak MiB", "fixed_mib", ".0f"),
+    ("memory ratio", "memory_ratio", ".2f"),
+]
+DECODE_COLUMNS = [
+    ("context", "context", "d"),
+    ("Expire-Span ms/token", "expire_span_ms", ".2f"),
+    ("fixed ms/token", "fixed_ms", ".2f"),
+    ("speed-up", "speed_up", ".2f"),
+    ("Expire-Span cache entries", "expire_span_entries", "d"),
+    ("fixed cache entries", "fixed_entries", "d"),
+]
+
+
+def training_rows(results: dict) -> list[dict]:
+    """One row per maximum span L: both models' figures and their ratios."""
+    rows = []
+    for measured in results["training"]:
+        expiring, fixed = measured["expire_span"], measured["fixed"]
+        rows.append({
+            "max_span": measured["max_span"],
+            "expire_span_memories": expiring["memory_entries"], "fixed_memories": fixed["memory_entries"],
+            "expire_span_seconds": expiring["step_seconds"], "fixed_seconds": fixed["step_seconds"],
+            "speed_up": fixed["step_seconds"] / expiring["step_seconds"],
+            "expire_span_mib": expiring["peak_rise_mib"], "fixed_mib": fixed["peak_rise_mib"],
+            "memory_ratio": fixed["peak_rise_mib"] / expiring["peak_rise_mib"] if expiring["peak_rise_mib"] else None,
+        })  # fmt: skip
+    return rows
+
+
+def decode_rows(results: dict) -> list[dict]:
+    """One row per context: both models' decode time per token and cache entries, and the time ratio."""
+    return [
+        {"context": expiring["context"], "expire_span_ms": expiring["ms_per_token"], "fixed_ms": fixed["ms_per_token"],
+         "speed_up": fixed["ms_per_token"] / expiring["ms_per_token"],
+         "expire_span_entries": expiring["memory_entries"], "fixed_entries": fixed["memory_entries"]}
+        for expiring, fixed in zip(results["decode"]["expire_span"], results["decode"]["fixed"])
+    ]  # fmt: skip
+
+
+def print_table(title: str, columns: list[tuple[str, str, str]], rows: list[dict]):
     print(f"\n{title}")
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    for line in [header, *rows]:
+    lines = [[header for header, _, _ in columns]]
+    lines += [[report.cell(row.get(key), pattern) for _, key, pattern in columns] for row in rows]
+    widths = [max(len(cell) for cell in column) for column in zip(*lines)]
+    for line in lines:
         print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
 
 
-def main(argv=None):
+def run_command(settings: dict) -> str:
+    """The command line of a run: the script and the options whose values differ from their defaults."""
+    parser = argument_parser()
+    words = ["python benchmarks/expire_span.py"]
+    for name in ("segment", "block_size", "repeats", "decode_steps", "max_spans", "contexts"):
+        value = settings[name]
+        if value != parser.get_default(name):
+            words += [f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+    if settings["requested_threads"] is not None:
+        words += ["--threads", str(settings["requested_threads"])]
+    return " ".join(words)
+
+
+def docs_section(results: dict) -> str:
+    """The Expire-Span section of docs/performance/speed.md, from one run's results (both tables)."""
+    settings = results["settings"]
+    model = (
+        f"hidden {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, "
+        f"MLP {SIZES['intermediate_size']}, R = {SIZES['ramp']}, spans at L/{round(1 / SIZES['initial_span_fraction'])}"
+    )
+    return "\n\n".join([
+        "Expire-Span against the same model with expiration off (a fixed span of L, Transformer-XL style), from "
+        f"`{run_command(settings)}`: {model} (the initial span fraction); a training step is forward + backward of "
+        f"a {settings['segment']}-token segment in blocks of {settings['block_size']} with the memory of earlier "
+        "segments carried at its steady state (memories: the entries of the widest layer there); times are medians "
+        f"of {settings['repeats']} steps; peak memory is the rise of the resident set size during a step, with large "
+        "buffers returned to the system when freed so that it tracks live tensors (each measurement in its own "
+        f"process, see the script's docstring). {report.measured_on(settings)}",
+        report.markdown_table(TRAINING_COLUMNS, training_rows(results)),
+        f"Decoding after a prefill (L = {settings['decode_max_span']}, batch 1; times are medians of "
+        f"{settings['repeats']} runs of {settings['decode_steps']} greedy steps, the two models in turns in one "
+        "process; cache entries of the widest layer, after the timed steps; decoding appends into a preallocated "
+        "buffer and compacts expired memories lazily, so the count includes expired slots not yet compacted):",
+        report.markdown_table(DECODE_COLUMNS, decode_rows(results)),
+    ])  # fmt: skip
+
+
+def write_docs(results: dict, page: str = report.SPEED_PAGE) -> None:
+    missing = {"training", "generation"} - set(results["settings"]["tables"])
+    if missing:
+        raise SystemExit(f"the docs quote both tables; this run lacks {sorted(missing)}")
+    report.rewrite_section(page, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
+    print(f"wrote the Expire-Span section of {page}")
+
+
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--segment", type=int, default=2048, help="tokens per training segment")
-    parser.add_argument("--block-size", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=512, help="tokens per block of a segment")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (times are their median)")
+    parser.add_argument("--decode-steps", type=int, default=32, help="greedy steps per timed decoding run")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument(
         "--tables",
@@ -147,6 +254,13 @@ def main(argv=None):
         choices=["training", "generation"],
         default=["training", "generation"],
         help="which tables to measure (generation alone takes a few minutes)",
+    )
+    parser.add_argument(
+        "--max-spans",
+        nargs="+",
+        type=int,
+        default=list(MAX_SPANS),
+        help="maximum spans L of the training table",
     )
     parser.add_argument(
         "--contexts",
@@ -161,9 +275,25 @@ def main(argv=None):
         default=None,
         help="torch threads (default: torch's); 1 keeps a busy machine's other jobs from stalling a step",
     )
+    parser.add_argument("--write-docs", action="store_true", help="rewrite the Expire-Span section of the speed page")
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: rewrite the speed page's Expire-Span section from a saved run's JSON")  # fmt: skip
+    parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None):
+    parser = argument_parser()
     args = parser.parse_args(argv)
+    if args.report:
+        with open(args.report) as file:
+            saved = json.load(file)
+        write_docs(saved, args.report_page)
+        return saved
+    if args.write_docs and len(args.tables) < 2:
+        parser.error("--write-docs needs both tables (the docs quote both)")
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -177,49 +307,43 @@ def main(argv=None):
         return result
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
-    results = {"training": [], "decode": {}}
+    left_out = ("json", "write_docs", "report", "report_page", "measure", "memory", "threads")
+    settings = {key: value for key, value in vars(args).items() if key not in left_out}
+    # `threads` is the number torch used (report.machine()); `--threads` is kept apart, for the command line.
+    settings |= {"requested_threads": args.threads, "decode_max_span": DECODE_MAX_SPAN}
+    results = {"settings": settings | report.machine(), "training": [], "decode": {}}
     try:
-        return run_tables(args, results)
-    finally:
+        run_tables(args, results)
+    finally:  # what was measured is kept even when a later measurement fails
         if args.json:
             with open(args.json, "w") as file:
                 json.dump(results, file, indent=2)
+    if args.write_docs:
+        write_docs(results, args.report_page)
+    return results
 
 
-def run_tables(args, results: dict) -> dict:
-    rows = []
-    for max_span in MAX_SPANS if "training" in args.tables else ():
-        fixed = run_isolated("training", args, max_span=max_span, expire=False)
-        fixed |= run_isolated("training", args, memory=True, max_span=max_span, expire=False)
-        expiring = run_isolated("training", args, max_span=max_span, expire=True)
-        expiring |= run_isolated("training", args, memory=True, max_span=max_span, expire=True)
-        results["training"].append({"max_span": max_span, "fixed": fixed, "expire_span": expiring})
-        rows.append([
-            str(max_span), str(expiring["memory_entries"]), str(fixed["memory_entries"]),
-            f"{expiring['step_seconds']:.2f}", f"{fixed['step_seconds']:.2f}",
-            f"{fixed['step_seconds'] / expiring['step_seconds']:.2f}",
-            f"{expiring['peak_rise_mib']:.0f}", f"{fixed['peak_rise_mib']:.0f}",
-            f"{fixed['peak_rise_mib'] / max(expiring['peak_rise_mib'], 1e-9):.2f}",
-        ])  # fmt: skip
+def run_tables(args, results: dict) -> None:
     if "training" in args.tables:
+        for max_span in args.max_spans:
+            fixed = run_isolated("training", args, max_span=max_span, expire=False)
+            fixed |= run_isolated("training", args, memory=True, max_span=max_span, expire=False)
+            expiring = run_isolated("training", args, max_span=max_span, expire=True)
+            expiring |= run_isolated("training", args, memory=True, max_span=max_span, expire=True)
+            results["training"].append({"max_span": max_span, "fixed": fixed, "expire_span": expiring})
         print_table(
             f"Training step, segment {args.segment} tokens in blocks of {args.block_size}, steady-state memory "
             "(Expire-Span spans = L/8 vs fixed span L)",
-            ["L", "memories (expire)", "memories (fixed)", "expire s", "fixed s", "speed-up", "expire MiB",
-             "fixed MiB", "memory ratio"],
-            rows,
-        )  # fmt: skip
-    if "generation" not in args.tables:
-        return results
-    results["decode"] = run_isolated("decode", args)
-    expiring, fixed = results["decode"]["expire_span"], results["decode"]["fixed"]
-    print_table(
-        f"Decoding after a prefill, L = {DECODE_MAX_SPAN}, batch 1 (cache entries = widest layer)",
-        ["context", "expire ms/token", "fixed ms/token", "expire entries", "fixed entries"],
-        [[str(e["context"]), f"{e['ms_per_token']:.2f}", f"{f['ms_per_token']:.2f}", str(e["memory_entries"]),
-          str(f["memory_entries"])] for e, f in zip(expiring, fixed)],
-    )  # fmt: skip
-    return results
+            TRAINING_COLUMNS,
+            training_rows(results),
+        )
+    if "generation" in args.tables:
+        results["decode"] = run_isolated("decode", args)
+        print_table(
+            f"Decoding after a prefill, L = {DECODE_MAX_SPAN}, batch 1 (cache entries = widest layer)",
+            DECODE_COLUMNS,
+            decode_rows(results),
+        )
 
 
 if __name__ == "__main__":

@@ -103,6 +103,7 @@ def test_the_measured_sections_are_what_lm_compare_writes_from_its_json():
 # function of the script that turns that JSON into the section.
 SPEED_SECTIONS = {
     "delta_rule": ("delta_rule.py", "delta_rule.json", "docs_section"),
+    "expire_span": ("expire_span.py", "expire_span.json", "docs_section"),
     "feedback": ("feedback.py", "feedback.json", "docs_section"),
     "kernel_costs_static_sm_90": ("kernel_costs.py", "kernel_costs_static_sm_90.json", "static_section"),
     "kernel_costs_static_sm_80": ("kernel_costs.py", "kernel_costs_static_sm_80.json", "static_section"),

@@ -7,20 +7,22 @@ rows ``K, Q, V, β`` (SPEC §1, the WY form of the delta rule)::
     O = Q S₀ + causal(Q Kᵀ) (U − W S₀)            causal keeps j ≤ i
     S_C = S₀ + Kᵀ (U − W S₀)
 
-Everything that does not depend on ``S₀`` (``A⁻¹``, ``[W | U]``, ``P = causal(Q Kᵀ)``) is computed for all chunks at
-once; only the ``N``-step state recurrence runs as a Python loop, two small products per chunk::
+Everything that does not depend on ``S₀`` (``A⁻¹``, ``P = causal(Q Kᵀ)``) is computed for all chunks at once; only
+the ``N``-step state recurrence runs as a Python loop, three small products per chunk, since U − W S₀ =
+A⁻¹ (diag(β) V − diag(β) K S₀)::
 
-    V'_n = U_n − W_n S_n          S_{n+1} = S_n + K_nᵀ V'_n          (then, for all chunks: O_n = Q_n S_n + P_n V'_n)
+    V'_n = A_n⁻¹ (diag(β) V_n − diag(β) K_n S_n)          S_{n+1} = S_n + K_nᵀ V'_n
+    (then, for all chunks: O_n = Q_n S_n + P_n V'_n)
 
-This factored form never builds the ``d_k × d_k`` transition ``I − Kᵀ W``: per chunk it costs ``2·C·d_k·d_v``
-multiply-adds in the loop against ``d_k²·d_v`` for the transition's product plus ``C·d_k·(d_k + d_v)`` to build it,
-fewer at every ``d_k ≥ C / 2``, and far fewer when DPFP doubles ``d_k`` to ``2C``.
+This form builds neither the ``d_k × d_k`` transition ``I − Kᵀ W`` nor ``W`` itself: per chunk the loop costs
+``2·C·d_k·d_v + C²·d_v`` multiply-adds, against ``C²·(d_k + d_v)`` to build ``[W | U]`` for all chunks plus
+``2·C·d_k·d_v`` in the loop, fewer at every ``d_k > 0`` (DPFP doubles ``d_k`` to ``2C``).
 
 The backward (hand-written, :class:`DeltaRuleChunkFunction`) runs the state-gradient recurrence in reverse from the
 ``N`` chunk-entry states and new values ``V'`` saved by the forward (never one state per token, never autograd
 through the loop)::
 
-    dV'_n = P_nᵀ dO_n + K_n dS_{n+1}          dS_n = Q_nᵀ dO_n + dS_{n+1} − W_nᵀ dV'_n
+    dV'_n = P_nᵀ dO_n + K_n dS_{n+1}     dY_n = A_n⁻ᵀ dV'_n     dS_n = Q_nᵀ dO_n + dS_{n+1} − (diag(β) K_n)ᵀ dY_n
 
 then differentiates the chunk-local quantities in closed form, batched over all chunks. Measured on CPU (B=2, H=4,
 D=64), a hand-written backward is about 2x faster than recomputing the chunk-local part under autograd and calling
@@ -114,24 +116,24 @@ def _delta_rule_forward(
     flat = (heads * num_chunks, chunk_size)
     query_flat = query_chunks.reshape(*flat, key_dim)
     key_flat = key_chunks.reshape(*flat, key_dim)
-    # R = [diag(β) K | diag(β) V].
-    weighted = torch.cat([key_chunks, value_chunks], dim=-1).mul_(beta_chunks[..., None]).reshape(*flat, -1)
+    key_beta = key_chunks * beta_chunks[..., None]  # diag(β) K
+    value_beta = value_chunks * beta_chunks[..., None]  # diag(β) V
     # A = I + strictly_lower(diag(β) K Kᵀ). solve_triangular with unitriangular=True reads only the strictly
-    # lower triangle, so the full product stands in for A. Solving A A⁻¹ = I (batched over chunks) and then
-    # multiplying is faster on CPU than solving for the wide right-hand side R, and the backward reuses A⁻¹.
-    gram = torch.bmm(weighted[..., :key_dim], key_flat.mT)
+    # lower triangle, so the full product stands in for A; A⁻¹ serves the loop and the backward.
+    gram = torch.bmm(key_beta.reshape(*flat, key_dim), key_flat.mT)
     identity = torch.eye(chunk_size, dtype=dtype, device=key.device).expand_as(gram)
     inverse = torch.linalg.solve_triangular(gram, identity, upper=False, unitriangular=True)
-    solved = torch.bmm(inverse, weighted)  # X = [W | U] = A⁻¹ R
+    inverse_chunks = inverse.view(heads, num_chunks, chunk_size, chunk_size)
     scores = torch.bmm(query_flat, key_flat.mT).tril_()  # P = causal(Q Kᵀ)
-    solved_chunks = solved.view(heads, num_chunks, chunk_size, key_dim + value_dim)
-    weights, updates = solved_chunks[..., :key_dim], solved_chunks[..., key_dim:]
 
-    # The only sequential part, two small products per chunk: V'_n = U_n − W_n S_n, S_{n+1} = S_n + K_nᵀ V'_n.
+    # The only sequential part: V'_n = A_n⁻¹ (diag(β) V_n − diag(β) K_n S_n), S_{n+1} = S_n + K_nᵀ V'_n. Each product
+    # writes a fresh tensor (an `out=` slice of a larger buffer is not contiguous, and bmm then computes into a
+    # temporary and copies: about twice the time); one stack per list after the loop.
     states, new_values = [], []
     for index in range(num_chunks):
         states.append(state)
-        new_value = torch.baddbmm(updates[:, index], weights[:, index], state, alpha=-1)
+        projected = torch.baddbmm(value_beta[:, index], key_beta[:, index], state, alpha=-1)
+        new_value = torch.bmm(inverse_chunks[:, index], projected)
         new_values.append(new_value)
         state = torch.baddbmm(state, key_chunks[:, index].mT, new_value)
     final_state = state
@@ -139,7 +141,7 @@ def _delta_rule_forward(
     new_values = torch.stack(new_values, dim=1).view(*flat, value_dim)
 
     output = torch.bmm(query_flat, states).baddbmm_(scores, new_values)  # O_n = Q_n S_n + P_n V'_n
-    saved = (query_flat, key_flat, value_chunks, beta_chunks, inverse, solved, scores, new_values, states)
+    saved = (query_flat, key_flat, value_chunks, beta_chunks, inverse, key_beta, scores, new_values, states)
     return output, final_state, saved
 
 
@@ -171,7 +173,7 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_output, grad_final_state):
-        query_flat, key_flat, value_chunks, beta_chunks, inverse, solved, scores, new_values, states = (
+        query_flat, key_flat, value_chunks, beta_chunks, inverse, key_beta, scores, new_values, states = (
             ctx.saved_tensors
         )
         batch_size, num_heads, length, chunk_size = ctx.shape
@@ -186,39 +188,40 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
         else:
             grad_output_flat = _to_chunks(grad_output, chunk_size, dtype).reshape(*flat, value_dim)
 
-        # Reverse recurrence from dS_N = d(final state): dV'_n = P_nᵀ dO_n + K_n dS_{n+1},
-        # dS_n = Q_nᵀ dO_n + dS_{n+1} − W_nᵀ dV'_n. The parts without dS are batched over all chunks first.
+        # Reverse recurrence from dS_N = d(final state): dV'_n = P_nᵀ dO_n + K_n dS_{n+1}, through V' = A⁻¹ Y with
+        # Y = diag(β) V − diag(β) K S: dY_n = A_n⁻ᵀ dV'_n and dS_n = Q_nᵀ dO_n + dS_{n+1} − (diag(β) K_n)ᵀ dY_n. The
+        # parts without dS are batched over all chunks first.
         grad_state_from_output = torch.bmm(query_flat.mT, grad_output_flat).view(heads, num_chunks, key_dim, value_dim)
         grad_values_from_output = torch.bmm(scores.mT, grad_output_flat).view(heads, num_chunks, chunk_size, value_dim)
-        key_chunks = key_flat.reshape(heads, num_chunks, chunk_size, key_dim)
-        weights = solved.reshape(heads, num_chunks, chunk_size, -1)[..., :key_dim]
+        key_chunks = key_flat.view(heads, num_chunks, chunk_size, key_dim)
+        inverse_chunks = inverse.view(heads, num_chunks, chunk_size, chunk_size)
         if grad_final_state is None:
             grad_state = states.new_zeros(heads, key_dim, value_dim)
         else:
             grad_state = grad_final_state.to(dtype).reshape(heads, key_dim, value_dim)
         grad_next_states = [None] * num_chunks  # dS_{n+1}: gradient of the state leaving chunk n
-        grad_new_values = [None] * num_chunks
+        grad_value_beta = [None] * num_chunks  # dY_n: gradient of diag(β) V_n
         for index in reversed(range(num_chunks)):
             grad_next_states[index] = grad_state
             grad_new_value = torch.baddbmm(grad_values_from_output[:, index], key_chunks[:, index], grad_state)
-            grad_new_values[index] = grad_new_value
-            grad_state = torch.baddbmm(grad_state_from_output[:, index].add(grad_state), weights[:, index].mT,
-                                       grad_new_value, alpha=-1)  # fmt: skip
+            grad_projected = torch.bmm(inverse_chunks[:, index].mT, grad_new_value)
+            grad_value_beta[index] = grad_projected
+            grad_state = torch.baddbmm(grad_state_from_output[:, index].add_(grad_state), key_beta[:, index].mT,
+                                       grad_projected, alpha=-1)  # fmt: skip
         grad_next_states = torch.stack(grad_next_states, dim=1).view(heads * num_chunks, key_dim, value_dim)
-        grad_new_values = torch.stack(grad_new_values, dim=1).view(*flat, value_dim)
+        grad_value_beta = torch.stack(grad_value_beta, dim=1).view(*flat, value_dim)
 
         # Chunk-local gradients, all chunks at once, in the form O = Q S + P V', S_next = S + Kᵀ V' with the
-        # chunk's new values V' = U − W S (SPEC §1): everything below is a product of saved chunk quantities.
+        # chunk's new values V' = A⁻¹ diag(β) (V − K S): everything below is a product of saved chunk quantities.
         grad_scores = torch.bmm(grad_output_flat, new_values.mT).tril_()  # dP = causal(dO V'ᵀ)
         grad_query = torch.bmm(grad_output_flat, states.mT).baddbmm_(grad_scores, key_flat)  # dO Sᵀ + dP K
         # dK (first part) = V' dS_nextᵀ + dPᵀ Q
         grad_key = torch.bmm(new_values, grad_next_states.mT).baddbmm_(grad_scores.mT, query_flat)
 
-        # Through X = [W | U] = A⁻¹ R with dW = −dV' Sᵀ and dU = dV': dR = A⁻ᵀ dX = [−dR_V Sᵀ | dR_V] with
-        # dR_V = A⁻ᵀ dV', and dA = −dR Xᵀ = −dR_V V'ᵀ, of which the strictly lower part reaches diag(β) K Kᵀ.
-        grad_value_beta = torch.bmm(inverse.mT, grad_new_values)  # dR_V: gradient of diag(β) V
+        # Through V' = A⁻¹ Y (dY above): dA = −dY V'ᵀ, of which the strictly lower part reaches diag(β) K Kᵀ; and
+        # through Y = diag(β) V − diag(β) K S: d(diag(β) K) = −dY Sᵀ.
         grad_gram = torch.bmm(grad_value_beta, new_values.mT).tril_(-1).neg_()
-        # gram = diag(β) K Kᵀ: d(diag(β) K) = dR_K + dgram K, dK += dgramᵀ diag(β) K.
+        # gram = diag(β) K Kᵀ: d(diag(β) K) = −dY Sᵀ + dgram K, dK += dgramᵀ diag(β) K.
         grad_key_beta = torch.bmm(grad_gram, key_flat).baddbmm_(grad_value_beta, states.mT, alpha=-1)
         beta_flat = beta_chunks.reshape(*flat, 1)
         grad_key.baddbmm_(grad_gram.mul_(beta_flat).mT, key_flat)
@@ -235,7 +238,7 @@ class DeltaRuleChunkFunction(torch.autograd.Function):
             # (fresh large allocations are slow on CPU).
             value_flat = value_chunks.reshape(*flat, value_dim)
             grad_beta = grad_key_beta.mul_(key_flat).sum(-1)
-            grad_beta += torch.mul(grad_value_beta, value_flat, out=grad_new_values).sum(-1)
+            grad_beta += torch.linalg.vecdot(grad_value_beta, value_flat)
             grad_beta = unchunk(grad_beta, beta_dtype).squeeze(-1)
         grad_initial_state = None
         if ctx.needs_input_grad[4]:

@@ -65,7 +65,7 @@ class DPFPFunction(torch.autograd.Function):
         dim = inputs.shape[-1]
         rectified = inputs.new_empty(*inputs.shape[:-1], 2 * dim)
         torch.clamp_min(inputs, 0, out=rectified[..., :dim])
-        torch.clamp_max(inputs, 0, out=rectified[..., dim:]).neg_()  # relu(−x) = −min(x, 0)
+        torch.sub(rectified[..., :dim], inputs, out=rectified[..., dim:])  # relu(−x) = relu(x) − x
         features = _rolled_products(rectified, nu).view(*inputs.shape[:-1], 2 * dim * nu)
         normaliser = None
         if normalization == "sum":
