@@ -260,12 +260,16 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             projected, new_tail = self.convolution(projected, convolution_tail, lengths, cu_seqlens)
         query_key, value = projected.split([2 * key_width, projected.shape[-1] - 2 * key_width], dim=-1)
 
-        # φ acts on each head's vector alone. Queries and keys go through it in two calls: each call's tensors are
-        # half the size, which keeps them below glibc's 32 MiB mmap threshold for longer (at B·T = 8192 and 4 heads
-        # of DPFP width 128, one call's are exactly 32 MiB, and every such allocation is fresh pages, faulted in and
-        # zeroed: about 20 ms per layer of a training step on a 2-core machine).
+        # φ acts on each head's vector alone: one call for queries and keys (2H heads) when decoding, where the op
+        # count matters; two calls for longer inputs, where each call's tensors are half the size, which keeps them
+        # below glibc's 32 MiB mmap threshold for longer (at B·T = 8192 and 4 heads of DPFP width 128, one call's are
+        # exactly 32 MiB, and every such allocation is fresh pages, faulted in and zeroed: about 20 ms per layer of a
+        # training step on a 2-core machine).
         heads = query_key.view(batch_size, length, 2 * self.num_heads, -1).transpose(1, 2)
-        query, key = (self.feature_map(part) for part in heads.split(self.num_heads, dim=1))
+        if length == 1:
+            query, key = self.feature_map(heads).split(self.num_heads, dim=1)
+        else:
+            query, key = (self.feature_map(part) for part in heads.split(self.num_heads, dim=1))
         value = value.view(batch_size, length, self.num_heads, -1).transpose(1, 2)
         if self.config.value_activation == "silu":
             value = F.silu(value)

@@ -55,25 +55,31 @@ def _rolled_products(rectified: torch.Tensor, nu: int) -> torch.Tensor:
     return products
 
 
+def _features(hidden_states: torch.Tensor, nu: int, normalization: str, eps: float):
+    """The forward: r, the normalised features (in float32 or wider) and the normaliser (None without one)."""
+    dtype = _compute_dtype(hidden_states)
+    inputs = hidden_states.to(dtype)
+    dim = inputs.shape[-1]
+    rectified = inputs.new_empty(*inputs.shape[:-1], 2 * dim)
+    torch.clamp_min(inputs, 0, out=rectified[..., :dim])
+    torch.sub(rectified[..., :dim], inputs, out=rectified[..., dim:])  # relu(−x) = relu(x) − x
+    features = _rolled_products(rectified, nu).view(*inputs.shape[:-1], 2 * dim * nu)
+    normaliser = None
+    if normalization == "sum":
+        normaliser = features.sum(-1, keepdim=True)
+        features.div_(normaliser.clamp_min(eps))
+    elif normalization == "l2":
+        normaliser = torch.rsqrt(features.pow(2).sum(-1, keepdim=True).add_(eps))
+        features.mul_(normaliser)
+    return rectified, features, normaliser
+
+
 class DPFPFunction(torch.autograd.Function):
     """φ(x) with its normalisation; see the module docstring."""
 
     @staticmethod
     def forward(ctx, hidden_states, nu, normalization, eps):
-        dtype = _compute_dtype(hidden_states)
-        inputs = hidden_states.to(dtype)
-        dim = inputs.shape[-1]
-        rectified = inputs.new_empty(*inputs.shape[:-1], 2 * dim)
-        torch.clamp_min(inputs, 0, out=rectified[..., :dim])
-        torch.sub(rectified[..., :dim], inputs, out=rectified[..., dim:])  # relu(−x) = relu(x) − x
-        features = _rolled_products(rectified, nu).view(*inputs.shape[:-1], 2 * dim * nu)
-        normaliser = None
-        if normalization == "sum":
-            normaliser = features.sum(-1, keepdim=True)
-            features.div_(normaliser.clamp_min(eps))
-        elif normalization == "l2":
-            normaliser = torch.rsqrt(features.pow(2).sum(-1, keepdim=True).add_(eps))
-            features.mul_(normaliser)
+        rectified, features, normaliser = _features(hidden_states, nu, normalization, eps)
         ctx.save_for_backward(rectified, features, normaliser)
         ctx.nu, ctx.normalization, ctx.eps, ctx.input_dtype = nu, normalization, eps, hidden_states.dtype
         return features.to(hidden_states.dtype)
@@ -132,4 +138,6 @@ def dpfp(hidden_states: torch.Tensor, nu: int = 1, normalization: str = "none", 
         raise ValueError(f"normalization={normalization!r} is not one of {NORMALIZATIONS}")
     if not 1 <= nu < 2 * hidden_states.shape[-1]:
         raise ValueError(f"nu={nu} must be between 1 and 2·d − 1 = {2 * hidden_states.shape[-1] - 1}")
+    if not (torch.is_grad_enabled() and hidden_states.requires_grad):  # nothing to save (decoding, prefill)
+        return _features(hidden_states, nu, normalization, eps)[1].to(hidden_states.dtype)
     return DPFPFunction.apply(hidden_states, nu, normalization, eps)
