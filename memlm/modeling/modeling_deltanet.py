@@ -51,6 +51,9 @@ L2_NORM_EPS = 1e-6
 SUM_NORM_EPS = 1e-6
 # Katharopoulos et al.: o_t = S_tᵀq_t / (z_tᵀq_t + eps).
 ATTENTION_NORMALIZER_EPS = 1e-6
+# From this many tokens in a call (batch × length) the q/k/v projections run as one product over their weights side by
+# side; below it (decoding) as three, since copying the weights together would cost more than the products.
+FUSED_PROJECTION_TOKENS = 64
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -241,12 +244,13 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if all(
+        if batch_size * length >= FUSED_PROJECTION_TOKENS and all(
             type(projection) is nn.Linear and projection.bias is None and not _has_hooks(projection)
             for projection in projections
         ):
             # The three projections as one matrix product (their weights side by side): one pass over the activations
-            # and no concatenation of (B, T, ·) outputs, forward or backward.
+            # and no concatenation of (B, T, ·) outputs, forward or backward. Not for a few tokens (decoding), where
+            # copying the weights side by side costs more than the products.
             projected = F.linear(hidden_states, torch.cat([projection.weight for projection in projections]))
         else:  # an adapter (e.g. LoRA), a quantised layer or a hook: each module runs as it is
             projected = torch.cat([projection(hidden_states) for projection in projections], dim=-1)
