@@ -43,3 +43,51 @@ def test_expire_span_generation_table_at_the_contexts_asked(tmp_path):
     for model in ("expire_span", "fixed"):
         assert [row["context"] for row in decode[model]] == [64, 160]
         assert all(row["ms_per_token"] > 0 and row["memory_entries"] > 0 for row in decode[model])
+
+
+def test_deltanet_decode_table_times_each_context_it_was_asked(tmp_path):
+    results = run_script(
+        "delta_rule.py", "--quick", "--tables", "decode", "--repeats", "1", output=tmp_path / "r.json"
+    )
+    rows = results["decode"]
+    assert [row["context"] for row in rows] == list(results["settings"]["decode_contexts"])
+    assert all(row["ms_per_token"] > 0 for row in rows)
+    assert (
+        rows[0]["over_shortest"] == 1
+        and rows[-1]["over_shortest"] == rows[-1]["ms_per_token"] / rows[0]["ms_per_token"]
+    )
+
+
+def test_step_profile_puts_each_op_in_the_region_of_the_memlm_operation_that_ran_it():
+    """benchmarks/step_profile.py: ops inside DPFP or the chunkwise delta rule (forward or backward) count for that
+    region, the products outside them for the rest of the model."""
+    import importlib.util
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("step_profile", ROOT / "benchmarks" / "step_profile.py")
+        step_profile = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(step_profile)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from memlm.kernels.delta_rule import delta_rule
+    from memlm.kernels.delta_rule.feature_map import dpfp
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(1, 2, 128, 16, generator=generator, requires_grad=True)
+    values = torch.randn(1, 2, 128, 32, generator=generator)
+    weight = torch.randn(32, 32, generator=generator, requires_grad=True)
+
+    def step():
+        features = dpfp(inputs, 1, "sum")
+        output, _ = delta_rule(features, features, values, backend="torch")
+        (output @ weight).sum().backward()
+
+    totals, seconds, faults = step_profile.profile_step(step, steps=1)
+    regions = {region for region, _ in totals}
+    assert {"DPFP", "delta rule", "rest of the model"} <= regions
+    assert ("delta rule", "products") in totals and ("rest of the model", "products") in totals
+    assert ("DPFP", "products") not in totals  # DPFP is element-wise only
+    assert seconds > 0 and faults >= 0 and all(value > 0 for value in totals.values())

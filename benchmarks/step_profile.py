@@ -1,0 +1,103 @@
+"""Where a training step's time goes: DeltaNet and the Feedback Transformer next to 🤗 Llama, by kind of work.
+
+Runs `torch.profiler` over training steps (forward + backward of the LM loss) of the models the speed scripts
+compare: DeltaNet and Llama of `delta_rule.py`'s model table (T = 2048, batch 4) and the Feedback Transformer and
+Llama of `feedback.py` (B = 32, T = 256). For each model it prints the step's self CPU time split by region (memlm's
+operations and their backward: the chunkwise delta rule, the DPFP feature map, the Feedback step loop; Llama's
+attention) and, inside each region, matrix products (mm/addmm/bmm/baddbmm) against everything else, with the minor
+page faults of an unprofiled step (fresh pages the kernel maps and zeroes; glibc returns allocations of 32 MiB and more
+to the system when freed, so each one faults again).
+
+    python benchmarks/step_profile.py [--steps 2] [--models deltanet llama feedback feedback_llama]
+
+The shares are what the speed page's text refers to; the times themselves are inflated by the profiler.
+"""
+
+import argparse
+import resource
+import time
+
+import torch
+from torch.profiler import profile
+
+try:  # run as a script (python benchmarks/step_profile.py) or imported as benchmarks.step_profile
+    import delta_rule
+    import feedback
+except ImportError:
+    from benchmarks import delta_rule, feedback
+
+# Ops whose time (and their children's) belongs to a region, by the name the profiler gives them.
+REGIONS = {
+    "DeltaRuleChunkFunction": "delta rule",
+    "DeltaRuleChunkFunctionBackward": "delta rule",
+    "DPFPFunction": "DPFP",
+    "DPFPFunctionBackward": "DPFP",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention (SDPA)",
+    "_ThroughTime": "step loop",
+    "_ThroughTimeBackward": "step loop",
+}
+PRODUCTS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::baddbmm_"}
+MODELS = ("deltanet", "llama", "feedback", "feedback_llama")
+
+
+def build(name: str):
+    """The model `name` and its training step (a function of no arguments)."""
+    if name in ("deltanet", "llama"):
+        args = delta_rule.parse_arguments([])
+        model = delta_rule.comparison_models()[name]
+        return delta_rule.training_step(model, 2048, args)
+    model = feedback.build_models()["feedback" if name == "feedback" else "llama"]
+    return feedback.training_step(model, 32, 256)
+
+
+def region_of(event) -> str:
+    while event is not None:
+        if event.name in REGIONS:
+            return REGIONS[event.name]
+        event = event.cpu_parent
+    return "rest of the model"
+
+
+def profile_step(step, steps: int) -> tuple[dict, float, int]:
+    """{(region, "products" | "other"): self seconds} per step, the seconds of an unprofiled step and its minor page
+    faults."""
+    step()
+    step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    with profile() as profiler:
+        for _ in range(steps):
+            step()
+    totals = {}
+    for event in profiler.events():
+        kind = "products" if event.name in PRODUCTS else "other"
+        key = (region_of(event), kind)
+        totals[key] = totals.get(key, 0.0) + event.self_cpu_time_total / 1e6 / steps
+    return totals, seconds, faults
+
+
+def print_profile(name: str, totals: dict, seconds: float, faults: int) -> None:
+    profiled = sum(totals.values())
+    print(f"\n{name}: {seconds:.3f} s per step unprofiled ({profiled:.3f} s profiled), {faults} minor page faults")
+    print(f"  {'region':20}{'kind':10}{'share':>8}{'ms':>10}")
+    for (region, kind), time_spent in sorted(totals.items(), key=lambda item: -item[1]):
+        if time_spent / profiled >= 0.005:
+            print(f"  {region:20}{kind:10}{time_spent / profiled:8.1%}{time_spent * 1e3:10.1f}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2, help="profiled training steps per model")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    args = parser.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name in args.models:
+        print_profile(name, *profile_step(build(name), args.steps))
+
+
+if __name__ == "__main__":
+    main()
