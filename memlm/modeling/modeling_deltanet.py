@@ -252,7 +252,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             # and no concatenation of (B, T, ·) outputs, forward or backward. Not for a few tokens (decoding), where
             # copying the weights side by side costs more than the products.
             projected = F.linear(hidden_states, torch.cat([projection.weight for projection in projections]))
-        else:  # an adapter (e.g. LoRA), a quantised layer or a hook: each module runs as it is
+        else:  # a few tokens, an adapter (e.g. LoRA), a quantised layer or a hook: each module runs as it is
             projected = torch.cat([projection(hidden_states) for projection in projections], dim=-1)
         keep = lengths = None
         if attention_mask is not None:
