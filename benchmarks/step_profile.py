@@ -9,6 +9,9 @@ page faults of an unprofiled step (fresh pages the kernel maps and zeroes; glibc
 to the system when freed, so each one faults again).
 
     python benchmarks/step_profile.py [--steps 2] [--models deltanet llama feedback feedback_llama]
+    python benchmarks/step_profile.py --decode [--models feedback feedback_llama]   # 64 greedy tokens after 2048
+
+With `--decode` a "step" is `feedback.py`'s decoding: 64 greedy tokens at batch 1 after a prefill of 2048 tokens.
 
 The shares are what the speed page's text refers to; the times themselves are inflated by the profiler.
 """
@@ -41,8 +44,12 @@ PRODUCTS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddb
 MODELS = ("deltanet", "llama", "feedback", "feedback_llama")
 
 
-def build(name: str):
-    """The model `name` and its training step (a function of no arguments)."""
+def build(name: str, decode: bool = False):
+    """The model `name` and its training step, or its decoding of 64 tokens after 2048 (a function of no
+    arguments)."""
+    if decode:
+        models = delta_rule.comparison_models() if name in ("deltanet", "llama") else feedback.build_models()
+        return feedback.Decoding(models["llama" if name.endswith("llama") else name], 2048, 64)
     if name in ("deltanet", "llama"):
         args = delta_rule.parse_arguments([])
         model = delta_rule.comparison_models()[name]
@@ -92,11 +99,14 @@ def print_profile(name: str, totals: dict, seconds: float, faults: int) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="profiled training steps per model")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=None, help="default: all four (training), "
+                        "feedback and feedback_llama (--decode)")  # fmt: skip
+    parser.add_argument("--decode", action="store_true", help="profile decoding instead of a training step")
     args = parser.parse_args(argv)
+    models = args.models or (["feedback", "feedback_llama"] if args.decode else list(MODELS))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for name in args.models:
-        print_profile(name, *profile_step(build(name), args.steps))
+    for name in models:
+        print_profile(name, *profile_step(build(name, args.decode), args.steps))
 
 
 if __name__ == "__main__":
