@@ -1,14 +1,8 @@
 """The delta rule on flash-linear-attention's kernels (the ``"fla"`` backend): memlm's call mapped onto FLA's.
 
-Imported only when that backend runs (it imports ``fla``, which ``import memlm`` never does). The two conventions:
-
-- layout: memlm's query, key and value are ``(B, H, T, d)``, FLA's ``(B, T, H, d)`` (FLA removed ``head_first``);
-  β is ``(B, H, T)`` or ``None`` (β = 1) in memlm, ``(B, T, H)`` and required by FLA's ``chunk_delta_rule``;
-- queries: memlm's callers scale and normalise them (and the keys) before the call, so FLA gets ``scale=1`` (its
-  default is d_k^-1/2) and ``use_qk_l2norm_in_kernel=False``;
-- states: ``(N, H, d_k, d_v)`` in both; memlm keeps them in float32, and FLA returns float32 final states;
-- packed sequences: ``cu_seqlens`` offsets with batch size 1 in both (FLA wants int64, and a CPU copy spares it
-  a device sync).
+Imported only when that backend runs (it imports ``fla``, which ``import memlm`` never does). The call is mapped onto
+FLA's convention (layout, β, scaling, float32 states, packed sequences) by `fla_convention.fla_call`, shared with a
+swapped-in Hub kernel (`hub_function.py`).
 
 Both compute, per head and token (Schlag et al. 2021, Eqs. 20-25): ``v̄ = Sᵀk``, ``S ← S + β k (v − v̄)ᵀ``,
 ``o = Sᵀq`` (FLA's ``naive.py`` writes the same recurrence). Gradients flow to every tensor input, the initial state
@@ -29,6 +23,8 @@ except ImportError as error:
         "The 'fla' kernel backend of memlm needs flash-linear-attention >= 0.6: pip install 'memlm[fla]', or choose "
         "the 'triton' or 'torch' backend."
     ) from error
+
+from .fla_convention import fla_call
 
 __all__ = ["CHUNK_DTYPES", "CHUNK_SIZES", "MAX_CHUNK_KEY_DIM", "delta_rule_fla", "fla_covers"]
 
@@ -76,29 +72,12 @@ def delta_rule_fla(
         final state ``(B, H, d_k, d_v)`` (``(N, H, d_k, d_v)`` with ``cu_seqlens``) in float32 if
         ``output_final_state``, else ``None``.
     """
-    batch_size, num_heads, length, _ = key.shape
     decodes = _decodes(key, cu_seqlens)
-    # (B, H, T, d) → (B, T, H, d): views; FLA makes them contiguous (its input_guard) before its kernels run.
-    query, key, value = (tensor.transpose(1, 2) for tensor in (query, key, value))
-    if beta is None:
-        beta = key.new_ones(batch_size, length, num_heads)
-    else:
-        beta = beta.transpose(1, 2)
-    if initial_state is not None:
-        initial_state = initial_state.float()  # memlm's states are float32, whatever the inputs
-    arguments = {
-        "scale": 1.0,  # memlm's callers scale the queries themselves
-        "initial_state": initial_state,
-        "output_final_state": output_final_state,
-        "use_qk_l2norm_in_kernel": False,  # ...and normalise queries and keys themselves
-    }
+    (query, key, value, beta), arguments = fla_call(query, key, value, beta, initial_state, output_final_state,
+                                                    cu_seqlens, cu_seqlens_cpu)  # fmt: skip
     if decodes:
         output, final_state = fused_recurrent_delta_rule(query, key, value, beta, **arguments)
     else:
-        if cu_seqlens is not None:
-            cu_seqlens = cu_seqlens.to(torch.int64)
-            host = cu_seqlens.cpu() if cu_seqlens_cpu is None else torch.tensor(cu_seqlens_cpu, dtype=torch.int64)
-            arguments.update(cu_seqlens=cu_seqlens, cu_seqlens_cpu=host)
         chunk_size = chunk_size if chunk_size in CHUNK_SIZES else DEFAULT_CHUNK_SIZE
         output, final_state = chunk_delta_rule(query, key, value, beta, chunk_size=chunk_size, **arguments)
     return output.transpose(1, 2), final_state

@@ -23,6 +23,8 @@ import torch
 
 from memlm.kernels.hub import running_kernel, use_kernel_forward_from_hub
 
+from .fla_convention import fla_call
+
 HUB_FUNCTION_NAME = "chunk_gated_delta_rule"
 COVERED_DTYPES = (torch.float16, torch.bfloat16)  # FLA's chunk kernels refuse float32
 MAX_KEY_DIM = 256  # FLA's state kernels hold at most four 64-wide key blocks
@@ -99,24 +101,12 @@ def delta_rule_hub(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """memlm's delta-rule call ((B, H, T, d) tensors, β or None) on a swapped-in `chunk_gated_delta_rule` kernel,
     with g = 0 (no decay) and scale 1. Returns the output (B, H, T, d_v) and the final state (float32) or None."""
-    batch_size, num_heads, length, _ = key.shape
-    query, key, value = (tensor.transpose(1, 2) for tensor in (query, key, value))  # (B, T, H, d)
-    beta = key.new_ones(batch_size, length, num_heads) if beta is None else beta.transpose(1, 2)
-    arguments = {}
-    if cu_seqlens is not None:
-        arguments["cu_seqlens"] = cu_seqlens.to(torch.int64)
-        if cu_seqlens_cpu is not None:
-            arguments["cu_seqlens_cpu"] = torch.tensor(cu_seqlens_cpu, dtype=torch.int64)
-    output, final_state = kernel(
-        query, key, value,
-        g=torch.zeros(batch_size, length, num_heads, dtype=torch.float32, device=key.device),
-        beta=beta,
-        initial_state=None if initial_state is None else initial_state.float(),
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=False,
-        scale=1.0,
-        **arguments,
-    )  # fmt: skip
+    (query, key, value, beta), arguments = fla_call(query, key, value, beta, initial_state, output_final_state,
+                                                    cu_seqlens, cu_seqlens_cpu)  # fmt: skip
+    batch_size, length, num_heads = beta.shape
+    # g = 0: no decay, the gated rule is DeltaNet's.
+    gate = torch.zeros(batch_size, length, num_heads, dtype=torch.float32, device=key.device)
+    output, final_state = kernel(query, key, value, g=gate, beta=beta, **arguments)
     if output_final_state and final_state is not None:
         final_state = final_state.float()
     return output.transpose(1, 2), (final_state if output_final_state else None)
