@@ -343,7 +343,8 @@ def test_every_package_of_the_tree_is_in_setup_cfg():
     setup = configparser.ConfigParser()
     setup.read(root / "setup.cfg", encoding="utf-8")
     listed = set(setup["options"]["packages"].split())
-    assert listed == {*find_packages(root, include=["memlm", "memlm.*"]), "memlm.hub_cards"}
+    data_folders = {"memlm.hub_cards", "memlm.training.presets"}  # templates and presets: data, no __init__.py
+    assert listed == {*find_packages(root, include=["memlm", "memlm.*"]), *data_folders}
 
 
 SAVE_WITHOUT_TRITON = textwrap.dedent(
