@@ -122,6 +122,7 @@ def test_flat_names():
     assert set(sources) == {
         "memlm_delta_rule.py",
         "memlm_delta_rule_chunk.py",
+        "memlm_delta_rule_fla_convention.py",
         "memlm_delta_rule_flash_linear_attention.py",
         "memlm_delta_rule_hub_function.py",
         "memlm_delta_rule_reference.py",
