@@ -292,20 +292,6 @@ def decode_table(args) -> list[dict]:
     return rows
 
 
-def format_cell(value, pattern: str) -> str:
-    return "—" if value is None else format(value, pattern)
-
-
-def print_table(title: str, columns: list[tuple[str, str, str]], rows: list[dict]) -> None:
-    """Print ``rows`` under ``title``; ``columns`` are (header, row key, format) triples."""
-    cells = [[format_cell(row[key], pattern) for _, key, pattern in columns] for row in rows]
-    widths = [max(len(header), *(len(line[i]) for line in cells)) for i, (header, _, _) in enumerate(columns)]
-    print(f"\n{title}")
-    print("  ".join(header.rjust(width) for (header, _, _), width in zip(columns, widths)))
-    for line in cells:
-        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
-
-
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=2)
@@ -366,7 +352,7 @@ def print_model_tables(parameters: dict, training_rows: list[dict], decode_rows:
     print(f"\nModels (parameters within {spread:.1%}): {counts}")
     ratios = [("DeltaNet/Llama", "deltanet_over_llama", ".2f"), ("DeltaNet/Mamba", "deltanet_over_mamba", ".2f")]
     mamba_note = "" if args.mamba_training else "; Mamba's PyTorch training not timed (--mamba-training)"
-    print_table(
+    report.print_table(
         f"Training tokens/s (forward + backward of the LM loss, {args.model_tokens} tokens per step{mamba_note})",
         [
             ("T", "tokens", "d"),
@@ -378,7 +364,7 @@ def print_model_tables(parameters: dict, training_rows: list[dict], decode_rows:
         ],
         training_rows,
     )
-    print_table(
+    report.print_table(
         f"Decode tokens/s, batch 1, greedy steps with the cache (Mamba prefills at most {args.mamba_prefill} tokens)",
         [
             ("context", "context", "d"),
@@ -486,7 +472,7 @@ def main(argv=None) -> dict:
     results = {"settings": settings | report.machine()}
     if "kernel" in args.tables:
         results["training"] = training_table(args)
-        print_table(
+        report.print_table(
             f"Forward + backward, {shape} (reference timed up to T={args.reference_max_length} only)",
             [
                 ("T", "tokens", "d"),
@@ -499,7 +485,7 @@ def main(argv=None) -> dict:
             results["training"],
         )
         results["forward"] = forward_table(args)
-        print_table(
+        report.print_table(
             f"Chunkwise forward without autograd, {shape}: time per token (of B·H·T)",
             [
                 ("T", "tokens", "d"),
@@ -510,7 +496,7 @@ def main(argv=None) -> dict:
         )
     if "decode" in args.tables:
         results["decode"] = decode_table(args)
-        print_table(
+        report.print_table(
             "Decode time per token, DeltaNetForCausalLM (paper preset, hidden 256, 4 layers, 4 heads), batch 1",
             [
                 ("context", "context", "d"),

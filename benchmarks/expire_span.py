@@ -187,15 +187,6 @@ def decode_rows(results: dict) -> list[dict]:
     ]  # fmt: skip
 
 
-def print_table(title: str, columns: list[tuple[str, str, str]], rows: list[dict]):
-    print(f"\n{title}")
-    lines = [[header for header, _, _ in columns]]
-    lines += [[report.cell(row.get(key), pattern) for _, key, pattern in columns] for row in rows]
-    widths = [max(len(cell) for cell in column) for column in zip(*lines)]
-    for line in lines:
-        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
-
-
 def run_command(settings: dict) -> str:
     """The command line of a run: the script and the options whose values differ from their defaults."""
     parser = argument_parser()
@@ -331,7 +322,7 @@ def run_tables(args, results: dict) -> None:
             expiring = run_isolated("training", args, max_span=max_span, expire=True)
             expiring |= run_isolated("training", args, memory=True, max_span=max_span, expire=True)
             results["training"].append({"max_span": max_span, "fixed": fixed, "expire_span": expiring})
-        print_table(
+        report.print_table(
             f"Training step, segment {args.segment} tokens in blocks of {args.block_size}, steady-state memory "
             "(Expire-Span spans = L/8 vs fixed span L)",
             TRAINING_COLUMNS,
@@ -339,7 +330,7 @@ def run_tables(args, results: dict) -> None:
         )
     if "generation" in args.tables:
         results["decode"] = run_isolated("decode", args)
-        print_table(
+        report.print_table(
             f"Decoding after a prefill, L = {DECODE_MAX_SPAN}, batch 1 (cache entries = widest layer)",
             DECODE_COLUMNS,
             decode_rows(results),

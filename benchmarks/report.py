@@ -50,6 +50,16 @@ def cell(value, pattern: str) -> str:
     return "—" if value is None else format(value, pattern)
 
 
+def print_table(title: str, columns: list[tuple[str, str, str]], rows: list[dict]) -> None:
+    """Print `rows` under `title` as right-aligned text columns; `columns` are (header, row key, format) triples."""
+    lines = [[header for header, _, _ in columns]]
+    lines += [[cell(row.get(key), pattern) for _, key, pattern in columns] for row in rows]
+    widths = [max(len(text) for text in column) for column in zip(*lines)]
+    print(f"\n{title}")
+    for line in lines:
+        print("  ".join(text.rjust(width) for text, width in zip(line, widths)))
+
+
 def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
     """A Markdown table of `rows`; `columns` are (header, row key, format) triples; numbers are right-aligned."""
     lines = ["| " + " | ".join(header for header, _, _ in columns) + " |"]

@@ -44,12 +44,12 @@ PRODUCTS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddb
 MODELS = ("deltanet", "llama", "feedback", "feedback_llama")
 
 
-def build(name: str, decode: bool = False):
-    """The model `name` and its training step, or its decoding of 64 tokens after 2048 (a function of no
+def build(name: str, decode: bool = False, context: int = 2048):
+    """The model `name` and its training step, or its decoding of 64 tokens after `context` (a function of no
     arguments)."""
     if decode:
         models = delta_rule.comparison_models() if name in ("deltanet", "llama") else feedback.build_models()
-        return feedback.Decoding(models["llama" if name.endswith("llama") else name], 2048, 64)
+        return feedback.Decoding(models["llama" if name.endswith("llama") else name], context, 64)
     if name in ("deltanet", "llama"):
         args = delta_rule.parse_arguments([])
         model = delta_rule.comparison_models()[name]

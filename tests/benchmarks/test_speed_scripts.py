@@ -90,3 +90,41 @@ def test_step_profile_puts_each_op_in_the_region_of_the_memlm_operation_that_ran
     assert ("delta rule", "products") in totals and ("rest of the model", "products") in totals
     assert ("DPFP", "products") not in totals  # DPFP is element-wise only
     assert seconds > 0 and faults >= 0 and all(value > 0 for value in totals.values())
+
+
+def test_step_profile_decode_splits_feedback_decoding_into_attention_and_products():
+    """`step_profile.py --decode`: a "step" is feedback.py's decoding of 64 tokens (here after 32, not 2048), where
+    the reads of the ring (SDPA) and the batch-1 products both show."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_profile
+
+        totals, _, _ = step_profile.profile_step(step_profile.build("feedback", decode=True, context=32), steps=1)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert ("attention (SDPA)", "other") in totals and ("rest of the model", "products") in totals
+    assert ("step loop", "products") not in totals  # no training: the hand-written backward's region stays empty
+
+
+def test_expire_span_training_table_measures_the_max_spans_asked(monkeypatch):
+    """`--max-spans` sets the training table's rows (each measurement is a subprocess, replaced here by a recorder:
+    a real one takes about 20 s even at the smallest sizes)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import expire_span
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    measured = []
+
+    def record(kind, args, memory=False, **values):
+        measured.append((values["max_span"], values["expire"], memory))
+        return {"peak_rise_mib": 2.0} if memory else {"memory_entries": 8, "step_seconds": 0.5}
+
+    monkeypatch.setattr(expire_span, "run_isolated", record)
+    args = expire_span.argument_parser().parse_args(["--tables", "training", "--max-spans", "64", "96"])
+    results = {"training": [], "decode": {}}
+    expire_span.run_tables(args, results)
+    assert [row["max_span"] for row in results["training"]] == [64, 96]
+    assert {(span, expire, memory) for span in (64, 96) for expire in (False, True) for memory in (False, True)} == (
+        set(measured)
+    )

@@ -429,3 +429,27 @@ def test_cache_holds_only_the_convolution_tail_not_the_whole_prefill():
         tail = layer.convolution_tail
         assert tail.shape[:2] == (2, model.config.convolution_size - 1)
         assert tail.untyped_storage().nbytes() == tail.numel() * tail.element_size()
+
+
+def test_few_tokens_run_the_three_projections_and_many_run_one_product_over_their_weights():
+    """Decoding (fewer than FUSED_PROJECTION_TOKENS tokens) calls q/k/v one by one instead of copying their weights
+    side by side every token; a longer input runs one product (the modules' forward is not called), same numbers."""
+    from memlm.compat import cache_keyword, output_cache
+    from memlm.modeling.modeling_deltanet import FUSED_PROJECTION_TOKENS
+
+    torch.manual_seed(0)
+    config = DeltaNetConfig.from_preset("paper", vocab_size=32, hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2)  # fmt: skip
+    model = DeltaNetForCausalLM(config).eval()
+    projection = model.model.layers[0].attention.q_proj
+    calls = []
+    projection.forward = lambda states: calls.append(states.shape[:2]) or F.linear(states, projection.weight)
+    tokens = torch.randint(0, 32, (1, FUSED_PROJECTION_TOKENS))
+    with torch.no_grad():
+        whole = model(tokens).logits
+        assert calls == []  # one product over the stacked weights
+        cache = output_cache(model(tokens[:, :-1], use_cache=True))
+        calls.clear()
+        last = model(tokens[:, -1:], use_cache=True, **{cache_keyword(model): cache}).logits
+    assert calls == [(1, 1)]  # the single token went through the module
+    torch.testing.assert_close(last[:, -1], whole[:, -1], rtol=1e-5, atol=1e-5)
