@@ -1,4 +1,5 @@
-"""Blocks shared by memlm's models (SPEC: every model is a stack of pre-norm blocks with an MLP)."""
+"""Blocks shared by memlm's models (SPEC: every model is a stack of pre-norm blocks with an MLP; SPEC §8: the papers'
+official blocks, chosen by the config's `BlockLayout` fields)."""
 
 import torch
 import torch.nn.functional as F
@@ -21,18 +22,79 @@ class RMSNorm(nn.Module):
         return normed.to(hidden_states.dtype)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias, computed in float32 or wider (as `RMSNorm`)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        normed = F.layer_norm(
+            hidden_states.to(dtype), self.weight.shape, self.weight.to(dtype), self.bias.to(dtype),
+            self.variance_epsilon,
+        )  # fmt: skip
+        return normed.to(hidden_states.dtype)
+
+
+def make_norm(config, width: int | None = None) -> nn.Module:
+    """The norm the config's `norm_type` names, over `width` features (default: hidden_size)."""
+    width = config.hidden_size if width is None else width
+    if getattr(config, "norm_type", "rmsnorm") == "layernorm":
+        return LayerNorm(width, config.layer_norm_eps)
+    return RMSNorm(width, config.rms_norm_eps)
+
+
 class GatedMLP(nn.Module):
     """Gated MLP: down(act(gate(x)) · up(x))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+class PlainMLP(nn.Module):
+    """The official code's feed-forward: down(dropout(act(up(x)))) (Vaswani et al., 2017, Eq. 2 with ReLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, dropout: float):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = ACT2FN[hidden_act]
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.dropout(self.act_fn(self.up_proj(hidden_states))))
+
+
+def make_mlp(config) -> nn.Module:
+    """The MLP the config's `mlp_type` names (gated by default)."""
+    if getattr(config, "mlp_type", "gated") == "plain":
+        return PlainMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias,
+            config.activation_dropout,
+        )  # fmt: skip
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False))
+
+
+def sublayer_input(hidden_states: torch.Tensor, norm: nn.Module, norm_position: str) -> torch.Tensor:
+    """What a block's sublayer (mixer or MLP) reads: the normed residual stream (pre-norm) or the stream itself."""
+    return norm(hidden_states) if norm_position == "pre" else hidden_states
+
+
+def add_sublayer_output(hidden_states, output, norm: nn.Module, norm_position: str) -> torch.Tensor:
+    """The residual sum after a sublayer: x + f(·) (pre-norm) or norm(x + f(x)) (post-norm)."""
+    hidden_states = hidden_states + output
+    return norm(hidden_states) if norm_position == "post" else hidden_states
 
 
 class RotaryEmbedding(nn.Module):
