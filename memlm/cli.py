@@ -7,6 +7,8 @@ memlm info runs/tiny                                            what a checkpoin
 memlm rebundle runs/tiny                                        rewrite a checkpoint's code with the installed memlm's
 memlm plot-memory runs/tiny --text "..." --output memory.png     what an Expire-Span / Feedback model remembers
 memlm kernels build DIR | check DIR | push REPO_ID               memlm's kernels as a repository of 🤗's `kernels`
+memlm convert lmtool-fwp STATE_DICT OUT --official-args ARGS.json a model of the papers' official code as a memlm
+memlm convert transformer-sequential CHECKPOINT OUT                 checkpoint folder (docs: "The papers' models")
 
 A bad input ends with one line `memlm: error: ...` on stderr and exit status 1; `memlm --debug COMMAND ...` (or the
 environment variable MEMLM_DEBUG=1) shows the Python traceback instead.
@@ -366,6 +368,62 @@ def _training_command(command: str):
     return main
 
 
+# The official code bases `memlm convert` reads, and the memlm.conversion module of each.
+OFFICIAL_CODE_BASES = {
+    "lmtool-fwp": "lmtool_fwp",  # IDSIA/lmtool-fwp: DeltaNet (Schlag et al., 2021)
+    "transformer-sequential": "transformer_sequential",  # facebookresearch: Feedback Transformer, Expire-Span
+}
+
+
+def convert(argv) -> None:
+    parser = argparse.ArgumentParser(
+        prog="memlm convert",
+        description="Convert a model of a paper's official code into a memlm checkpoint folder (safetensors, config, "
+        "code bundle, model card) that AutoModelForCausalLM loads. What memlm cannot express is refused in words.",
+    )
+    parser.add_argument("code_base", choices=list(OFFICIAL_CODE_BASES), help="the official repository")
+    parser.add_argument("checkpoint", help="the official checkpoint (read with torch.load(weights_only=True))")
+    parser.add_argument("output", help="the folder to write (must not exist or be empty)")
+    parser.add_argument(
+        "--official-args",
+        help="a JSON file of the official arguments (names and values as the official argparse gives them); "
+        "lmtool-fwp's checkpoints do not hold them, so lmtool-fwp needs it",
+    )
+    arguments = parser.parse_args(argv)
+    import importlib
+
+    module = importlib.import_module(f"memlm.conversion.{OFFICIAL_CODE_BASES[arguments.code_base]}")
+    output = Path(arguments.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ValueError(f"{arguments.output!r} exists and is not an empty folder; choose a new folder.")
+    if arguments.code_base == "lmtool-fwp":
+        if arguments.official_args is None:
+            raise ValueError(
+                "lmtool-fwp checkpoints do not hold train.py's arguments: pass --official-args ARGS.json (a JSON "
+                'object such as {"attn_type": 24, "n_head": 8, "d_head": 16, ...}; missing ones take '
+                "train.py's defaults)."
+            )
+        state_dict = module.read_checkpoint(arguments.checkpoint)
+        official_args = module.read_official_args(arguments.official_args)
+    else:
+        state_dict, official_args = module.read_checkpoint(arguments.checkpoint)
+        if arguments.official_args is not None:
+            official_args = {**official_args, **module.read_official_args(arguments.official_args)}
+    try:
+        config, converted = module.convert_state_dict(state_dict, official_args)
+    except NotImplementedError as error:  # what memlm cannot express, in the converter's words
+        raise ValueError(str(error)) from error
+    from transformers import AutoModelForCausalLM
+
+    import memlm  # noqa: F401  (registers memlm's classes with the Auto classes)
+
+    dtype = next(iter(converted.values())).dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(converted, strict=True)
+    model.save_pretrained(output)
+    print(f"wrote {output} ({type(model).__name__}, {model.num_parameters():,} parameters, {dtype})")
+
+
 def run(command: str, rest: list[str]) -> None:
     if command in ("train", "finetune"):
         _training_command(command)(rest)
@@ -375,6 +433,8 @@ def run(command: str, rest: list[str]) -> None:
         plot_memory(rest)
     elif command == "rebundle":
         rebundle(rest)
+    elif command == "convert":
+        convert(rest)
     elif command == "kernels":
         from memlm.kernel_repository import main as kernel_repository
 
@@ -396,7 +456,7 @@ def main(argv=None) -> None:
     debug = os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0")
     if argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
-    commands = ("train", "finetune", "generate", "info", "rebundle", "plot-memory", "kernels")
+    commands = ("train", "finetune", "generate", "info", "rebundle", "plot-memory", "kernels", "convert")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -4,6 +4,7 @@ convolution, output norm and gate. Every field is validated when the config is b
 
 from transformers import PreTrainedConfig
 
+from .block_layout import BlockLayout
 from .validation import (
     check_bools,
     check_buildable_size,
@@ -24,6 +25,7 @@ NORMALIZATIONS = ("sum", "l2", "none")
 UPDATE_RULES = ("delta", "sum")
 VALUE_ACTIVATIONS = ("identity", "silu")
 HIDDEN_ACTIVATIONS = ("silu", "gelu", "gelu_new", "relu")
+POSITION_ENCODINGS = ("none", "sinusoidal")
 
 PRESETS = {
     # Schlag et al. (2021), Sec. 4-5: DPFP-1 features, sum-normalised keys and queries, delta rule with learned β.
@@ -59,7 +61,7 @@ PRESETS = {
 }
 
 
-class DeltaNetConfig(PreTrainedConfig):
+class DeltaNetConfig(PreTrainedConfig, BlockLayout):
     r"""
     Configuration of a DeltaNet language model: a stack of pre-norm blocks whose token mixer is a fast-weight memory
     `S_t` (one `d_k × d_v` matrix per head) written with the delta rule and read with the queries (SPEC §1; Schlag et
@@ -70,7 +72,8 @@ class DeltaNetConfig(PreTrainedConfig):
     Two presets are one line away: `DeltaNetConfig.from_preset("paper")` (Schlag et al.) and
     `DeltaNetConfig.from_preset("fla")` (the flash-linear-attention layout, so its checkpoints can be converted).
     Every field is checked when the config is built: a bad value raises `ValueError` naming the field and what is
-    allowed.
+    allowed. The block around the memory (norms, MLP, biases, embedding scale, dropouts) is set by the `BlockLayout`
+    fields (`norm_type`, `norm_position`, `mlp_type`, ...), shared by memlm's configs.
 
     Args:
         vocab_size: number of tokens in the vocabulary.
@@ -92,8 +95,12 @@ class DeltaNetConfig(PreTrainedConfig):
             paper Eq. 29; needs a non-negative feature map), `"l2"` or `"none"`.
         update_rule: `"delta"` (the delta rule above) or `"sum"` (plain linear attention, `S_t = S_{t-1} + k_t v_tᵀ`,
             paper Eqs. 17-19).
-        attention_normalizer: sum rule only: divide the output by `z_tᵀ q_t` with `z_t = Σ k_τ` (Katharopoulos et
-            al.; paper Eqs. 26-28); needs a non-negative feature map.
+        attention_normalizer: divide the output by `z_tᵀ q_t + attention_normalizer_eps` with `z_t = Σ_{τ≤t} k_τ`
+            (Katharopoulos et al.; paper Eqs. 26-28); needs a non-negative feature map. With the sum rule and β the
+            keys in z_t are β-scaled; with the delta rule they are not (the official code's `attn_type` 24/26 with
+            its normaliser on: the memory is written and read as without it, only the output is divided). z_t is
+            carried in the cache with the fast weights.
+        attention_normalizer_eps: the epsilon added to the normaliser `z_tᵀ q_t` (the official code: 1e-5).
         use_beta: learn the writing strength `β_t = σ(w_β · x_t)` per head (paper Eq. 22); when off, β = 1.
         short_convolution: a causal depthwise convolution over time on the projected queries, keys and values
             before the feature map.
@@ -102,6 +109,14 @@ class DeltaNetConfig(PreTrainedConfig):
         output_gate: multiply each head's output by `silu(W_g x_t)`.
         value_activation: `"identity"` or `"silu"`, applied to the values (after the convolution).
         scale_queries: multiply queries by `d_k^-1/2` (d_k the feature width) before reading the memory.
+        scale_output: multiply each head's output by `key_head_dim^-1/2` before the output projection (the official
+            code's `self.scale`; with the attention normaliser this differs from scaling the queries).
+        position_encoding: `"none"` (default; the order is in the recurrence) or `"sinusoidal"`: Transformer-XL's
+            sinusoidal encoding `[sin(p·f), cos(p·f)]`, `f = 10000^(-2i/hidden_size)`, added to the scaled embeddings
+            with positions counting down within each forward call (the call's last token at p = 0, its first at
+            T − 1), as the official code applies it to each segment. Decoding token by token thus sees p = 0 at every
+            step: such a model gives what the official model gives when fed the same segments, not the same logits
+            for a prefill and a token-by-token continuation.
         chunk_size: chunk length of the chunkwise training kernel; does not change the result.
         hidden_act: activation of the gated MLP: `"silu"`, `"gelu"`, `"gelu_new"` or `"relu"`.
         hidden_dropout: dropout on the output of each token mixer and MLP before the residual sum.
@@ -144,6 +159,7 @@ class DeltaNetConfig(PreTrainedConfig):
     query_key_normalization: str = "sum"
     update_rule: str = "delta"
     attention_normalizer: bool = False
+    attention_normalizer_eps: float = 1e-6
     use_beta: bool = True
     short_convolution: bool = False
     convolution_size: int = 4
@@ -151,6 +167,8 @@ class DeltaNetConfig(PreTrainedConfig):
     output_gate: bool = False
     value_activation: str = "identity"
     scale_queries: bool = False
+    scale_output: bool = False
+    position_encoding: str = "none"
     chunk_size: int = 64
     hidden_act: str = "silu"
     hidden_dropout: float = 0.0
@@ -206,9 +224,8 @@ class DeltaNetConfig(PreTrainedConfig):
         attention += (2 * key_width + value_width) * self.convolution_size if self.short_convolution else 0
         attention += value_width * hidden if self.output_gate else 0
         attention += self.value_head_dim if self.output_norm else 0
-        layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden  # gated MLP and the two RMSNorms
-        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embeddings + hidden  # + the final RMSNorm
+        layer = attention + self.block_parameters()  # MLP, the two norms, the output projection's bias
+        return self.num_hidden_layers * layer + self.head_parameters()
 
     def describe(self) -> list[str]:
         """The configuration in words, one line per aspect (used by the model card)."""
@@ -223,12 +240,12 @@ class DeltaNetConfig(PreTrainedConfig):
             "delta rule: S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀk_t)ᵀ"
             if self.update_rule == "delta"
             else "sum rule (linear attention): S_t = S_{t-1} + k_t v_tᵀ"
-            + (", outputs divided by the attention normaliser z_tᵀq_t" if self.attention_normalizer else "")
-        )
+        ) + (", outputs divided by the attention normaliser z_tᵀq_t" if self.attention_normalizer else "")
         lines = [
             f"{self.num_hidden_layers} layers, hidden size {self.hidden_size}, {self.num_attention_heads} heads, "
-            f"gated MLP of width {self.intermediate_size} ({self.hidden_act}), vocabulary of {self.vocab_size} tokens"
+            f"vocabulary of {self.vocab_size} tokens"
             + (", tied input/output embeddings" if self.tie_word_embeddings else ""),
+            self.describe_block_layout(),
             f"Update rule: {rule}",
             f"Feature map φ on keys and queries: {feature}; normalisation: {self.query_key_normalization}",
             f"Fast-weight memory per head: {self.feature_dim} × {self.value_head_dim} "
@@ -244,7 +261,14 @@ class DeltaNetConfig(PreTrainedConfig):
                 )
                 or "none"
             ),
-            f"Values: {self.value_activation}; queries scaled by d_k^-1/2: {'yes' if self.scale_queries else 'no'}",
+            f"Values: {self.value_activation}; queries scaled by d_k^-1/2: {'yes' if self.scale_queries else 'no'}; "
+            f"outputs scaled by key_head_dim^-1/2: {'yes' if self.scale_output else 'no'}",
+            "Positions: "
+            + (
+                "Transformer-XL sinusoidal encoding, counting down within each call"
+                if self.position_encoding == "sinusoidal"
+                else "none (the order is in the recurrence)"
+            ),
         ]
         return lines
 
@@ -258,11 +282,13 @@ class DeltaNetConfig(PreTrainedConfig):
         check_choice(self, "update_rule", UPDATE_RULES)
         check_choice(self, "value_activation", VALUE_ACTIVATIONS)
         check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
+        check_choice(self, "position_encoding", POSITION_ENCODINGS)
+        self.validate_block_layout()
         if self.dpfp_nu not in (1, 2, 3) or isinstance(self.dpfp_nu, bool):
             raise ValueError(f"DeltaNetConfig.dpfp_nu must be 1, 2 or 3 (paper Eq. 37), got {self.dpfp_nu!r}.")
         check_bools(
             self, "attention_normalizer", "use_beta", "short_convolution", "output_norm", "output_gate",
-            "scale_queries", "use_cache", "tie_word_embeddings",
+            "scale_queries", "scale_output", "use_cache", "tie_word_embeddings",
         )  # fmt: skip
         if not is_int(self.convolution_size) or self.convolution_size < 2:
             raise ValueError(
@@ -270,7 +296,13 @@ class DeltaNetConfig(PreTrainedConfig):
             )
         check_number(self, "hidden_dropout", minimum=0, maximum=1, strict_maximum=True)
         check_number(self, "rms_norm_eps", minimum=0, strict_minimum=True)
+        check_number(self, "attention_normalizer_eps", minimum=0)
         check_number(self, "initializer_range", minimum=0)
+        if self.position_encoding == "sinusoidal" and self.hidden_size % 2:
+            raise ValueError(
+                f"DeltaNetConfig.position_encoding='sinusoidal' needs an even hidden_size (sines and cosines in "
+                f"halves), got hidden_size={self.hidden_size}."
+            )
         # Combinations that make no sense.
         if self.query_key_normalization == "sum" and self.feature_map not in NONNEGATIVE_FEATURE_MAPS:
             raise ValueError(
@@ -278,11 +310,6 @@ class DeltaNetConfig(PreTrainedConfig):
                 f"needs a non-negative feature map ({', '.join(NONNEGATIVE_FEATURE_MAPS)}); feature_map="
                 f"{self.feature_map!r} can be negative. Use query_key_normalization='l2' or 'none', or another "
                 "feature map."
-            )
-        if self.attention_normalizer and self.update_rule != "sum":
-            raise ValueError(
-                "DeltaNetConfig.attention_normalizer=True only applies to update_rule='sum' (the delta rule keeps "
-                f"its memory bounded by itself); got update_rule={self.update_rule!r}."
             )
         if self.attention_normalizer and self.feature_map not in NONNEGATIVE_FEATURE_MAPS:
             raise ValueError(

@@ -83,7 +83,9 @@ def make_mlp(config) -> nn.Module:
             config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias,
             config.activation_dropout,
         )  # fmt: skip
-    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False))
+    return GatedMLP(
+        config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False)
+    )
 
 
 def sublayer_input(hidden_states: torch.Tensor, norm: nn.Module, norm_position: str) -> torch.Tensor:

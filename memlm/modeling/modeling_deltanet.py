@@ -30,7 +30,7 @@ from ..kernels.delta_rule.feature_map import dpfp
 from ..kernels.delta_rule.hub_function import chunk_gated_delta_rule, swapped_kernel
 from ..kernels.delta_rule.packing import PaddingPacker
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub, use_kernelized_func
-from .layers import GatedMLP, RMSNorm
+from .layers import RMSNorm, add_sublayer_output, make_mlp, make_norm, sublayer_input
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -49,8 +49,6 @@ logger = logging.get_logger(__name__)
 # Epsilons of the key/query normalisations; l2 matches flash-linear-attention's l2norm (x / sqrt(Σx² + eps)).
 L2_NORM_EPS = 1e-6
 SUM_NORM_EPS = 1e-6
-# Katharopoulos et al.: o_t = S_tᵀq_t / (z_tᵀq_t + eps).
-ATTENTION_NORMALIZER_EPS = 1e-6
 # From this many tokens in a call (batch × length) the q/k/v projections run as one product over their weights side by
 # side; below it (decoding) as three, since copying the weights together would cost more than the products.
 FUSED_PROJECTION_TOKENS = 64
@@ -184,6 +182,25 @@ class DeltaNetFeatureMap(nn.Module):
         return features
 
 
+def running_key_sums(
+    key: torch.Tensor, initial: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """z_t = z_0 + Σ_{τ≤t} k_τ for keys (B, H, T, d_k) in float32 or wider, and the last z of each sequence (B, H, d_k).
+    With cu_seqlens, key (1, H, N, d_k) holds S sequences back to back, each with its own z_0 (S, H, d_k)."""
+    sums = key.to(torch.promote_types(key.dtype, torch.float32)).cumsum(2)
+    if cu_seqlens is None:
+        if initial is not None:
+            sums = sums + initial[:, :, None].to(sums.dtype)
+        return sums, sums[:, :, -1]
+    lengths = cu_seqlens.diff().long()
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=key.device), lengths)
+    before = F.pad(sums, (0, 0, 1, 0))[:, :, cu_seqlens[:-1].long()]  # the running sum before each sequence starts
+    sums = sums - before[:, :, sequence]
+    if initial is not None:
+        sums = sums + initial.transpose(0, 1)[None, :, sequence].to(sums.dtype)
+    return sums, sums[0, :, cu_seqlens[1:].long() - 1].transpose(0, 1)
+
+
 @use_kernel_forward_from_hub("DeltaNetAttention")
 @use_kernelized_func(chunk_gated_delta_rule)  # 🤗's name for the gated delta rule: a Hub FLA kernel can take the rule
 class DeltaNetAttention(HubLayerMixin, nn.Module):
@@ -213,7 +230,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         self.feature_map = DeltaNetFeatureMap(config)
         self.g_proj = nn.Linear(config.hidden_size, value_width, bias=False) if config.output_gate else None
         self.output_norm = RMSNorm(self.value_head_dim, config.rms_norm_eps) if config.output_norm else None
-        self.o_proj = nn.Linear(value_width, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(value_width, config.hidden_size, bias=config.attention_output_bias)
 
     def extra_repr(self) -> str:
         """Which kernel runs this layer's rule for its weights' device and dtype (as `memlm info` says), and the
@@ -235,10 +252,12 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         return_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         cu_seqlens_cpu: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        key_sum: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """hidden_states (B, T, D); attention_mask (B, T), 1 for each row's real tokens, which come first, and 0 for
-        the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32 and
-        convolution_tail (B, kernel-1, C) carried from earlier tokens. With cu_seqlens (S + 1 offsets),
+        the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32,
+        convolution_tail (B, kernel-1, C) and key_sum (B, H, d_k), the delta rule's attention normaliser z, carried
+        from earlier tokens; returns the output and the three states after the input. With cu_seqlens (S + 1 offsets),
         hidden_states (1, N, D) hold S sequences back to back (`PaddingPacker`) and nothing is padded; cu_seqlens_cpu
         is the same offsets on the host, so that the kernels read nothing back from the device."""
         batch_size, length, _ = hidden_states.shape
@@ -283,14 +302,23 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             query = query * self.feature_dim**-0.5
         beta = None
         if self.beta_proj is not None:
-            beta = torch.sigmoid(self.beta_proj(hidden_states).float()).transpose(1, 2).to(value.dtype)
+            # σ in float32 or wider (float64 stays float64).
+            logits = self.beta_proj(hidden_states)
+            beta = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+            beta = beta.transpose(1, 2).to(value.dtype)
 
+        new_key_sum = None
         if self.config.update_rule == "delta":
             output, new_state = delta_rule(
                 query, key, value, beta, initial_state=fast_weights, output_final_state=return_state,
                 chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                 hub_kernel=swapped_kernel(self),
             )  # fmt: skip
+            if self.config.attention_normalizer:
+                # Paper Eqs. 26-28 on the output only (the official attn_type 24/26): o_t / (z_tᵀq_t + eps).
+                key_sums, new_key_sum = running_key_sums(key, key_sum, cu_seqlens)
+                denominator = (query.to(key_sums.dtype) * key_sums).sum(-1, keepdim=True)
+                output = output / (denominator + self.config.attention_normalizer_eps).to(output.dtype)
         else:
             if beta is not None:
                 key = key * beta[..., None]  # with the sum rule, β scales each write
@@ -302,8 +330,10 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
                 chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
             )  # fmt: skip
             if self.config.attention_normalizer:
-                output = output[..., :-1] / (output[..., -1:] + ATTENTION_NORMALIZER_EPS)
+                output = output[..., :-1] / (output[..., -1:] + self.config.attention_normalizer_eps)
 
+        if self.config.scale_output:
+            output = output * self.key_head_dim**-0.5  # the official code's `self.scale`
         output = output.transpose(1, 2)  # (B, T, H, d_v)
         if self.output_norm is not None:
             output = self.output_norm(output)
@@ -311,19 +341,21 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             gate = self.g_proj(hidden_states).view(batch_size, length, self.num_heads, self.value_head_dim)
             output = output * F.silu(gate)
         output = self.o_proj(output.reshape(batch_size, length, -1))
-        return output, new_state, new_tail
+        return output, new_state, new_tail, new_key_sum
 
 
 class DeltaNetDecoderLayer(GradientCheckpointingLayer):
-    """x = x + attention(norm(x)); x = x + mlp(norm(x)). The memory enters and leaves as tensors (not through the
-    cache object), so gradient checkpointing recomputes the layer from the same state."""
+    """x = x + attention(norm(x)); x = x + mlp(norm(x)) (pre-norm), or x = norm(x + attention(x));
+    x = norm(x + mlp(x)) (post-norm, the official code's default). The memory enters and leaves as tensors (not
+    through the cache object), so gradient checkpointing recomputes the layer from the same state."""
 
     def __init__(self, config: DeltaNetConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_position = config.norm_position
+        self.input_layernorm = make_norm(config)
         self.attention = DeltaNetAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = make_mlp(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -335,21 +367,27 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         return_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         cu_seqlens_cpu: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        mixed, fast_weights, convolution_tail = self.attention(
-            self.input_layernorm(hidden_states), attention_mask, fast_weights, convolution_tail, return_state,
-            cu_seqlens, cu_seqlens_cpu,
+        key_sum: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        mixed, fast_weights, convolution_tail, key_sum = self.attention(
+            sublayer_input(hidden_states, self.input_layernorm, self.norm_position), attention_mask, fast_weights,
+            convolution_tail, return_state, cu_seqlens, cu_seqlens_cpu, key_sum,
         )  # fmt: skip
-        hidden_states = hidden_states + self.dropout(mixed)
-        hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
-        return hidden_states, fast_weights, convolution_tail
+        hidden_states = add_sublayer_output(
+            hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
+        )
+        mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
+        hidden_states = add_sublayer_output(
+            hidden_states, self.dropout(mlp_output), self.post_attention_layernorm, self.norm_position
+        )
+        return hidden_states, fast_weights, convolution_tail, key_sum
 
 
 class DeltaNetCacheLayer(MemoryCacheLayer):
     """The memory of one layer: fast weights S (B, H, d_k, d_v) in float32, the short convolution's last inputs
-    (B, kernel-1, C), and the number of tokens seen."""
+    (B, kernel-1, C), the delta rule's attention normaliser z (B, H, d_k), and the number of tokens seen."""
 
-    tensor_names = ("fast_weights", "convolution_tail")
+    tensor_names = ("fast_weights", "convolution_tail", "key_sum")
     rollback_message = "A DeltaNet memory cannot be rolled back: its fast weights keep no per-token history."
 
     def __repr__(self):
@@ -360,9 +398,16 @@ class DeltaNetCacheLayer(MemoryCacheLayer):
     def batch_size(self) -> int:
         return -1 if self.fast_weights is None else self.fast_weights.shape[0]
 
-    def update(self, fast_weights: torch.Tensor | None, convolution_tail: torch.Tensor | None, num_tokens: int):
+    def update(
+        self,
+        fast_weights: torch.Tensor | None,
+        convolution_tail: torch.Tensor | None,
+        num_tokens: int,
+        key_sum: torch.Tensor | None = None,
+    ):
         # Tensors are replaced, never written in place, so a gradient-checkpointed layer recomputes from old ones.
         self.fast_weights = fast_weights
+        self.key_sum = key_sum
         # The tail is a slice of the whole input's projection: a copy, so the cache does not keep all of it alive.
         self.convolution_tail = None if convolution_tail is None else convolution_tail.clone()
         self.seen_tokens += num_tokens
@@ -416,9 +461,20 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         self.layers = nn.ModuleList(
             [DeltaNetDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = make_norm(config) if config.final_norm else nn.Identity()
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.output_dropout = nn.Dropout(config.output_dropout)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def sinusoidal_positions(self, length: int, like: torch.Tensor) -> torch.Tensor:
+        """Transformer-XL's encoding of positions T-1, …, 0 (counting down to the call's last token): (T, D) with
+        [sin(p·f), cos(p·f)], f = 1 / 10000^(2i/D), computed in float64 and cast to the embeddings' dtype."""
+        width = self.config.hidden_size
+        inverse_frequencies = 1 / (10000 ** (torch.arange(0.0, width, 2.0, dtype=torch.float64) / width))
+        positions = torch.arange(length - 1, -1, -1.0, dtype=torch.float64)
+        angles = torch.outer(positions, inverse_frequencies)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1).to(device=like.device, dtype=like.dtype)
 
     def packs_padding(self, attention_mask: torch.Tensor) -> bool:
         """Whether a padded batch runs packed (`cu_seqlens`): with the delta rule on the Triton or FLA backend, and when
@@ -461,6 +517,11 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
         batch_size, length = inputs_embeds.shape[:2]
+        if self.config.embedding_scale != 1:
+            inputs_embeds = inputs_embeds * self.config.embedding_scale  # Transformer-XL: √d
+        if self.config.position_encoding == "sinusoidal":
+            inputs_embeds = inputs_embeds + self.sinusoidal_positions(length, inputs_embeds)
+        inputs_embeds = self.embedding_dropout(inputs_embeds)
 
         if cache is not None and not isinstance(cache, DeltaNetCache):
             raise TypeError(
@@ -503,7 +564,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         all_hidden_states = (inputs_embeds,) if output_hidden_states else None
         for layer_idx, decoder_layer in enumerate(self.layers):
             cache_layer = cache.layers[layer_idx] if cache is not None else None
-            hidden_states, fast_weights, convolution_tail = decoder_layer(
+            hidden_states, fast_weights, convolution_tail, key_sum = decoder_layer(
                 hidden_states,
                 attention_mask=None if padding is None else padding.attention_mask,
                 fast_weights=cache_layer.fast_weights if cache_layer is not None else None,
@@ -511,14 +572,16 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                 return_state=cache_layer is not None,
                 cu_seqlens=None if padding is None else padding.cu_seqlens,
                 cu_seqlens_cpu=None if padding is None else padding.cu_seqlens_cpu,
+                key_sum=cache_layer.key_sum if cache_layer is not None else None,
             )
             if cache_layer is not None:
                 if padding is not None:  # packed documents: a row keeps its last document's memory
-                    fast_weights, convolution_tail = (
+                    fast_weights, convolution_tail, key_sum = (
                         padding.row_states(fast_weights),
                         padding.row_states(convolution_tail),
+                        padding.row_states(key_sum),
                     )
-                cache_layer.update(fast_weights, convolution_tail, length)
+                cache_layer.update(fast_weights, convolution_tail, length, key_sum)
             if output_hidden_states:
                 if padding is not None:
                     # The next layer runs on this very tensor (gathered back), so it lies on the path to the loss.
@@ -526,7 +589,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                     hidden_states = padding.gather(scattered)
                 all_hidden_states += (hidden_states if padding is None else scattered,)
 
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.output_dropout(self.norm(hidden_states))
         if padding is not None:
             hidden_states = padding.scatter(hidden_states)
         if output_hidden_states:
@@ -547,7 +610,7 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, Generatio
         super().__init__(config)
         self.model = DeltaNetModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def forward(

@@ -74,7 +74,24 @@ def test_intermediate_size_rule():
         # Combinations that make no sense.
         ({"feature_map": "silu", "query_key_normalization": "sum"}, "needs a non-negative feature map"),
         ({"feature_map": "identity"}, "needs a non-negative feature map"),
-        ({"attention_normalizer": True}, "only applies to update_rule='sum'"),
+        ({"position_encoding": "rotary"}, "position_encoding must be one of 'none', 'sinusoidal'"),
+        (
+            {"position_encoding": "sinusoidal", "hidden_size": 31, "key_head_dim": 15, "value_head_dim": 15},
+            "needs an even hidden_size",
+        ),
+        ({"attention_normalizer_eps": -1e-5}, r"attention_normalizer_eps must be a number in \[0, inf\]"),
+        ({"scale_output": 1}, "scale_output must be True or False"),
+        # The block layout (BlockLayout, shared by the configs).
+        ({"norm_type": "batchnorm"}, "norm_type must be one of 'rmsnorm', 'layernorm'"),
+        ({"norm_position": "sandwich"}, "norm_position must be one of 'pre', 'post'"),
+        ({"mlp_type": "moe"}, "mlp_type must be one of 'gated', 'plain'"),
+        ({"final_norm": None}, "final_norm must be True or False"),
+        ({"lm_head_bias": "no"}, "lm_head_bias must be True or False"),
+        ({"layer_norm_eps": 0}, r"layer_norm_eps must be a number in \(0, inf\]"),
+        ({"embedding_scale": 0}, r"embedding_scale must be a number in \(0, inf\]"),
+        ({"embedding_dropout": 1}, r"embedding_dropout must be a number in \[0, 1\)"),
+        ({"activation_dropout": -0.1}, r"activation_dropout must be a number in \[0, 1\)"),
+        ({"output_dropout": 2}, r"output_dropout must be a number in \[0, 1\)"),
         (
             {
                 "update_rule": "sum",

@@ -77,12 +77,15 @@ def reference_attention(attention, hidden_states):
         if config.update_rule == "delta":
             retrieved = torch.einsum("bhkv,bhk->bhv", memory, k)
             memory = memory + torch.einsum("bhk,bhv->bhkv", k, b * (v - retrieved))
+            normaliser = normaliser + k  # the delta rule's z_t sums the keys without β
         else:
             memory = memory + torch.einsum("bhk,bhv->bhkv", b * k, v)
             normaliser = normaliser + b * k
         out = torch.einsum("bhkv,bhk->bhv", memory, q)
         if config.attention_normalizer:
-            out = out / ((normaliser * q).sum(-1, keepdim=True) + 1e-6)
+            out = out / ((normaliser * q).sum(-1, keepdim=True) + config.attention_normalizer_eps)
+        if config.scale_output:
+            out = out / config.key_head_dim**0.5
         outputs.append(out)
     output = torch.stack(outputs, 1)  # (B, T, H, d_v)
     if config.output_norm:
@@ -91,7 +94,8 @@ def reference_attention(attention, hidden_states):
     if config.output_gate:
         gate = (hidden_states @ attention.g_proj.weight.T).view(batch_size, length, heads, value_dim)
         output = output * gate * torch.sigmoid(gate)
-    return output.reshape(batch_size, length, -1) @ attention.o_proj.weight.T
+    bias = 0 if attention.o_proj.bias is None else attention.o_proj.bias
+    return output.reshape(batch_size, length, -1) @ attention.o_proj.weight.T + bias
 
 
 def _randomised(model):
@@ -106,7 +110,7 @@ def test_attention_matches_the_token_by_token_reference(deltanet_config):
     model = _randomised(DeltaNetModel(deltanet_config).eval())
     attention = model.layers[0].attention
     hidden_states = torch.randn(2, 19, deltanet_config.hidden_size)
-    output, _, _ = attention(hidden_states)
+    output, *_ = attention(hidden_states)
     expected = reference_attention(attention, hidden_states)
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=1e-4)
 
@@ -117,13 +121,13 @@ def test_projection_hooks_and_adapters_are_honoured(preset_config):
     model = _randomised(DeltaNetModel(preset_config).eval())
     attention = model.layers[0].attention
     hidden_states = torch.randn(2, 9, preset_config.hidden_size)
-    output, _, _ = attention(hidden_states)
+    output, *_ = attention(hidden_states)
     expected = reference_attention(attention, hidden_states)
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=1e-4)
     calls = []
     handle = attention.v_proj.register_forward_hook(lambda module, inputs, result: calls.append(1) or result * 2)
     try:
-        hooked, _, _ = attention(hidden_states)
+        hooked, *_ = attention(hidden_states)
     finally:
         handle.remove()
     assert calls == [1] and not torch.allclose(hooked, output)
