@@ -33,6 +33,27 @@ TINY = {
     "pad_token_id": 257,
 }
 
+# lmtool-fwp's model as memlm.conversion.lmtool_fwp converts it (attn_type 24, normaliser on, adaptive softmax).
+OFFICIAL_BLOCK = {
+    "feature_map": "elu+1",
+    "query_key_normalization": "sum",
+    "attention_normalizer": True,
+    "attention_normalizer_eps": 1e-5,
+    "scale_output": True,
+    "norm_type": "layernorm",
+    "layer_norm_eps": 1e-5,
+    "norm_position": "post",
+    "final_norm": False,
+    "mlp_type": "plain",
+    "mlp_bias": True,
+    "hidden_act": "relu",
+    "attention_output_bias": True,
+    "lm_head_bias": True,
+    "embedding_scale": 32**0.5,
+    "adaptive_softmax_cutoffs": [64, 200],
+    "tie_word_embeddings": True,
+}
+
 # Each variant turns on a different set of options, so that together they cover every config field.
 DELTANET_VARIANTS = {
     "paper": lambda **extra: DeltaNetConfig.from_preset("paper", **{**TINY, **extra}),
@@ -64,25 +85,7 @@ DELTANET_VARIANTS = {
         **{**TINY, **extra},
     ),
     # The official code's block (Transformer-XL, lmtool-fwp attn_type 24 with its normaliser) around the delta rule.
-    "official_block": lambda **extra: DeltaNetConfig(
-        feature_map="elu+1",
-        query_key_normalization="sum",
-        attention_normalizer=True,
-        attention_normalizer_eps=1e-5,
-        scale_output=True,
-        norm_type="layernorm",
-        layer_norm_eps=1e-5,
-        norm_position="post",
-        final_norm=False,
-        mlp_type="plain",
-        mlp_bias=True,
-        hidden_act="relu",
-        attention_output_bias=True,
-        lm_head_bias=True,
-        embedding_scale=32**0.5,
-        tie_word_embeddings=True,
-        **{**TINY, **extra},
-    ),
+    "official_block": lambda **extra: DeltaNetConfig(**{**OFFICIAL_BLOCK, **TINY, **extra}),
     "identity_sum_rule": lambda **extra: DeltaNetConfig(
         feature_map="identity",
         query_key_normalization="none",

@@ -61,6 +61,66 @@ PRESETS = {
 }
 
 
+# The official code's model around the fast-weight layer (IDSIA/lmtool-fwp, a Transformer-XL code base; SPEC §8):
+# post-norm LayerNorm blocks, a plain biased ReLU feed-forward, no final norm, a biased output layer tied to the
+# embedding, the layer's output scaled by 1/√d_head, the attention normaliser with its epsilon, sinusoidal positions.
+LMTOOL_FWP_LAYOUT = {
+    "norm_type": "layernorm",
+    "layer_norm_eps": 1e-5,
+    "norm_position": "post",
+    "final_norm": False,
+    "mlp_type": "plain",
+    "mlp_bias": True,
+    "hidden_act": "relu",
+    "lm_head_bias": True,
+    "tie_word_embeddings": True,
+    "scale_output": True,
+    "attention_normalizer": True,
+    "attention_normalizer_eps": 1e-5,
+    "position_encoding": "sinusoidal",
+    "short_convolution": False,
+    "output_norm": False,
+    "output_gate": False,
+    "value_activation": "identity",
+    "scale_queries": False,
+}
+# The official example scripts of Schlag et al. (2021), example_scripts/2021_linear_transformers_are_secretly_fwps:
+# attn_type 24 (delta rule, ELU+1, sum-normalised), the normaliser on as the scripts are written, WikiText-103's
+# vocabulary with train.py's adaptive softmax cutoffs, embeddings scaled by √d_model.
+WIKITEXT103_VOCABULARY = 267735
+
+
+def _lmtool_fwp_script(hidden_size: int, head_dim: int, **changes) -> dict:
+    return {
+        **LMTOOL_FWP_LAYOUT,
+        "feature_map": "elu+1",
+        "query_key_normalization": "sum",
+        "update_rule": "delta",
+        "use_beta": True,
+        "vocab_size": WIKITEXT103_VOCABULARY,
+        "adaptive_softmax_cutoffs": [20000, 40000, 200000],
+        "hidden_size": hidden_size,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 8,
+        "key_head_dim": head_dim,
+        "value_head_dim": head_dim,
+        "intermediate_size": 2048,
+        "embedding_scale": hidden_size**0.5,
+        **dict.fromkeys(("hidden_dropout", "embedding_dropout", "activation_dropout", "output_dropout"), 0.1),
+        **changes,
+    }
+
+
+PRESETS.update(
+    {
+        "small_linear_fast_weight_memory": _lmtool_fwp_script(128, 16),
+        "medium_linear_fast_weight_memory": _lmtool_fwp_script(256, 32),
+        # --carry_over_fast_weight --no_pos: the fast weights cross segments (feed the cache), no positions.
+        "medium_linear_fast_weight_memory_carry_over_context": _lmtool_fwp_script(256, 32, position_encoding="none"),
+    }
+)
+
+
 class DeltaNetConfig(PreTrainedConfig, BlockLayout):
     r"""
     Configuration of a DeltaNet language model: a stack of pre-norm blocks whose token mixer is a fast-weight memory
@@ -69,8 +129,10 @@ class DeltaNetConfig(PreTrainedConfig, BlockLayout):
 
         v̄_t = S_{t-1}ᵀ k_t,   S_t = S_{t-1} + β_t k_t (v_t − v̄_t)ᵀ,   o_t = S_tᵀ q_t
 
-    Two presets are one line away: `DeltaNetConfig.from_preset("paper")` (Schlag et al.) and
-    `DeltaNetConfig.from_preset("fla")` (the flash-linear-attention layout, so its checkpoints can be converted).
+    Presets are one line away: `DeltaNetConfig.from_preset("paper")` (Schlag et al., in memlm's block layout),
+    `DeltaNetConfig.from_preset("fla")` (the flash-linear-attention layout, so its checkpoints can be converted), and
+    the official example scripts' models as the official code builds them: `"small_linear_fast_weight_memory"`,
+    `"medium_linear_fast_weight_memory"` and `"medium_linear_fast_weight_memory_carry_over_context"`.
     Every field is checked when the config is built: a bad value raises `ValueError` naming the field and what is
     allowed. The block around the memory (norms, MLP, biases, embedding scale, dropouts) is set by the `BlockLayout`
     fields (`norm_type`, `norm_position`, `mlp_type`, ...), shared by memlm's configs.
@@ -117,6 +179,11 @@ class DeltaNetConfig(PreTrainedConfig, BlockLayout):
             T − 1), as the official code applies it to each segment. Decoding token by token thus sees p = 0 at every
             step: such a model gives what the official model gives when fed the same segments, not the same logits
             for a prefill and a token-by-token continuation.
+        adaptive_softmax_cutoffs: `None` (default; the LM head is one linear layer) or the increasing cutoffs
+            `[c_1, ..., c_n]` (each in `(0, vocab_size)`) of an adaptive softmax output (Grave et al., 2017; the
+            official WikiText-103 scripts' `--adaptive`): a head over `[0, c_1)` plus one logit per cluster, each
+            cluster `[c_i, c_{i+1})` a softmax over its rows of the output matrix. The logits are then the full
+            log-probabilities.
         chunk_size: chunk length of the chunkwise training kernel; does not change the result.
         hidden_act: activation of the gated MLP: `"silu"`, `"gelu"`, `"gelu_new"` or `"relu"`.
         hidden_dropout: dropout on the output of each token mixer and MLP before the residual sum.
@@ -169,6 +236,7 @@ class DeltaNetConfig(PreTrainedConfig, BlockLayout):
     scale_queries: bool = False
     scale_output: bool = False
     position_encoding: str = "none"
+    adaptive_softmax_cutoffs: list[int] | None = None
     chunk_size: int = 64
     hidden_act: str = "silu"
     hidden_dropout: float = 0.0
@@ -200,7 +268,8 @@ class DeltaNetConfig(PreTrainedConfig, BlockLayout):
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "DeltaNetConfig":
-        """A config following one of the named layouts (`"paper"` or `"fla"`), with any field overridden."""
+        """A config following one of the named layouts (`PRESETS`: `"paper"`, `"fla"`, the official scripts'
+        models), with any field overridden."""
         if name not in PRESETS:
             raise ValueError(f"Unknown DeltaNet preset {name!r}; allowed presets: {', '.join(PRESETS)}.")
         return cls(**{**PRESETS[name], **overrides})
@@ -225,7 +294,8 @@ class DeltaNetConfig(PreTrainedConfig, BlockLayout):
         attention += value_width * hidden if self.output_gate else 0
         attention += self.value_head_dim if self.output_norm else 0
         layer = attention + self.block_parameters()  # MLP, the two norms, the output projection's bias
-        return self.num_hidden_layers * layer + self.head_parameters()
+        clusters = len(self.adaptive_softmax_cutoffs or [])
+        return self.num_hidden_layers * layer + self.head_parameters() + clusters * (self.hidden_size + 1)
 
     def describe(self) -> list[str]:
         """The configuration in words, one line per aspect (used by the model card)."""
@@ -270,6 +340,8 @@ class DeltaNetConfig(PreTrainedConfig, BlockLayout):
                 else "none (the order is in the recurrence)"
             ),
         ]
+        if self.adaptive_softmax_cutoffs:
+            lines.append(f"Output: adaptive softmax with cutoffs {self.adaptive_softmax_cutoffs}")
         return lines
 
     def _validate(self):
@@ -303,6 +375,21 @@ class DeltaNetConfig(PreTrainedConfig, BlockLayout):
                 f"DeltaNetConfig.position_encoding='sinusoidal' needs an even hidden_size (sines and cosines in "
                 f"halves), got hidden_size={self.hidden_size}."
             )
+        cutoffs = self.adaptive_softmax_cutoffs
+        if cutoffs is not None and (
+            not isinstance(cutoffs, (list, tuple))
+            or not cutoffs
+            or not all(is_int(cutoff) for cutoff in cutoffs)
+            or list(cutoffs) != sorted(set(cutoffs))
+            or cutoffs[0] <= 0
+            or cutoffs[-1] >= self.vocab_size
+        ):
+            raise ValueError(
+                "DeltaNetConfig.adaptive_softmax_cutoffs must be None or a non-empty list of increasing integers in "
+                f"(0, vocab_size={self.vocab_size}), got {cutoffs!r}."
+            )
+        if cutoffs is not None:
+            self.adaptive_softmax_cutoffs = list(cutoffs)
         # Combinations that make no sense.
         if self.query_key_normalization == "sum" and self.feature_map not in NONNEGATIVE_FEATURE_MAPS:
             raise ValueError(

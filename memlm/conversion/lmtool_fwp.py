@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..configuration.configuration_deltanet import DeltaNetConfig
+from ..configuration.configuration_deltanet import LMTOOL_FWP_LAYOUT, DeltaNetConfig
 
 # train.py's defaults (its argparse parser) for the arguments the conversion reads.
 OFFICIAL_DEFAULTS = {
@@ -76,8 +76,8 @@ OTHER_ATTENTION_TYPES = {
     45: "FAVOR+ delta rule with the attention normaliser inside the update",
     46: "DPFP delta rule with the attention normaliser inside the update (key divided by z_{t-1}ᵀk_t)",
 }
-OFFICIAL_LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which the official layers use
-OFFICIAL_NORMALIZER_EPS = 1e-5  # the fast-weight layers' `eps`
+# train.py's adaptive softmax cutoffs per dataset (`--adaptive`).
+DATASET_CUTOFFS = {"wt103": [20000, 40000, 200000], "lm1b": [60000, 100000, 640000]}
 
 
 def _refuse(flag: str, value, why: str):
@@ -99,7 +99,6 @@ def convert_config(state_dict: dict, official_args: dict) -> DeltaNetConfig:
         what = OTHER_ATTENTION_TYPES.get(attn_type, "not a fast-weight layer memlm knows")
         _refuse("attn_type", attn_type, f"{what}; memlm converts attn_type 24, 26 and 34")
     for flag, why in (
-        ("adaptive", "the adaptive softmax output (memlm's LM head is one linear layer over the vocabulary)"),
         ("pre_lnorm", "Transformer-XL's pre-norm, whose fast-weight layers add their output to the *normed* input"),
         ("remove_ff", "blocks without feed-forward"),
         ("remove_lnorm", "blocks without LayerNorm"),
@@ -139,39 +138,49 @@ def convert_config(state_dict: dict, official_args: dict) -> DeltaNetConfig:
             f"layers.0.dec_attn.o_net.weight has {output.shape[1]} = n_head·d_head input features."
         )
     intermediate_size = _tensor(state_dict, "layers.0.pos_ff.CoreNet.0.weight").shape[0]
+    cutoffs = _adaptive_cutoffs(state_dict, args, vocab_size) if args["adaptive"] else None
     dropout = args["dropout"]
-    return DeltaNetConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=len(layers),
-        num_attention_heads=heads,
-        key_head_dim=head_dim,
-        value_head_dim=head_dim,
-        feature_map=feature_map,
-        dpfp_nu=dpfp_nu if feature_map == "dpfp" else 1,
-        query_key_normalization="sum" if sum_normalised else "none",
-        update_rule=update_rule,
-        use_beta=use_beta,
-        attention_normalizer=not args["skip_attn_normalization"],
-        attention_normalizer_eps=OFFICIAL_NORMALIZER_EPS,
-        scale_output=True,
-        position_encoding="none" if args["no_pos"] else "sinusoidal",
-        norm_type="layernorm",
-        layer_norm_eps=OFFICIAL_LAYER_NORM_EPS,
-        norm_position="post",
-        final_norm=False,
-        mlp_type="plain",
-        mlp_bias=True,
-        hidden_act="relu",
-        lm_head_bias=True,
-        embedding_scale=math.sqrt(hidden_size),
-        hidden_dropout=dropout,
-        embedding_dropout=dropout,
-        activation_dropout=dropout,
-        output_dropout=dropout,
-        tie_word_embeddings=not args["not_tied"],
-    )
+    fields = {
+        **LMTOOL_FWP_LAYOUT,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": len(layers),
+        "num_attention_heads": heads,
+        "key_head_dim": head_dim,
+        "value_head_dim": head_dim,
+        "feature_map": feature_map,
+        "dpfp_nu": dpfp_nu if feature_map == "dpfp" else 1,
+        "query_key_normalization": "sum" if sum_normalised else "none",
+        "update_rule": update_rule,
+        "use_beta": use_beta,
+        "attention_normalizer": not args["skip_attn_normalization"],
+        "position_encoding": "none" if args["no_pos"] else "sinusoidal",
+        "embedding_scale": math.sqrt(hidden_size),
+        "tie_word_embeddings": not args["not_tied"],
+        "adaptive_softmax_cutoffs": cutoffs,
+        **dict.fromkeys(("hidden_dropout", "embedding_dropout", "activation_dropout", "output_dropout"), dropout),
+    }
+    return DeltaNetConfig(**fields)
+
+
+def _adaptive_cutoffs(state_dict: dict, args: dict, vocab_size: int) -> list[int]:
+    """The adaptive softmax's cutoffs: `official_args["cutoffs"]`, else what train.py sets for the dataset."""
+    cutoffs = args.get("cutoffs")
+    if cutoffs is None:
+        cutoffs = DATASET_CUTOFFS.get(args.get("dataset"))
+        if cutoffs is None or cutoffs[-1] >= vocab_size:
+            raise ValueError(
+                f"--adaptive: train.py's cutoffs for dataset {args.get('dataset')!r} are {cutoffs}, which do not "
+                f"fit this vocabulary of {vocab_size} tokens; give the cutoffs as official_args['cutoffs']."
+            )
+    cutoffs = list(cutoffs)
+    clusters = _tensor(state_dict, "crit.cluster_weight").shape[0]
+    if clusters != len(cutoffs):
+        raise ValueError(f"--adaptive: {len(cutoffs)} cutoffs {cutoffs} but crit.cluster_weight has {clusters} rows.")
+    if any(name.startswith(("crit.out_projs.", "word_emb.emb_projs.")) for name in state_dict):
+        _refuse("d_embed", args["d_embed"], "projected adaptive embeddings and softmax (d_embed != d_model)")
+    return cutoffs
 
 
 def _tensor(state_dict: dict, name: str) -> torch.Tensor:
@@ -191,6 +200,10 @@ def convert_state_dict(state_dict: dict, official_args: dict) -> tuple[DeltaNetC
     converted["lm_head.weight"] = _tensor(state_dict, output_weight)
     converted["lm_head.bias"] = _tensor(state_dict, "crit.out_layers.0.bias")
     used = {"word_emb.emb_layers.0.weight", "crit.out_layers.0.weight", "crit.out_layers.0.bias", "pos_emb.inv_freq"}
+    if config.adaptive_softmax_cutoffs:
+        converted["lm_head.cluster_weight"] = _tensor(state_dict, "crit.cluster_weight")
+        converted["lm_head.cluster_bias"] = _tensor(state_dict, "crit.cluster_bias")
+        used |= {"crit.cluster_weight", "crit.cluster_bias"}
     for layer in range(config.num_hidden_layers):
         official, memlm = f"layers.{layer}.", f"model.layers.{layer}."
         # The projection's rows, per head: [q (d_head), k (d_head), v (d_head), β (1, delta rule only)].

@@ -332,14 +332,14 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             if self.config.attention_normalizer:
                 output = output[..., :-1] / (output[..., -1:] + self.config.attention_normalizer_eps)
 
-        if self.config.scale_output:
-            output = output * self.key_head_dim**-0.5  # the official code's `self.scale`
         output = output.transpose(1, 2)  # (B, T, H, d_v)
         if self.output_norm is not None:
             output = self.output_norm(output)
         if self.g_proj is not None:
             gate = self.g_proj(hidden_states).view(batch_size, length, self.num_heads, self.value_head_dim)
             output = output * F.silu(gate)
+        if self.config.scale_output:
+            output = output * self.key_head_dim**-0.5  # the official code's `self.scale`
         output = self.o_proj(output.reshape(batch_size, length, -1))
         return output, new_state, new_tail, new_key_sum
 
@@ -381,6 +381,42 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
             hidden_states, self.dropout(mlp_output), self.post_attention_layernorm, self.norm_position
         )
         return hidden_states, fast_weights, convolution_tail, key_sum
+
+
+class AdaptiveLogSoftmaxHead(nn.Module):
+    """The adaptive softmax output of Grave et al. (2017) as Transformer-XL builds it (one shared output matrix,
+    `div_val` 1, as the official DeltaNet WikiText-103 scripts train it): a head over the shortlist `[0, c_1)` and one
+    logit per tail cluster, and per cluster `[c_i, c_{i+1})` a softmax over its rows of the same output matrix;
+    log p(v) = log p_head(cluster of v) + log p_cluster(v). Returns the full (…, V) log-probabilities, which 🤗's
+    `generate`, losses and samplers take as logits (a log-softmax of log-probabilities is themselves)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, cutoffs: list[int], bias: bool):
+        super().__init__()
+        self.cutoffs = list(cutoffs)
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))  # tied to the embedding when configured
+        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+        self.cluster_weight = nn.Parameter(torch.zeros(len(cutoffs), hidden_size))
+        self.cluster_bias = nn.Parameter(torch.zeros(len(cutoffs)))
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.weight.shape[0]}, cutoffs={self.cutoffs}"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        clusters = len(self.cutoffs)
+        bounds = [*self.cutoffs, self.weight.shape[0]]
+        bias = self.bias if self.bias is not None else self.weight.new_zeros(self.weight.shape[0])
+        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        head_weight = torch.cat([self.weight[: bounds[0]], self.cluster_weight])
+        head_bias = torch.cat([bias[: bounds[0]], self.cluster_bias])
+        head = F.linear(hidden_states, head_weight, head_bias).to(dtype).log_softmax(-1)
+        parts = [head[..., : bounds[0]]]
+        for index in range(1, clusters + 1):
+            start, end = bounds[index - 1], bounds[index]
+            tail = F.linear(hidden_states, self.weight[start:end], bias[start:end]).to(dtype).log_softmax(-1)
+            # Cluster i's logit is the head's i-th column from the end (Transformer-XL's `head_logprob[:, -i]`).
+            column = bounds[0] + clusters - index
+            parts.append(head[..., column : column + 1] + tail)
+        return torch.cat(parts, dim=-1).to(hidden_states.dtype)
 
 
 class DeltaNetCacheLayer(MemoryCacheLayer):
@@ -449,6 +485,12 @@ class DeltaNetPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel)
             init.uniform_(module.weight, -bound, bound)
         elif isinstance(module, DeltaNetFeatureMap) and module.kind == "favor+":
             module.redraw_projection()
+        elif isinstance(module, AdaptiveLogSoftmaxHead):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+            init.zeros_(module.cluster_weight)  # as Transformer-XL's ProjectedAdaptiveLogSoftmax
+            init.zeros_(module.cluster_bias)
 
 
 class DeltaNetModel(DeltaNetPreTrainedModel):
@@ -610,8 +652,22 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, Generatio
         super().__init__(config)
         self.model = DeltaNetModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        if config.adaptive_softmax_cutoffs:
+            self.lm_head = AdaptiveLogSoftmaxHead(
+                config.hidden_size, config.vocab_size, config.adaptive_softmax_cutoffs, config.lm_head_bias
+            )
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        if self.config.adaptive_softmax_cutoffs:
+            raise ValueError(
+                "This DeltaNet's output is an adaptive softmax with cutoffs "
+                f"{self.config.adaptive_softmax_cutoffs}: its clusters are fixed ranges of the vocabulary, so its "
+                "token embeddings cannot be resized."
+            )
+        return super().resize_token_embeddings(*args, **kwargs)
 
     def forward(
         self,

@@ -1,4 +1,5 @@
 import pytest
+import torch
 from transformers import AutoConfig
 
 from memlm import DeltaNetConfig
@@ -19,8 +20,9 @@ def test_defaults_are_the_paper_layout():
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_are_one_line(name):
-    config = DeltaNetConfig.from_preset(name, hidden_size=64, num_attention_heads=4)
-    for field, value in PRESETS[name].items():
+    overrides = {"hidden_size": 64, "num_attention_heads": 4, "key_head_dim": 16, "value_head_dim": 16}
+    config = DeltaNetConfig.from_preset(name, **overrides)
+    for field, value in {**PRESETS[name], **overrides}.items():
         assert getattr(config, field) == value
     assert config.hidden_size == 64 and config.key_head_dim == 16
 
@@ -127,3 +129,29 @@ def test_describe_mentions_every_choice():
     text = "\n".join(DeltaNetConfig.from_preset("fla", output_gate=True).describe())
     for words in ("delta rule", "SiLU", "l2", "convolution of width 4", "RMSNorm and SiLU gate", "d_k^-1/2: yes"):
         assert words in text
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["small_linear_fast_weight_memory", "medium_linear_fast_weight_memory",
+     "medium_linear_fast_weight_memory_carry_over_context"],
+)  # fmt: skip
+def test_the_official_scripts_presets_build_the_official_architecture(name):
+    from memlm import DeltaNetForCausalLM
+
+    config = DeltaNetConfig.from_preset(name)
+    assert (config.norm_type, config.norm_position, config.final_norm, config.mlp_type) == (
+        "layernorm", "post", False, "plain",
+    )  # fmt: skip
+    assert config.adaptive_softmax_cutoffs == [20000, 40000, 200000] and config.vocab_size == 267735
+    assert config.position_encoding == ("none" if name.endswith("carry_over_context") else "sinusoidal")
+    width = 256 if name.startswith("medium") else 128
+    assert config.embedding_scale == width**0.5 and config.key_head_dim == width // 8
+    with torch.device("meta"):
+        model = DeltaNetForCausalLM(config)
+    # Schlag et al. (2021), Table 2: β adds 16 K (small) and 33 K (medium) parameters; the medium model has 90 M.
+    beta = sum(parameter.numel() for key, parameter in model.named_parameters() if "beta_proj" in key)
+    assert beta == 16 * 8 * width
+    assert model.num_parameters() == config.estimated_parameters()
+    if width == 256:
+        assert 89.5e6 < model.num_parameters() < 90.5e6

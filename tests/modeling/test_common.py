@@ -14,6 +14,8 @@ TINY = {"vocab_size": 258, "hidden_size": 32, "intermediate_size": 64, "num_hidd
         "num_attention_heads": 2, "pad_token_id": 257}  # fmt: skip
 CONFIGS = {
     "deltanet": lambda **extra: DELTANET_VARIANTS["fla"](**extra),
+    # The official code's block (LayerNorm, post-norm, plain biased MLP, biased and adaptive-softmax output).
+    "deltanet_official": lambda **extra: DELTANET_VARIANTS["official_block"](**extra),
     "expire_span": lambda **extra: memlm.ExpireSpanConfig(
         **{**TINY, "max_span": 8, "ramp": 2, "block_size": 4, **extra}
     ),  # fmt: skip
@@ -21,6 +23,7 @@ CONFIGS = {
 }
 CLASSES = {
     "deltanet": (memlm.DeltaNetModel, memlm.DeltaNetForCausalLM),
+    "deltanet_official": (memlm.DeltaNetModel, memlm.DeltaNetForCausalLM),
     "expire_span": (memlm.ExpireSpanModel, memlm.ExpireSpanForCausalLM),
     "feedback": (memlm.FeedbackTransformerModel, memlm.FeedbackTransformerForCausalLM),
 }
@@ -85,6 +88,10 @@ def test_tied_embeddings_survive_saving(tmp_path, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_resize_token_embeddings(name):
     model = _model(name)
+    if getattr(model.config, "adaptive_softmax_cutoffs", None):  # its clusters are fixed ranges of the vocabulary
+        with pytest.raises(ValueError, match="cannot be resized"):
+            model.resize_token_embeddings(300)
+        return
     model.resize_token_embeddings(300)
     assert model.config.vocab_size == 300 and model.lm_head.weight.shape[0] == 300
     assert model(torch.tensor([[299, 5, 7]])).logits.shape == (1, 3, 300)
@@ -145,6 +152,20 @@ def test_cache_reorder_repeat_and_select(name):
         ("feedback", "rms_norm_eps", 0.5),
         ("deltanet", "rms_norm_eps", 0.5),
         ("deltanet", "convolution_size", 2),
+        ("deltanet", "position_encoding", "sinusoidal"),
+        ("deltanet", "scale_output", True),
+        ("deltanet", "norm_type", "layernorm"),
+        ("deltanet", "norm_position", "post"),
+        ("deltanet", "final_norm", False),
+        ("deltanet", "mlp_type", "plain"),
+        ("deltanet", "mlp_bias", True),
+        ("deltanet", "attention_output_bias", True),
+        ("deltanet", "lm_head_bias", True),
+        ("deltanet", "embedding_scale", 3.0),
+        ("deltanet_official", "layer_norm_eps", 0.5),
+        ("deltanet_official", "attention_normalizer_eps", 0.5),
+        ("deltanet_official", "attention_normalizer", False),
+        ("deltanet_official", "adaptive_softmax_cutoffs", [100]),
     ],
 )
 def test_every_option_changes_the_output(name, option, value):
@@ -187,7 +208,8 @@ def test_shift_labels_give_the_loss_of_labels(name):
 
 def _gradients_at_layer_outputs(model, input_ids, attention_mask=None):
     """dL/d(output of every layer) computed without `output_hidden_states`: a hook adds a zero leaf to each layer's
-    MLP output (the last term of the layer's output, x + mlp(norm(x))), whose gradient is the layer output's."""
+    MLP output (the last term of the layer's output, x + mlp(norm(x))), or post-norm to the output of the layer's last
+    norm (norm(x + mlp(x))), whose gradient is the layer output's."""
     leaves, handles = [], []
     for layer in model.model.layers:
         leaf = torch.zeros(*input_ids.shape, model.config.hidden_size, dtype=torch.float64, requires_grad=True)
@@ -203,7 +225,9 @@ def _gradients_at_layer_outputs(model, input_ids, attention_mask=None):
             return added
 
         leaves.append(leaf)
-        handles.append(layer.mlp.register_forward_hook(add_leaf))
+        post_norm = getattr(model.config, "norm_position", "pre") == "post"
+        last = layer.post_attention_layernorm if post_norm else layer.mlp
+        handles.append(last.register_forward_hook(add_leaf))
     model(input_ids, attention_mask=attention_mask).logits.pow(2).mean().backward()
     for handle in handles:
         handle.remove()
@@ -214,7 +238,7 @@ def _gradients_at_layer_outputs(model, input_ids, attention_mask=None):
 def test_retained_hidden_states_get_the_gradient_of_the_loss(name):
     """🤗's retain_grad check, for every entry of output_hidden_states: after retain_grad() and a backward, the
     embeddings and every layer's output hold dL/d(that tensor), the gradient a hook at each layer's output gives."""
-    model = _model(name).double()
+    model = _model(name, tie_word_embeddings=False).double()  # the table's gradient is then the embeddings' alone
     input_ids = torch.randint(0, 256, (2, 9))
     output = model(input_ids, output_hidden_states=True)
     for hidden_states in output.hidden_states:
@@ -227,8 +251,9 @@ def test_retained_hidden_states_get_the_gradient_of_the_loss(name):
     expected = _gradients_at_layer_outputs(model, input_ids)
     for layer_idx in range(model.config.num_hidden_layers - 1):  # the last layer's entry is the normed output
         torch.testing.assert_close(grads[layer_idx + 1], expected[layer_idx])
-    # Entry 0 is the embedding output: its gradient, summed per token id, is the embedding table's.
+    # Entry 0 is the embedding output (times embedding_scale): its gradient, summed per token id, is the table's.
     table = torch.zeros_like(embeddings).index_add_(0, input_ids.flatten(), grads[0].flatten(0, 1))
+    table = table * getattr(model.config, "embedding_scale", 1.0)
     torch.testing.assert_close(table, embeddings)
     assert grads[-1].abs().sum() > 0
 

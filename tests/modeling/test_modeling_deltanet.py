@@ -84,8 +84,6 @@ def reference_attention(attention, hidden_states):
         out = torch.einsum("bhkv,bhk->bhv", memory, q)
         if config.attention_normalizer:
             out = out / ((normaliser * q).sum(-1, keepdim=True) + config.attention_normalizer_eps)
-        if config.scale_output:
-            out = out / config.key_head_dim**0.5
         outputs.append(out)
     output = torch.stack(outputs, 1)  # (B, T, H, d_v)
     if config.output_norm:
@@ -94,6 +92,8 @@ def reference_attention(attention, hidden_states):
     if config.output_gate:
         gate = (hidden_states @ attention.g_proj.weight.T).view(batch_size, length, heads, value_dim)
         output = output * gate * torch.sigmoid(gate)
+    if config.scale_output:
+        output = output / config.key_head_dim**0.5
     bias = 0 if attention.o_proj.bias is None else attention.o_proj.bias
     return output.reshape(batch_size, length, -1) @ attention.o_proj.weight.T + bias
 
@@ -457,3 +457,33 @@ def test_few_tokens_run_the_three_projections_and_many_run_one_product_over_thei
         last = model(tokens[:, -1:], use_cache=True, **{cache_keyword(model): cache}).logits
     assert calls == [(1, 1)]  # the single token went through the module
     torch.testing.assert_close(last[:, -1], whole[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("field", ["embedding_dropout", "activation_dropout", "output_dropout", "hidden_dropout"])
+def test_each_dropout_acts_in_training_only(field):
+    """Each dropout of the block layout changes a training forward and leaves evaluation as without it."""
+    input_ids = torch.randint(0, 256, (2, 12))
+    config = DELTANET_VARIANTS["official_block"]()
+    torch.manual_seed(0)
+    plain = _randomised(DeltaNetForCausalLM(config))
+    torch.manual_seed(0)
+    dropped = _randomised(DeltaNetForCausalLM(DELTANET_VARIANTS["official_block"](**{field: 0.5})))
+    with torch.no_grad():
+        torch.testing.assert_close(dropped.eval()(input_ids).logits, plain.eval()(input_ids).logits)
+        assert not torch.allclose(dropped.train()(input_ids).logits, plain.train()(input_ids).logits, atol=1e-4)
+
+
+def test_sinusoidal_positions_count_down_within_each_call():
+    """Transformer-XL's encoding as the official code applies it: the call's last token at position 0."""
+    config = DELTANET_VARIANTS["paper"](
+        position_encoding="sinusoidal", hidden_size=8, key_head_dim=4, value_head_dim=4
+    )
+    model = DeltaNetModel(config)
+    table = model.sinusoidal_positions(3, torch.zeros((), dtype=torch.float64))
+    frequencies = 1 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    for row, position in enumerate((2.0, 1.0, 0.0)):
+        expected = torch.cat([torch.sin(position * frequencies), torch.cos(position * frequencies)])
+        torch.testing.assert_close(table[row], expected)
+    # The embeddings of a call get them added: only the last token of a call sees position 0.
+    hidden = model(torch.tensor([[5, 6, 7]]), output_hidden_states=True).hidden_states[0]
+    torch.testing.assert_close(hidden[0], model.embed_tokens.weight[[5, 6, 7]] + table.float())
