@@ -128,3 +128,14 @@ def test_expire_span_training_table_measures_the_max_spans_asked(monkeypatch):
     assert {(span, expire, memory) for span in (64, 96) for expire in (False, True) for memory in (False, True)} == (
         set(measured)
     )
+
+
+def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tmp_path):
+    results = run_script("paper_layouts.py", "--quick", output=tmp_path / "results.json")
+    assert [row["family"] for row in results["rows"]] == ["DeltaNet (lmtool-fwp)"]
+    for row in results["rows"]:
+        assert abs(row["official_parameters"] / row["default_parameters"] - 1) < 0.05  # same size within 5 %
+        for kind in ("training", "decode"):
+            official, default = row[f"official_{kind}_tokens_per_s"], row[f"default_{kind}_tokens_per_s"]
+            assert official > 0 and default > 0
+            assert abs(row[f"{kind}_official_over_default"] - official / default) < 1e-9

@@ -1,0 +1,205 @@
+"""What do the papers' official layouts cost next to memlm's default layout of the same model?
+
+For each model family, two models of about the same number of parameters, timed in turns in this one process:
+memlm's default layout (pre-norm RMSNorm blocks, gated MLP) and the layout of the paper's official code as memlm's
+converter builds it (post-norm LayerNorm blocks, plain biased ReLU MLP of 1.5× the width, so that the MLPs hold the
+same parameters; the official model's other options). Printed: training tokens/s (forward + backward of the LM loss)
+and decode tokens/s (batch 1, greedy steps with the cache after a prompt), with the ratio official / default.
+
+    python benchmarks/paper_layouts.py [--json results.json]     # a few minutes on 2 quiet cores
+    python benchmarks/paper_layouts.py --quick                   # short sizes: a smoke run
+    python benchmarks/paper_layouts.py --write-docs --json benchmarks/results/paper_layouts.json
+    python benchmarks/paper_layouts.py --report benchmarks/results/paper_layouts.json
+
+``--write-docs`` (after a full run) and ``--report RESULTS_JSON`` rewrite the "papers' layouts" section of
+docs/performance/speed.md from the results (see ``report.py``).
+"""
+
+import argparse
+import json
+
+import torch
+from tqdm.auto import tqdm
+
+from memlm.compat import cache_keyword, output_cache
+
+try:  # run as a script (python benchmarks/paper_layouts.py) or imported as benchmarks.paper_layouts
+    import report
+except ImportError:
+    from benchmarks import report
+
+VOCAB_SIZE = 4096
+SIZES = {"vocab_size": VOCAB_SIZE, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4}
+
+
+def deltanet_configs() -> tuple:
+    """memlm's DeltaNet (`paper` preset: DPFP-free ELU+1 here too, so only the block differs) and the official
+    lmtool-fwp model (attn_type 24 with its normaliser, Transformer-XL's block, sinusoidal positions)."""
+    from memlm import DeltaNetConfig
+    from memlm.configuration.configuration_deltanet import LMTOOL_FWP_LAYOUT
+
+    default = DeltaNetConfig.from_preset("paper", feature_map="elu+1", **SIZES)
+    official = DeltaNetConfig(
+        **{
+            **LMTOOL_FWP_LAYOUT,
+            **SIZES,
+            "feature_map": "elu+1",
+            "query_key_normalization": "sum",
+            "embedding_scale": SIZES["hidden_size"] ** 0.5,
+            "intermediate_size": default.intermediate_size * 3 // 2,
+            "tie_word_embeddings": default.tie_word_embeddings,  # the official model ties them: here as the default
+        }
+    )
+    return default, official
+
+
+FAMILIES = {"DeltaNet (lmtool-fwp)": deltanet_configs}
+
+
+def training_step(model, length: int, batch_size: int):
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, VOCAB_SIZE, (batch_size, length), generator=generator)
+
+    def step():
+        model.train()
+        model(input_ids, labels=input_ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        model.eval()
+
+    return step
+
+
+def decode_steps(model, context: int, steps: int):
+    cache_argument = cache_keyword(model)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB_SIZE, (1, context), generator=generator)
+    with torch.no_grad():
+        cache = output_cache(model(prompt, use_cache=True, logits_to_keep=1))
+    token = prompt[:, -1:]
+
+    def run():
+        nonlocal token
+        with torch.no_grad():
+            for _ in range(steps):
+                token = model(token, use_cache=True, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
+
+    return run
+
+
+def measure(args) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    import memlm  # noqa: F401  (registers memlm's classes)
+
+    rows = []
+    for family, configs in tqdm(FAMILIES.items(), desc="families", leave=False):
+        models = {}
+        for name, config in zip(("default", "official"), configs()):
+            torch.manual_seed(0)
+            models[name] = AutoModelForCausalLM.from_config(config).eval()
+        parameters = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
+        training = report.interleaved_median_times(
+            {name: training_step(model, args.length, args.batch_size) for name, model in models.items()},
+            1,
+            args.repeats,
+        )
+        decoding = report.interleaved_median_times(
+            {name: decode_steps(model, args.context, args.decode_steps) for name, model in models.items()},
+            1,
+            args.repeats,
+        )
+        row = {"family": family}
+        for name in models:
+            row[f"{name}_parameters"] = parameters[name]
+            row[f"{name}_training_tokens_per_s"] = args.batch_size * args.length / training[name]
+            row[f"{name}_decode_tokens_per_s"] = args.decode_steps / decoding[name]
+        for kind in ("training", "decode"):
+            row[f"{kind}_official_over_default"] = (
+                row[f"official_{kind}_tokens_per_s"] / row[f"default_{kind}_tokens_per_s"]
+            )
+        rows.append(row)
+    return rows
+
+
+COLUMNS = [
+    ("", "family", "s"),
+    ("parameters (default / official)", "parameters", "s"),
+    ("training tok/s, default", "default_training_tokens_per_s", ".0f"),
+    ("training tok/s, official", "official_training_tokens_per_s", ".0f"),
+    ("official / default", "training_official_over_default", ".2f"),
+    ("decode tok/s, default", "default_decode_tokens_per_s", ".1f"),
+    ("decode tok/s, official", "official_decode_tokens_per_s", ".1f"),
+    ("official / default", "decode_official_over_default", ".2f"),
+]
+
+
+def _with_parameters(rows: list[dict]) -> list[dict]:
+    return [
+        {**row, "parameters": f"{row['default_parameters'] / 1e6:.2f}M / {row['official_parameters'] / 1e6:.2f}M"}
+        for row in rows
+    ]
+
+
+REPORT_SECTION = "paper_layouts"
+REPORT_COMMAND = "python benchmarks/paper_layouts.py --report benchmarks/results/paper_layouts.json"
+
+
+def docs_section(results: dict) -> str:
+    """The "papers' layouts" section of docs/performance/speed.md, from one full run's results."""
+    settings = results["settings"]
+    return "\n\n".join(
+        [
+            f"From `python benchmarks/paper_layouts.py` (medians of {settings['repeats']} runs, the two layouts "
+            f"timed in turns). {report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
+            f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, vocabulary {VOCAB_SIZE}; "
+            f"training = forward + backward of the LM loss on {settings['batch_size']} × {settings['length']} "
+            f"tokens; decoding = {settings['decode_steps']} greedy steps at batch 1 after {settings['context']} "
+            "tokens.",
+            report.markdown_table(COLUMNS, _with_parameters(results["rows"])),
+        ]
+    )
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--length", type=int, default=2048, help="tokens per training row")
+    parser.add_argument("--batch-size", type=int, default=4, help="training rows per step")
+    parser.add_argument("--context", type=int, default=2048, help="prompt before the timed decoding")
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="short sizes, few repeats: a smoke run")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--write-docs", action="store_true", help="rewrite the section of the speed page")
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON", help="rewrite the section from a saved run")
+    arguments = parser.parse_args(argv)
+    if arguments.quick:
+        arguments.length, arguments.batch_size, arguments.context = 64, 2, 32
+        arguments.decode_steps, arguments.repeats = 2, 1
+    return arguments
+
+
+def main(argv=None) -> dict:
+    args = parse_arguments(argv)
+    if args.report:
+        with open(args.report) as file:
+            results = json.load(file)
+        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
+        print(f"wrote the papers' layouts section of {report.SPEED_PAGE}")
+        return results
+    rows = measure(args)
+    settings = {key: getattr(args, key) for key in ("length", "batch_size", "context", "decode_steps", "repeats")}
+    results = {"settings": {**settings, "quick": args.quick, **report.machine()}, "rows": rows}
+    report.print_table("The papers' layouts next to memlm's default", COLUMNS, _with_parameters(rows))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=2)
+    if args.write_docs:
+        if args.quick:
+            raise SystemExit("the docs quote a full run, not --quick")
+        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
+        print(f"wrote the papers' layouts section of {report.SPEED_PAGE}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
