@@ -78,7 +78,17 @@ def _saved(tmp_path, name="fla", tokenizer=None):
 
 
 @pytest.mark.parametrize(
-    "name", ["paper", "fla", "favor_conv_gate", "expire_span", "fixed_span", "feedback", "feedback_unshared"]
+    "name",
+    [
+        "paper",
+        "fla",
+        "favor_conv_gate",
+        "official_block",
+        "expire_span",
+        "fixed_span",
+        "feedback",
+        "feedback_unshared",
+    ],
 )
 def test_round_trip_is_exact_and_uses_safetensors(tmp_path, name):
     model, directory = _saved(tmp_path, name)
@@ -178,7 +188,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 ).format(prompt=PROMPT)
 
 
-@pytest.mark.parametrize("name", ["fla", "expire_span", "feedback"])
+@pytest.mark.parametrize("name", ["fla", "official_block", "expire_span", "feedback"])
 def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, tokenizer, name):
     model, directory = _saved(tmp_path, name, tokenizer)
     environment = {
