@@ -486,3 +486,57 @@ def test_backward_called_inside_autocast_keeps_its_precision():
         gradients = torch.autograd.grad(delta_rule(**leaves)[0].sum(), list(leaves.values()))
     for gradient, reference in zip(gradients, expected):
         assert gradient.dtype == reference.dtype and torch.equal(gradient, reference)
+
+
+def _nan_inputs(length=20, batch_size=2, num_heads=2, width=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, num_heads, length)
+    query = torch.randn(*shape, width, generator=generator)
+    key = torch.nn.functional.normalize(torch.randn(*shape, width, generator=generator), dim=-1)
+    value = torch.randn(*shape, width, generator=generator)
+    beta = torch.rand(shape, generator=generator)
+    return query, key, value, beta
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "triton"])
+@pytest.mark.parametrize("rule", ["delta", "sum"])
+@pytest.mark.parametrize(("where", "value"), [("key", float("nan")), ("value", float("inf")), ("beta", float("nan"))])
+def test_a_non_finite_input_at_t_leaves_every_output_before_t_as_it_was(backend, rule, where, value):
+    """Causality with non-finite inputs (issue 33): a NaN or inf at position t — which a chunkwise product would
+    multiply into the earlier rows of its chunk (0 · NaN = NaN) — leaves the outputs before t, of that row and head,
+    equal to the outputs without it; from t on they are NaN, and so is that row's and head's final state."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    if rule == "sum" and where == "beta":
+        pytest.skip("the sum rule takes no β")
+    query, key, value_, beta = _nan_inputs()
+    run = delta_rule if rule == "delta" else lambda q, k, v, b, **options: sum_rule(q, k, v, **options)
+    options = {"chunk_size": 8, "backend": backend, "output_final_state": True}
+    clean, clean_state = run(query, key, value_, beta, **options)
+    inputs = {"key": key.clone(), "value": value_.clone(), "beta": beta.clone()}
+    if where == "beta":
+        inputs["beta"][0, 1, 13] = value
+    else:
+        inputs[where][0, 1, 13, 2] = value
+    output, state = run(query, inputs["key"], inputs["value"], inputs["beta"], **options)
+    assert torch.equal(output[0, 1, :13], clean[0, 1, :13])
+    assert output[0, 1, 13:].isnan().all() and state[0, 1].isnan().all()
+    assert torch.equal(output[1], clean[1]) and torch.equal(output[0, 0], clean[0, 0])
+    torch.testing.assert_close(state[1], clean_state[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_non_finite_input_stays_inside_its_packed_sequence(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    query, key, value, beta = _nan_inputs(batch_size=1)
+    cu_seqlens = torch.tensor([0, 9, 20])
+    options = {"chunk_size": 8, "backend": backend, "output_final_state": True, "cu_seqlens": cu_seqlens}
+    clean, clean_state = delta_rule(query, key, value, beta, **options)
+    value = value.clone()
+    value[0, 0, 4, 1] = float("nan")  # in the first sequence
+    output, state = delta_rule(query, key, value, beta, **options)
+    assert torch.equal(output[0, 0, :4], clean[0, 0, :4]) and output[0, 0, 4:9].isnan().all()
+    torch.testing.assert_close(output[0, 0, 9:], clean[0, 0, 9:])  # the second sequence never saw it
+    assert state[0, 0].isnan().all() and torch.isfinite(state[1]).all()
+    torch.testing.assert_close(state[1], clean_state[1])

@@ -419,3 +419,14 @@ def test_deltanet_on_gpu_in_bfloat16_fla_agrees_with_triton_and_torch(fla_kernel
             logits[backend] = model(input_ids).logits
     assert _relative_error(logits["fla"], logits["torch"]) < 2e-2
     assert _relative_error(logits["fla"], logits["triton"]) < 2e-2
+
+
+def test_a_non_finite_input_leaves_the_earlier_outputs_of_fla_s_kernel_as_they_were(fla_kernels):
+    """FLA's chunk kernel multiplies a chunk's rows together too (0 · NaN = NaN): memlm keeps a NaN where it is."""
+    tensors, _ = _inputs(20, torch.float16)
+    clean, _ = delta_rule(*tensors, backend="fla")
+    tensors[2] = tensors[2].clone()
+    tensors[2][0, 1, 13, 3] = float("nan")
+    output, _ = delta_rule(*tensors, backend="fla")
+    assert torch.equal(output[0, 1, :13], clean[0, 1, :13]) and output[0, 1, 13:].isnan().all()
+    assert torch.equal(output[1], clean[1])

@@ -335,3 +335,21 @@ def test_packed_documents_are_refused_whatever_marks_them(name):
             with pytest.raises(ValueError, match="cannot keep packed documents apart"):
                 model(input_ids, **marks)
         assert torch.isfinite(model(input_ids, position_ids=torch.tensor([[0, 1, 2, 1, 2, 3, 4]])).logits).all()
+
+
+@pytest.mark.parametrize("name", [name for name in CONFIGS if name != "expire_span"])
+def test_a_non_finite_input_leaves_every_earlier_position_as_it_was(name):
+    """Causality with a NaN or inf at a real position t (issue 33): every logit before t is finite and equal to the
+    logits without it, as in 🤗 Llama; the chunkwise products must not carry it backwards (0 · NaN = NaN)."""
+    model = _model(name)
+    input_ids = torch.randint(0, 256, (2, 19))
+    clean = model.get_input_embeddings()(input_ids).detach()
+    with torch.no_grad():
+        expected = model(inputs_embeds=clean).logits
+        for position, value in ((13, float("nan")), (5, float("inf"))):
+            poisoned = clean.clone()
+            poisoned[1, position, 3] = value
+            logits = model(inputs_embeds=poisoned).logits
+            assert torch.isfinite(logits[1, :position]).all(), (position, value)
+            torch.testing.assert_close(logits[1, :position], expected[1, :position])
+            torch.testing.assert_close(logits[0], expected[0])  # the other row never sees it

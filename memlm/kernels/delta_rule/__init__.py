@@ -132,6 +132,46 @@ def _per_sequence(offsets, output_final_state, query, key, value, beta, initial_
     return output, torch.cat(final_states)
 
 
+def _poisoned_positions(bad: torch.Tensor, offsets: list[int] | None) -> torch.Tensor:
+    """(B, H, T) bool: the positions at or after a non-finite input of their row (of their sequence, for packed
+    sequences at `offsets`)."""
+    seen = bad.cumsum(-1)
+    if offsets is not None:  # restart the count at every packed sequence
+        lengths = torch.tensor([end - start for start, end in zip(offsets[:-1], offsets[1:])], device=bad.device)
+        before = torch.nn.functional.pad(seen, (1, 0))[..., offsets[:-1]]  # the count before each sequence starts
+        seen = seen - before.repeat_interleave(lengths, dim=-1)
+    return seen > 0
+
+
+def _causal_despite_non_finite(run, query, key, value, beta, initial_state, offsets):
+    """`run(query, key, value, beta, initial_state)`, keeping a non-finite input where it is: a chunkwise product
+    multiplies the rows of a chunk together, and 0 · NaN = NaN would carry a NaN at position t into the outputs
+    before t. When the output is not all finite (one reduction, read on the host), the rule runs again with the
+    non-finite positions' inputs zeroed — what comes before them does not depend on them — and every output from such
+    a position on (and the final state of its row or sequence) is NaN."""
+    output, state = run(query, key, value, beta, initial_state)
+    if key.shape[2] == 1 or torch.compiler.is_compiling() or bool(torch.isfinite(output.detach().sum())):
+        return output, state
+    bad = ~(torch.isfinite(query).all(-1) & torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))
+    if beta is not None:
+        bad |= ~torch.isfinite(beta)
+    if not bool(bad.any()):  # a finite input whose output overflowed: nothing to keep in place
+        return output, state
+    zero = torch.zeros((), dtype=key.dtype, device=key.device)
+    query, key, value = (torch.where(bad[..., None], zero, tensor) for tensor in (query, key, value))
+    beta = None if beta is None else torch.where(bad, zero.to(beta.dtype), beta)
+    output, state = run(query, key, value, beta, initial_state)
+    poisoned = _poisoned_positions(bad, offsets)
+    output = torch.where(poisoned[..., None], torch.full((), float("nan"), dtype=output.dtype), output)
+    if state is not None:
+        if offsets is None:
+            spoiled = poisoned[..., -1]  # (B, H)
+        else:  # (S, H): a sequence's last position
+            spoiled = poisoned[0, :, [end - 1 for end in offsets[1:]]].transpose(0, 1)
+        state = torch.where(spoiled[..., None, None], torch.full((), float("nan"), dtype=state.dtype), state)
+    return output, state
+
+
 def delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -177,7 +217,8 @@ def delta_rule(
 
     Returns:
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
-        float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``.
+        float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``. A non-finite input at position
+        t leaves the outputs before t as they are without it; the outputs from t on are NaN.
 
     Example:
         >>> import torch
@@ -193,11 +234,20 @@ def delta_rule(
     """
     offsets = _check_inputs(query, key, value, beta, initial_state, chunk_size, cu_seqlens, cu_seqlens_cpu)
     backend = resolve_backend(backend, key.device, operation="delta_rule")
+
+    def run(query, key, value, beta, initial_state):
+        return _delta_rule(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens,
+                           offsets, backend, hub_kernel)  # fmt: skip
+
+    return _causal_despite_non_finite(run, query, key, value, beta, initial_state, offsets)
+
+
+def _delta_rule(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens, offsets, backend,
+                hub_kernel):  # fmt: skip
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
-            return delta_rule(query, key, value, beta, initial_state=initial_state,
-                              output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                              cu_seqlens_cpu=offsets, backend=backend, hub_kernel=hub_kernel)  # fmt: skip
+            return _delta_rule(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens,
+                               offsets, backend, hub_kernel)  # fmt: skip
     if hub_kernel is not None:
         from .hub_function import delta_rule_hub, hub_covers
 
@@ -258,11 +308,19 @@ def sum_rule(
     """
     offsets = _check_inputs(query, key, value, None, initial_state, chunk_size, cu_seqlens, cu_seqlens_cpu)
     backend = resolve_backend(backend, key.device, operation="sum_rule")  # "fla" has no sum rule: it runs "triton"
+
+    def run(query, key, value, beta, initial_state):
+        return _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets,
+                         backend)  # fmt: skip
+
+    return _causal_despite_non_finite(run, query, key, value, None, initial_state, offsets)
+
+
+def _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets, backend):
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
-            return sum_rule(query, key, value, initial_state=initial_state, output_final_state=output_final_state,
-                            chunk_size=chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=offsets,
-                            backend=backend)  # fmt: skip
+            return _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets,
+                             backend)  # fmt: skip
     if cu_seqlens is not None:
         return _per_sequence(offsets, output_final_state, query, key, value, None, initial_state,
                              run=lambda *inputs: sum_rule(*inputs[:3], initial_state=inputs[4], chunk_size=chunk_size,
