@@ -77,6 +77,13 @@ class ExpireSpanConfig(PreTrainedConfig, BlockLayout):
         span_loss_form: `"span"` (default): the loss sums the span e_i over the (query, memory) pairs on the ramp,
             α Σ e_i / (R · T); `"remaining_span"`: the official code's value, α Σ (e_i − (t − i)) / (R · T) over
             the same pairs, negative where it lives (the remaining span is on the ramp); both have the same gradient.
+        recompute_memory: False (default): the memory carries the keys, values and spans computed when each token
+            came (detached; in training the spans are recomputed from the span predictor's inputs so they keep
+            learning). True: it carries the layers' input hidden states (detached), and every block recomputes their
+            keys, values and spans with the current weights, as Transformer-XL and the official Expire-Span code
+            train: the norm, the projections and the span predictor get gradients through the memories, and nothing
+            is stale after an update. Costs one more projection of every memory per block (and per decoded token),
+            and the memory holds the hidden states beside the keys and values.
         renormalization_epsilon: ε >= 0 added to the denominator of the renormalised attention (Eq. 4):
             a'_ti = m_ti a_ti / (Σ_j m_tj a_tj + ε), with the softmax over the memories with m > 0; the official
             code uses 1e-8. 0 (default) is Eq. 4 exactly.
@@ -137,6 +144,7 @@ class ExpireSpanConfig(PreTrainedConfig, BlockLayout):
     attend_to_self: bool = True
     initial_memory: str = "empty"
     span_loss_form: str = "span"
+    recompute_memory: bool = False
     renormalization_epsilon: float = 0.0
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -204,6 +212,8 @@ class ExpireSpanConfig(PreTrainedConfig, BlockLayout):
         ]
         if not self.attend_to_self:
             lines.append("A token attends to earlier tokens only, not to itself")
+        if self.recompute_memory:
+            lines.append("Memories carried as hidden states, their keys, values and spans recomputed every block")
         if self.initial_memory == "zeros":
             lines.append(f"Starts from {self.initial_memory_size} zero memories (the official initial memory)")
         if self.expire_memories:
@@ -240,7 +250,10 @@ class ExpireSpanConfig(PreTrainedConfig, BlockLayout):
         check_number(self, "rms_norm_eps", minimum=0, strict_minimum=True)
         check_number(self, "initializer_range", minimum=0)
         check_number(self, "renormalization_epsilon", minimum=0)
-        check_bools(self, "memory_shortening", "expire_memories", "attend_to_self", "use_cache", "tie_word_embeddings")
+        check_bools(
+            self, "memory_shortening", "expire_memories", "attend_to_self", "recompute_memory", "use_cache",
+            "tie_word_embeddings",
+        )  # fmt: skip
         check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
         check_choice(self, "initial_memory", INITIAL_MEMORIES)
         check_choice(self, "span_loss_form", SPAN_LOSS_FORMS)

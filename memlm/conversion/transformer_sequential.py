@@ -163,6 +163,7 @@ def convert_config(state_dict: dict, official_args: dict) -> ExpireSpanConfig:
         initial_memory="zeros",
         span_loss_form="remaining_span",
         renormalization_epsilon=OFFICIAL_RENORMALIZATION_EPSILON,
+        recompute_memory=True,
         attention_dropout=dropout,
         activation_dropout=dropout,
         hidden_act="relu",

@@ -145,11 +145,12 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         return query, key, value
 
-    def make_memory(self, hidden_states, positions, valid, cos, sin) -> ExpireSpanMemory:
-        """The memories of hidden_states (B, N, D) (normed as the attention reads them) at `positions` (B, N)."""
+    def make_memory(self, hidden_states, positions, valid, cos, sin, layer_inputs=None) -> ExpireSpanMemory:
+        """The memories of hidden_states (B, N, D) (normed as the attention reads them) at `positions` (B, N);
+        `layer_inputs`: the layer inputs they came from, kept with `recompute_memory`."""
         _, key, value = self.project(hidden_states, cos, sin)
         spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
-        return ExpireSpanMemory(key, value, positions, valid, spans, hidden_states)
+        return ExpireSpanMemory(key, value, positions, valid, spans, hidden_states, layer_inputs)
 
     def forward(
         self,
@@ -162,19 +163,23 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         max_distance: float | None,
         counted_positions: bool = False,
         relative_positions: LearnedRelativePositions | None = None,
+        layer_inputs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ExpireSpanMemory, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """hidden_states (B, T, D) normed; positions (B, T); token_valid (B, T); `counted_positions`: the positions
         were counted from the padding mask (consecutive in each row). Returns the output, the memories after the block
         (`memory` then the block's own, not detached), the block's spans, the span-loss sum and the number of attended
-        memories. `relative_positions`: the model's learned relative positions (shared by the layers), or None."""
+        memories. `relative_positions`: the model's learned relative positions (shared by the layers), or None;
+        `layer_inputs`: the block's layer inputs, kept in its memories with `recompute_memory`."""
         batch_size, length, _ = hidden_states.shape
         query, key, value = self.project(hidden_states, cos, sin)
         spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
-        block = ExpireSpanMemory(key, value, positions, token_valid, spans, hidden_states)
+        block = ExpireSpanMemory(key, value, positions, token_valid, spans, hidden_states, layer_inputs)
 
         visible_memory = block if memory is None else memory.append(block)
         memory_spans = visible_memory.spans
-        if self.span_predictor is not None and visible_memory.span_inputs is not None and memory is not None:
+        recomputed = memory is not None and memory.hidden_states is not None  # spans already follow the weights
+        has_inputs = memory is not None and visible_memory.span_inputs is not None
+        if self.span_predictor is not None and has_inputs and not recomputed:
             # Spans of earlier memories are recomputed from the current span parameters, so they keep learning.
             memory_spans = torch.cat([self.predict_spans(memory.span_inputs), spans], dim=1)
         # Decoding without gradient: while no memory the query sees can be on the ramp (slack >= 0), the mask is 1
@@ -247,8 +252,21 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
     def initial_memory(self, hidden_states, positions, cos, sin) -> ExpireSpanMemory:
         """The memories of the layer inputs hidden_states (B, N, D) at `positions` (the official zero memory)."""
         valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        return self.memory_of(hidden_states, positions, valid, cos, sin)
+
+    def memory_of(self, hidden_states, positions, valid, cos, sin) -> ExpireSpanMemory:
+        """The memories of the layer inputs hidden_states (B, N, D): keys, values and spans of the attention input
+        (normed in pre-norm) with the current weights; the layer inputs kept with `recompute_memory`."""
         attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
-        return self.attention.make_memory(attention_input, positions, valid, cos, sin)
+        kept = hidden_states if self.attention.config.recompute_memory else None
+        return self.attention.make_memory(attention_input, positions, valid, cos, sin, kept)
+
+    def recompute(self, memory: ExpireSpanMemory, rotary_embedding) -> ExpireSpanMemory:
+        """`recompute_memory`: the memories' keys, values and spans computed again from their (detached) layer inputs
+        with the current weights (Transformer-XL; the official Expire-Span training), so that the norm, the
+        projections and the span predictor get gradients through the memories and nothing is stale."""
+        cos, sin = rotary_embedding(memory.positions) if rotary_embedding is not None else (None, None)
+        return self.memory_of(memory.hidden_states, memory.positions, memory.valid, cos, sin)
 
     def prune(self, memory: ExpireSpanMemory, first_positions: torch.Tensor, delete_expired: bool):
         """The memory without empty slots and, with `delete_expired`, without the memories that are dead for each
@@ -266,14 +284,18 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         return memory.prune(dead if delete_expired else None)
 
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
-                first_positions=None, delete_expired=True, counted_positions=False, relative_positions=None):  # fmt: skip
+                first_positions=None, delete_expired=True, counted_positions=False, relative_positions=None,
+                rotary_embedding=None):  # fmt: skip
         """Returns the new hidden states, the memories after this block (the earlier ones pruned for each row's first
         query `first_positions`, then this block's), this block's spans, the span-loss sum and the memories read."""
+        recompute = self.attention.config.recompute_memory
         if memory is not None:
+            if recompute and memory.hidden_states is not None:
+                memory = self.recompute(memory, rotary_embedding)
             memory = self.prune(memory, first_positions, delete_expired)
         mixed, memory, spans, span_loss_sum, read = self.attention(
             sublayer_input(hidden_states, self.input_layernorm, self.norm_position), positions, token_valid, cos, sin,
-            memory, max_distance, counted_positions, relative_positions,
+            memory, max_distance, counted_positions, relative_positions, hidden_states if recompute else None,
         )  # fmt: skip
         hidden_states = add_sublayer_output(
             hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
@@ -472,6 +494,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         keep_span_inputs = self.training and torch.is_grad_enabled() and config.expire_memories
         blocks = split_into_blocks(positions, token_valid, config.block_size, self.rotary_emb)
         options = {"relative_positions": self.relative_positions} if self.relative_positions is not None else {}
+        if config.recompute_memory and self.rotary_emb is not None:
+            options["rotary_embedding"] = self.rotary_emb  # memories are rotated again as they are recomputed
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans = []

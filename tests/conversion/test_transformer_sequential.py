@@ -202,3 +202,39 @@ def test_the_conversion_is_differentiable_back_to_the_official_names():
     sum(tensor.sum() * (index + 1) for index, tensor in enumerate(converted.values())).backward()
     for name in meta["parameters"]:
         assert leaves[name].grad is not None and leaves[name].grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_of_the_training_blocks_map_back_onto_the_official_names(case):
+    """Training as the official trainer: per block forward, loss_lm + loss_aux, backward (gradients accumulate), the
+    memory carried detached; with `recompute_memory` (set by the converter) each block recomputes the carried
+    memories' keys, values and spans from their hidden states with the current weights, as the official model."""
+    meta, tensors, official = load_case(case)
+    # Leaves under the official names; a tied parameter is one leaf under each of its names.
+    leaves = {name: value.clone().requires_grad_(value.is_floating_point()) for name, value in official.items()}
+    for other, first in meta["tied_parameters"].items():
+        leaves[other] = leaves[first]
+    config, state_dict = convert_state_dict(leaves, meta["official_args"])
+    assert config.recompute_memory
+    model = ExpireSpanForCausalLM(config).to(torch.float64).train()  # dropout 0, as the reference
+    omitted = meta["official_args"]["data_omit_label_idx"]
+    trained = len(tensors["train.loss_lm"])
+    cache, lm_losses, aux_losses = None, [], []
+    for index, input_ids, labels in blocks(meta, tensors):
+        if index == trained:
+            break
+        output = torch.func.functional_call(
+            model, state_dict, args=(), kwargs={"input_ids": input_ids, "cache": cache, "use_cache": True}
+        )
+        lm_loss = official_lm_loss(output.logits.log_softmax(-1), labels, omitted)
+        (lm_loss + output.aux_loss).backward()
+        cache = output.cache  # its memories carry no gradient to earlier blocks (the official detach)
+        lm_losses.append(lm_loss.detach())
+        aux_losses.append(output.aux_loss.detach())
+    assert (torch.stack(lm_losses) - tensors["train.loss_lm"]).abs().max() <= TOLERANCE
+    assert (torch.stack(aux_losses) - tensors["train.loss_aux"]).abs().max() <= 1e-9 * tensors["loss_aux"].abs().max()
+    gradients = {name.removeprefix("grad."): value for name, value in tensors.items() if name.startswith("grad.")}
+    assert set(gradients) == set(meta["parameters"])
+    for name, expected in gradients.items():
+        error = (leaves[name].grad - expected).abs().max().item()
+        assert error <= TOLERANCE, f"{name}: {error:.3g}"

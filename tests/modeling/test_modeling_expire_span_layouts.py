@@ -274,3 +274,33 @@ def test_embedding_scale_and_the_dropouts_act_where_documented():
     dropped.eval()
     with torch.no_grad():
         assert torch.equal(dropped(input_ids=_input_ids()).logits, dropped(input_ids=_input_ids()).logits)
+
+
+@pytest.mark.parametrize("position_encoding", ["rotary", "learned_relative"])
+def test_recomputed_memories_give_the_same_outputs_and_reach_the_projections_through_the_memory(position_encoding):
+    """With fixed weights, recomputing the memories' keys, values and spans from their hidden states changes nothing;
+    in training it sends the next block's loss into the key/value projections through the carried memories."""
+    options = {**OFFICIAL, "position_encoding": position_encoding, "head_dim": 12, "norm_position": "pre"}
+    carried = _model(torch.float64, **options)
+    recomputed = _model(torch.float64, **options, recompute_memory=True)
+    input_ids = _input_ids(length=12)
+    with torch.no_grad():
+        expected = carried(input_ids=input_ids).logits
+        cache, pieces = None, []
+        for start in (0, 6):
+            output = recomputed(input_ids=input_ids[:, start : start + 6], cache=cache, use_cache=True)
+            cache, pieces = output.cache, pieces + [output.logits]
+    assert cache.layers[0].memory.hidden_states is not None
+    assert (torch.cat(pieces, 1) - expected).abs().max() < 1e-12
+    gradients = []
+    for model in (carried, recomputed):
+        model.train()
+        first = model(input_ids=input_ids[:, :6], use_cache=True)
+        model.zero_grad()
+        second = model(input_ids=input_ids[:, 6:], cache=first.cache, use_cache=True)
+        second.logits.square().mean().backward()
+        layer = model.model.layers[0]
+        gradients.append((layer.attention.k_proj.weight.grad.clone(), layer.input_layernorm.weight.grad.clone()))
+    # The second block's keys from the first block's memories: only the recomputed memories carry that gradient.
+    assert (gradients[0][0] - gradients[1][0]).abs().max() > 1e-6
+    assert (gradients[0][1] - gradients[1][1]).abs().max() > 1e-6

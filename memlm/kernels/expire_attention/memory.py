@@ -46,8 +46,10 @@ def check_interval(width: int) -> int:
     return max(16, width // 16)
 
 
-_FIELDS = ("keys", "values", "positions", "valid", "spans", "span_inputs")
-_SLOT_DIMENSION = {"keys": 2, "values": 2, "positions": 1, "valid": 1, "spans": 1, "span_inputs": 1}
+_FIELDS = ("keys", "values", "positions", "valid", "spans", "span_inputs", "hidden_states")
+_SLOT_DIMENSION = {
+    "keys": 2, "values": 2, "positions": 1, "valid": 1, "spans": 1, "span_inputs": 1, "hidden_states": 1,
+}  # fmt: skip
 
 
 class _Buffer:
@@ -74,6 +76,9 @@ class ExpireSpanMemory:
     valid: torch.Tensor  # (B, N) False for empty, padding or dead slots
     spans: torch.Tensor | None  # (B, N) float32 e_i (None when expiration is off)
     span_inputs: torch.Tensor | None  # (B, N, D): h_i, kept in training so spans follow the current parameters
+    # (B, N, D): the layer inputs that made the memories, with `recompute_memory` (their keys, values and spans are
+    # recomputed from them with the current weights at every block, as the official code trains)
+    hidden_states: torch.Tensor | None = None
     buffer: _Buffer | None = dataclasses.field(default=None, repr=False, compare=False)
     # Decoding: a lower bound on min over rows and valid memories of (i + e_i) − t, t the row's next query; None
     # when unknown. While it is >= 0 no memory is on the ramp or expired (see `decoding_slack`).
