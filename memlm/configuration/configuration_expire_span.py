@@ -58,6 +58,12 @@ class ExpireSpanConfig(PreTrainedConfig, BlockLayout):
             so every memory starts with span fraction · L (paper: "small initial spans"; official code: 0.1).
         memory_shortening: the paper's regulariser: in training, per forward, draw l ~ U(0, L) and hide memories
             older than l. Never active in eval mode.
+        noisy_spans: the official code's `--expire-span-noisy`: in training, per forward, draw u ~ U(0, 1) (one draw
+            for all layers) and clamp the spans the mask and the span loss use at u · L (expired memories are still
+            deleted by their own spans). Never active in eval mode.
+        layer_drop: LayerDrop (Fan et al., 2020; the official `--expire-span-layerdrop`): in training each layer is
+            skipped with this probability per forward: its memories are still made and pruned, but its output and its
+            span loss are left out. 0 (default) keeps every layer.
         block_size: K; a long input is processed in blocks of K tokens, each attending causally to itself and to the
             memories of earlier blocks, with expired memories deleted before each block. A block larger than L + R is
             allowed: the tokens of one block then see each other only as far back as the spans allow, but the
@@ -137,6 +143,8 @@ class ExpireSpanConfig(PreTrainedConfig, BlockLayout):
     span_pre_divisor: float = 1.0
     initial_span_fraction: float = 0.1
     memory_shortening: bool = False
+    noisy_spans: bool = False
+    layer_drop: float = 0.0
     block_size: int = 512
     expire_memories: bool = True
     position_encoding: str = "rotary"
@@ -222,7 +230,9 @@ class ExpireSpanConfig(PreTrainedConfig, BlockLayout):
                 f"tokens, soft mask with ramp R = {self.ramp:g}, initial span {self.initial_span_fraction:g}·L",
                 f"Span loss coefficient α = {self.span_loss_coefficient:g}"
                 + (", official value (remaining spans)" if self.span_loss_form == "remaining_span" else "")
-                + (", random memory shortening in training" if self.memory_shortening else ""),
+                + (", random memory shortening in training" if self.memory_shortening else "")
+                + (", noisy spans in training" if self.noisy_spans else "")
+                + (f", layer drop {self.layer_drop:g} in training" if self.layer_drop else ""),
             ]
         else:
             lines.append(f"Expiration off: every memory kept for a fixed span of {self.max_span} tokens")
@@ -250,9 +260,10 @@ class ExpireSpanConfig(PreTrainedConfig, BlockLayout):
         check_number(self, "rms_norm_eps", minimum=0, strict_minimum=True)
         check_number(self, "initializer_range", minimum=0)
         check_number(self, "renormalization_epsilon", minimum=0)
+        check_number(self, "layer_drop", minimum=0, maximum=1, strict_maximum=True)
         check_bools(
-            self, "memory_shortening", "expire_memories", "attend_to_self", "recompute_memory", "use_cache",
-            "tie_word_embeddings",
+            self, "memory_shortening", "noisy_spans", "expire_memories", "attend_to_self", "recompute_memory",
+            "use_cache", "tie_word_embeddings",
         )  # fmt: skip
         check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
         check_choice(self, "initial_memory", INITIAL_MEMORIES)

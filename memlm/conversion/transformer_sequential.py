@@ -10,14 +10,19 @@ to q·k before the 1/√head_dim scale; no attention to the token itself; spans 
 of the attention input h_i, the soft mask with ramp R, the masked attention renormalised by Σ m a + 1e-8 (softmax
 over the memories with m > 0); a biased output layer. Memories start as min(attn_lim, mem_sz) zero hidden states
 with counters mem_sz..1; memories whose mask is 0 for the next block are dropped. Its span loss sums the remaining
-spans e_i − (t − i) of the (query, memory) pairs on the ramp (coefficient · Σ / R / mem_sz per sample).
+spans e_i − (t − i) of the (query, memory) pairs on the ramp (coefficient · Σ / R / mem_sz per sample). In training
+it carries the layers' input hidden states and recomputes the memories' keys, values and spans with the current
+weights every block; `--expire-span-noisy` clamps the spans the mask sees at u·attn_lim (u ~ U(0, 1) per block),
+`--expire-span-layerdrop` skips layers at random.
 
 memlm's options for each of these: `norm_type="layernorm"`, `norm_position`, `final_norm`, `mlp_type="plain"`,
 `mlp_bias`, `hidden_act="relu"`, `lm_head_bias`, `head_dim`, `position_encoding="learned_relative"`,
 `attend_to_self=False`, `initial_memory="zeros"`, `span_loss_form="remaining_span"`,
-`renormalization_epsilon=1e-8`, `block_size` = mem_sz. Fed as memlm is fed — `model(input_ids=block, cache=cache,
-use_cache=True)` block after block, the first with `cache=None` (which starts from the official zero memory) — the
-converted model gives the official log-probabilities; `aux_loss` on the output is the official span loss.
+`renormalization_epsilon=1e-8`, `recompute_memory=True`, `noisy_spans`, `layer_drop`, `block_size` = mem_sz (the
+regularisers draw their random numbers from torch's generator, the official code from Python's `random`). Fed as
+memlm is fed — `model(input_ids=block, cache=cache, use_cache=True)` block after block, the first with `cache=None`
+(which starts from the official zero memory) — the converted model gives the official log-probabilities and, in
+training, the official gradients; `aux_loss` on the output is the official span loss.
 
 `convert_state_dict(state_dict, official_args)` maps an official state dict (official names) and the official
 `main.py` arguments (argparse names, e.g. `hid_sz`, `attn_lim`, `expire_span_ramp`) to an `ExpireSpanConfig` and a
@@ -101,14 +106,8 @@ def convert_config(state_dict: dict, official_args: dict) -> ExpireSpanConfig:
             "not set: the plain TransformerSeq (attention over exactly the last attn_lim tokens, itself included) is "
             "another model; this converter reads Expire-Span models",
         )
-    for flag, why in (
-        ("adapt_span", "adaptive span with Expire-Span"),
-        ("expire_span_noisy", "the noisy-span regulariser (spans clamped to a random limit per training block)"),
-    ):
-        if args[flag]:
-            _refuse(flag, why)
-    if args["expire_span_layerdrop"] > 0:
-        _refuse("expire_span_layerdrop", "layer drop in training", args["expire_span_layerdrop"])
+    if args["adapt_span"]:
+        _refuse("adapt_span", "adaptive span with Expire-Span (the official trainer adds a loss the model lacks)")
 
     embedding = _tensor(state_dict, "in_emb.weight")
     vocab_size, hidden_size = embedding.shape
@@ -164,6 +163,8 @@ def convert_config(state_dict: dict, official_args: dict) -> ExpireSpanConfig:
         span_loss_form="remaining_span",
         renormalization_epsilon=OFFICIAL_RENORMALIZATION_EPSILON,
         recompute_memory=True,
+        noisy_spans=bool(args["expire_span_noisy"]),
+        layer_drop=args["expire_span_layerdrop"],
         attention_dropout=dropout,
         activation_dropout=dropout,
         hidden_act="relu",

@@ -164,12 +164,15 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         counted_positions: bool = False,
         relative_positions: LearnedRelativePositions | None = None,
         layer_inputs: torch.Tensor | None = None,
+        span_limit: float | None = None,
     ) -> tuple[torch.Tensor, ExpireSpanMemory, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """hidden_states (B, T, D) normed; positions (B, T); token_valid (B, T); `counted_positions`: the positions
         were counted from the padding mask (consecutive in each row). Returns the output, the memories after the block
         (`memory` then the block's own, not detached), the block's spans, the span-loss sum and the number of attended
         memories. `relative_positions`: the model's learned relative positions (shared by the layers), or None;
-        `layer_inputs`: the block's layer inputs, kept in its memories with `recompute_memory`."""
+        `layer_inputs`: the block's layer inputs, kept in its memories with `recompute_memory`; `span_limit`: with
+        `noisy_spans` in training, the mask and the span loss see the spans clamped at this (the memories keep
+        theirs)."""
         batch_size, length, _ = hidden_states.shape
         query, key, value = self.project(hidden_states, cos, sin)
         spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
@@ -182,6 +185,8 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         if self.span_predictor is not None and has_inputs and not recomputed:
             # Spans of earlier memories are recomputed from the current span parameters, so they keep learning.
             memory_spans = torch.cat([self.predict_spans(memory.span_inputs), spans], dim=1)
+        if span_limit is not None and memory_spans is not None:
+            memory_spans = memory_spans.clamp(max=span_limit)  # official --expire-span-noisy: min(e_i, u·L)
         # Decoding without gradient: while no memory the query sees can be on the ramp (slack >= 0), the mask is 1
         # wherever visible (Eq. 5), so the step is plain attention and counts nothing on the ramp (no span loss).
         # The slack is kept only while positions are counted (a query at most one position after the last).
@@ -276,8 +281,8 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
         def dead():
             spans = memory.spans if config.expire_memories else None
-            if spans is not None and memory.span_inputs is not None:
-                with torch.no_grad():  # spans follow the current parameters
+            if spans is not None and memory.span_inputs is not None and memory.hidden_states is None:
+                with torch.no_grad():  # spans follow the current parameters (recomputed memories' already do)
                     spans = self.attention.predict_spans(memory.span_inputs)
             return expired_memories(memory.positions, spans, first_positions, config.ramp, config.max_span)
 
@@ -285,7 +290,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
                 first_positions=None, delete_expired=True, counted_positions=False, relative_positions=None,
-                rotary_embedding=None):  # fmt: skip
+                rotary_embedding=None, span_limit=None):  # fmt: skip
         """Returns the new hidden states, the memories after this block (the earlier ones pruned for each row's first
         query `first_positions`, then this block's), this block's spans, the span-loss sum and the memories read."""
         recompute = self.attention.config.recompute_memory
@@ -296,6 +301,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         mixed, memory, spans, span_loss_sum, read = self.attention(
             sublayer_input(hidden_states, self.input_layernorm, self.norm_position), positions, token_valid, cos, sin,
             memory, max_distance, counted_positions, relative_positions, hidden_states if recompute else None,
+            span_limit,
         )  # fmt: skip
         hidden_states = add_sublayer_output(
             hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
@@ -491,21 +497,33 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         ]
         if config.initial_memory == "zeros" and all(memory is None for memory in memories) and past_length == 0:
             memories = self.initial_memories(inputs_embeds, start_positions)
-        keep_span_inputs = self.training and torch.is_grad_enabled() and config.expire_memories
+        # Spans of carried memories follow the current parameters in training: recomputed from their span inputs, or
+        # with `recompute_memory` from their hidden states together with their keys and values.
+        keep_span_inputs = (
+            self.training and torch.is_grad_enabled() and config.expire_memories and not config.recompute_memory
+        )
         blocks = split_into_blocks(positions, token_valid, config.block_size, self.rotary_emb)
         options = {"relative_positions": self.relative_positions} if self.relative_positions is not None else {}
         if config.recompute_memory and self.rotary_emb is not None:
             options["rotary_embedding"] = self.rotary_emb  # memories are rotated again as they are recomputed
+        if self.training and config.noisy_spans and config.expire_memories:
+            # Official --expire-span-noisy: per forward u ~ U(0, 1), the mask sees min(e_i, u·L) in every layer.
+            options["span_limit"] = float(torch.rand(())) * config.max_span
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans = []
         span_loss_sum = inputs_embeds.new_zeros((), dtype=torch.float32)
         read_count = torch.zeros((), dtype=torch.long, device=device)
         for index, decoder_layer in enumerate(self.layers):
-            hidden_states, memories[index], layer_spans, layer_span_loss, layer_read = run_layer_over_blocks(
+            layer_output, memories[index], layer_spans, layer_span_loss, layer_read = run_layer_over_blocks(
                 decoder_layer, hidden_states, blocks, memories[index], keep_span_inputs, max_distance=max_distance,
                 delete_expired=self.prune_expired_memories, counted_positions=position_ids is None, **options,
             )  # fmt: skip
+            if self.training and config.layer_drop > 0 and float(torch.rand(())) < config.layer_drop:
+                # LayerDrop (official --expire-span-layerdrop): the layer made and pruned its memories; its output
+                # and its span loss are left out.
+                layer_output, layer_span_loss = hidden_states, 0
+            hidden_states = layer_output
             span_loss_sum = span_loss_sum + layer_span_loss
             read_count = read_count + layer_read
             if output_hidden_states:

@@ -164,14 +164,21 @@ def test_what_memlm_cannot_express_is_refused_naming_the_flag():
         ({"feedback": True}, "--feedback"),
         ({"compress": True}, "--compress"),
         ({"staircase": True}, "--staircase"),
-        ({"expire_span_noisy": True}, "--expire-span-noisy"),
-        ({"expire_span_layerdrop": 0.2}, "--expire-span-layerdrop 0.2"),
         ({"adapt_span": True}, "--adapt-span"),
     ):
         with pytest.raises(NotImplementedError, match=f"transformer-sequential `{flag}`.*memlm cannot express it"):
             convert_state_dict(official, {**arguments, **changes})
     with pytest.raises(NotImplementedError, match="no place for: extra.weight"):
         convert_state_dict({**official, "extra.weight": torch.zeros(1)}, arguments)
+
+
+def test_the_training_regularisers_map_onto_their_options():
+    meta, _, official = load_case(CASES[0])
+    config, _ = convert_state_dict(official, {**meta["official_args"], "expire_span_noisy": True})
+    assert config.noisy_spans and config.layer_drop == 0
+    config, _ = convert_state_dict(official, {**meta["official_args"], "expire_span_layerdrop": 0.2, "dropout": 0.1})
+    assert config.layer_drop == 0.2 and not config.noisy_spans
+    assert config.attention_dropout == config.activation_dropout == 0.1 and config.hidden_dropout == 0
 
 
 def test_arguments_that_do_not_fit_the_state_dict_are_refused():

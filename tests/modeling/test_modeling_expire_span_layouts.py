@@ -1,20 +1,17 @@
-"""Expire-Span's block layouts and the official model's options (issue 30; SPEC §8): the default layout is unchanged
-(a checkpoint saved before these options existed loads and gives its logits), the papers' layout (LayerNorm, post-norm,
-plain biased MLP, biases, dropouts), an independent head width, the learned relative positions, no attention to self,
-the zero initial memory, the official span-loss value and renormalisation, float64 throughout."""
-
-from pathlib import Path
+"""Expire-Span's block layouts and the official model's options (issue 30; SPEC §8): the default layout round-trips
+(tests/modeling/test_old_checkpoints.py loads checkpoints saved before these options), the papers' layout (LayerNorm,
+post-norm, plain biased MLP, biases, dropouts), an independent head width, the learned relative positions, no
+attention to self, the zero initial memory, the official span-loss value and renormalisation, memories recomputed
+from hidden states, noisy spans and layer drop, float64 throughout."""
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from memlm import ExpireSpanConfig, ExpireSpanForCausalLM
 from memlm.kernels.expire_attention import expire_span_attention, expire_span_mask
 from memlm.modeling.layers import LayerNorm, LearnedRelativePositions, PlainMLP
 
-OLD_CHECKPOINT = Path(__file__).parent / "data" / "expire_span_before_block_layout"
 TINY = {
     "vocab_size": 40,
     "hidden_size": 24,
@@ -58,21 +55,6 @@ def _model(dtype=torch.float32, **overrides) -> ExpireSpanForCausalLM:
 
 def _input_ids(length=20, batch=2):
     return torch.randint(0, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(1))
-
-
-def test_a_checkpoint_saved_before_the_block_layout_loads_with_its_logits():
-    """The folder was written by `save_pretrained` with memlm at commit ba53d04 (before the layout options; its
-    config.json has none of them), with the logits that code computed: the new fields' defaults rebuild that model."""
-    expected = load_file(OLD_CHECKPOINT / "expected.safetensors")
-    model = ExpireSpanForCausalLM.from_pretrained(OLD_CHECKPOINT).eval()
-    config = model.config
-    assert (config.norm_type, config.norm_position, config.mlp_type, config.position_encoding) == (
-        "rmsnorm", "pre", "gated", "rotary"
-    )  # fmt: skip
-    with torch.no_grad():
-        output = model(input_ids=expected["input_ids"])
-    assert torch.equal(output.logits, expected["logits"])
-    assert torch.equal(output.span_loss.reshape(1), expected["span_loss"])
 
 
 def test_the_default_layout_round_trips_through_save_pretrained(tmp_path):
@@ -304,3 +286,49 @@ def test_recomputed_memories_give_the_same_outputs_and_reach_the_projections_thr
     # The second block's keys from the first block's memories: only the recomputed memories carry that gradient.
     assert (gradients[0][0] - gradients[1][0]).abs().max() > 1e-6
     assert (gradients[0][1] - gradients[1][1]).abs().max() > 1e-6
+
+
+def test_noisy_spans_clamp_what_the_mask_sees_in_training_only():
+    model = _model(**OFFICIAL, noisy_spans=True, span_loss_coefficient=1.0)
+    input_ids = _input_ids(length=12)
+    with torch.no_grad():
+        evaluated = model(input_ids=input_ids).logits
+        model.config.noisy_spans = False
+        assert torch.equal(model(input_ids=input_ids).logits, evaluated)  # never active in eval mode
+        model.config.noisy_spans = True
+    model.train()
+    torch.manual_seed(4)
+    noisy = model(input_ids=input_ids)
+    torch.manual_seed(4)
+    again = model(input_ids=input_ids)
+    assert torch.equal(noisy.logits, again.logits)  # one draw per forward from torch's generator
+    assert (noisy.logits - evaluated).abs().max() > 1e-4
+    # The attention sees min(e_i, limit): the layer with the limit passed equals the clamped spans; the memories it
+    # returns keep their own spans (they expire by them).
+    layer, relative = model.model.layers[0], model.model.relative_positions
+    hidden = torch.randn(2, 6, 24)
+    positions, valid = torch.arange(6)[None].expand(2, 6), torch.ones(2, 6, dtype=torch.bool)
+    limit = 0.4
+    with torch.no_grad():
+        clamped, memory, spans, loss, _ = layer.attention(
+            hidden, positions, valid, None, None, None, None, True, relative, span_limit=limit
+        )
+        assert torch.equal(memory.spans, spans) and spans.max() > limit
+        free, *_ = layer.attention(hidden, positions, valid, None, None, None, None, True, relative)
+    assert (clamped - free).abs().max() > 1e-6
+
+
+def test_layer_drop_skips_layers_in_training_but_keeps_their_memories():
+    model = _model(layer_drop=0.999).train()
+    input_ids = _input_ids(length=12)
+    torch.manual_seed(0)
+    output = model(input_ids=input_ids, use_cache=True, output_hidden_states=True)
+    embeddings = model.model.embed_tokens(input_ids)
+    # every layer dropped: the LM head reads the normed embeddings; no span loss; every layer still has its memories
+    assert torch.allclose(output.logits, model.lm_head(model.model.norm(embeddings)), atol=1e-6)
+    assert output.span_loss == 0
+    assert all(layer.memory is not None and layer.memory.width > 0 for layer in output.cache.layers)
+    model.eval()
+    with torch.no_grad():
+        kept = model(input_ids=input_ids).logits
+    assert (kept - output.logits).abs().max() > 1e-3  # never active in eval mode
