@@ -167,8 +167,9 @@ def test_the_official_renormalization_divides_by_the_masked_sum_plus_epsilon():
     assert (output - exact).abs().max() > 1e-4  # ε changes the output: the option is not a no-op
 
 
-def test_the_official_options_give_the_same_output_block_by_block_and_token_by_token():
-    model = _model(torch.float64, **OFFICIAL)
+@pytest.mark.parametrize("recompute_memory", [False, True])
+def test_the_official_options_give_the_same_output_block_by_block_and_token_by_token(recompute_memory):
+    model = _model(torch.float64, **OFFICIAL, recompute_memory=recompute_memory)
     input_ids = _input_ids(length=21)
     with torch.no_grad():
         whole = model(input_ids=input_ids).logits
@@ -183,7 +184,11 @@ def test_the_official_options_give_the_same_output_block_by_block_and_token_by_t
             cache, pieces = output.cache, pieces + [output.logits]
         assert (torch.cat(pieces, 1) - whole).abs().max() < 1e-12
         generated = model.generate(input_ids[:, :8], max_new_tokens=5, do_sample=False)
-    assert generated.shape == (2, 13)
+        recomputed = input_ids[:, :8]
+        for _ in range(5):  # greedy decoding with the cache equals full forwards without one
+            recomputed = torch.cat([recomputed, model(input_ids=recomputed).logits[:, -1:].argmax(-1)], dim=1)
+        beams = model.generate(input_ids[:, :8], max_new_tokens=5, num_beams=3, do_sample=False)
+    assert torch.equal(generated, recomputed) and beams.shape == (2, 13)
 
 
 def test_the_zero_initial_memory_is_attended_before_the_first_token():
