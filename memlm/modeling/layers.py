@@ -124,3 +124,22 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     rotated = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
     dtype = torch.promote_types(states.dtype, torch.float32)
     return (states.to(dtype) * cos + rotated.to(dtype) * sin).to(states.dtype)
+
+
+class LearnedRelativePositions(nn.Module):
+    """The learned, query-dependent relative positions of the official Feedback Transformer and Expire-Span code
+    (facebookresearch/transformer-sequential, `key_pe`; Sukhbaatar et al., 2019, "Adaptive Attention Span", Sec. 3):
+    one vector p_d per distance d = t − i in 1..num_positions, shared by the layers, adding q_t · p_d to the score of
+    key i. Keys at other distances (the token itself, farther ones) get no position term."""
+
+    def __init__(self, num_positions: int, head_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_positions, head_dim))  # row d − 1 is p_d
+
+    def forward(self, query: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """query (B, H, T, d), positions (B, T) and (B, N) → the scores q_t · p_{t−i}, (B, H, T, N)."""
+        by_distance = query @ self.weight.to(query.dtype).mT  # (B, H, T, P): q_t · p_d for d = 1..P
+        distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, T, N)
+        inside = (distance >= 1) & (distance <= self.weight.shape[0])
+        index = (distance - 1).clamp(0, self.weight.shape[0] - 1)[:, None].expand(*by_distance.shape[:3], -1)
+        return torch.where(inside[:, None], by_distance.gather(-1, index), 0.0)

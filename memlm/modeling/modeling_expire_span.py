@@ -35,7 +35,15 @@ from ..kernels.expire_attention.memory import (
     next_decoding_slack,
 )
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from .layers import (
+    LearnedRelativePositions,
+    RotaryEmbedding,
+    add_sublayer_output,
+    apply_rotary,
+    make_mlp,
+    make_norm,
+    sublayer_input,
+)
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -61,12 +69,16 @@ class ExpireSpanModelOutput(BaseModelOutputWithPast):
     hidden_states: embeddings and each layer's output, when `output_hidden_states`.
     attentions: always None (Expire-Span does not return attention weights).
     spans: per layer, the span e_t (B, T) predicted for each input token, when `output_spans`.
-    span_loss: the auxiliary loss α·Σ e_i / T computed on the ramp (SPEC §2), summed over layers.
+    span_loss: the auxiliary loss α·Σ e_i / T computed on the ramp (SPEC §2), summed over layers (the official
+        value with `span_loss_form="remaining_span"`).
+    aux_loss: the auxiliary loss training adds to the language-modelling loss: the span loss (the name the three
+        models share).
     memory_size: mean number of memories each query attended to (m > 0), over queries and layers.
     """
 
     spans: tuple[torch.FloatTensor, ...] | None = None
     span_loss: torch.FloatTensor | None = None
+    aux_loss: torch.FloatTensor | None = None
     memory_size: torch.FloatTensor | None = None
 
 
@@ -81,6 +93,7 @@ class ExpireSpanCausalLMOutput(CausalLMOutputWithPast):
     spans: tuple[torch.FloatTensor, ...] | None = None
     lm_loss: torch.FloatTensor | None = None
     span_loss: torch.FloatTensor | None = None
+    aux_loss: torch.FloatTensor | None = None
     memory_size: torch.FloatTensor | None = None
 
 
@@ -101,18 +114,43 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        width = config.num_attention_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.o_proj = nn.Linear(width, config.hidden_size, bias=config.attention_output_bias)
         # Paper Eq. 3: one span per memory, shared by the heads.
         self.span_predictor = ExpireSpanPredictor(config.hidden_size) if config.expire_memories else None
+        # Decoding may skip the mask while no memory is on the ramp only when the attention is plain softmax attention
+        # over the visible memories (not the official variant: positions in the scores, no self, ε).
+        self.plain_attention = (
+            config.position_encoding == "rotary" and config.attend_to_self and config.renormalization_epsilon == 0
+        )
 
     def predict_spans(self, span_inputs: torch.Tensor) -> torch.Tensor:
-        """e_i = L · σ(w · h_i / p + b) (paper Eq. 3), in float32: (B, N, D) → (B, N)."""
+        """e_i = L · σ(w · h_i / p + b) (paper Eq. 3), in float32 or wider: (B, N, D) → (B, N)."""
         divisor = self.config.span_pre_divisor
         logits = self.span_predictor(span_inputs if divisor == 1 else span_inputs / divisor).squeeze(-1)
-        return self.config.max_span * torch.sigmoid(logits.float())
+        return self.config.max_span * torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+
+    def project(self, hidden_states: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """Queries, keys and values (B, H, T, d) of hidden_states (B, T, D), queries and keys rotated with rotary
+        positions (cos and sin None otherwise)."""
+        batch_size, length, _ = hidden_states.shape
+        shape = (batch_size, length, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        if cos is not None:
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        return query, key, value
+
+    def make_memory(self, hidden_states, positions, valid, cos, sin, layer_inputs=None) -> ExpireSpanMemory:
+        """The memories of hidden_states (B, N, D) (normed as the attention reads them) at `positions` (B, N);
+        `layer_inputs`: the layer inputs they came from, kept with `recompute_memory`."""
+        _, key, value = self.project(hidden_states, cos, sin)
+        spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
+        return ExpireSpanMemory(key, value, positions, valid, spans, hidden_states, layer_inputs)
 
     def forward(
         self,
@@ -124,29 +162,36 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         memory: ExpireSpanMemory | None,
         max_distance: float | None,
         counted_positions: bool = False,
+        relative_positions: LearnedRelativePositions | None = None,
+        layer_inputs: torch.Tensor | None = None,
+        span_limit: float | None = None,
     ) -> tuple[torch.Tensor, ExpireSpanMemory, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """hidden_states (B, T, D) normed; positions (B, T); token_valid (B, T); `counted_positions`: the positions
         were counted from the padding mask (consecutive in each row). Returns the output, the memories after the block
         (`memory` then the block's own, not detached), the block's spans, the span-loss sum and the number of attended
-        memories."""
+        memories. `relative_positions`: the model's learned relative positions (shared by the layers), or None;
+        `layer_inputs`: the block's layer inputs, kept in its memories with `recompute_memory`; `span_limit`: with
+        `noisy_spans` in training, the mask and the span loss see the spans clamped at this (the memories keep
+        theirs)."""
         batch_size, length, _ = hidden_states.shape
-        shape = (batch_size, length, self.num_heads, self.head_dim)
-        query = apply_rotary(self.q_proj(hidden_states).view(shape).transpose(1, 2), cos, sin)
-        key = apply_rotary(self.k_proj(hidden_states).view(shape).transpose(1, 2), cos, sin)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        query, key, value = self.project(hidden_states, cos, sin)
         spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
-        block = ExpireSpanMemory(key, value, positions, token_valid, spans, hidden_states)
+        block = ExpireSpanMemory(key, value, positions, token_valid, spans, hidden_states, layer_inputs)
 
         visible_memory = block if memory is None else memory.append(block)
         memory_spans = visible_memory.spans
-        if self.span_predictor is not None and visible_memory.span_inputs is not None and memory is not None:
+        recomputed = memory is not None and memory.hidden_states is not None  # spans already follow the weights
+        has_inputs = memory is not None and visible_memory.span_inputs is not None
+        if self.span_predictor is not None and has_inputs and not recomputed:
             # Spans of earlier memories are recomputed from the current span parameters, so they keep learning.
             memory_spans = torch.cat([self.predict_spans(memory.span_inputs), spans], dim=1)
+        if span_limit is not None and memory_spans is not None:
+            memory_spans = memory_spans.clamp(max=span_limit)  # official --expire-span-noisy: min(e_i, u·L)
         # Decoding without gradient: while no memory the query sees can be on the ramp (slack >= 0), the mask is 1
         # wherever visible (Eq. 5), so the step is plain attention and counts nothing on the ramp (no span loss).
         # The slack is kept only while positions are counted (a query at most one position after the last).
         slack = None
-        decoding = length == 1 and counted_positions and not torch.compiler.is_compiling()
+        decoding = length == 1 and counted_positions and self.plain_attention and not torch.compiler.is_compiling()
         if decoding and memory_spans is visible_memory.spans:
             if memory_spans is not None and not (torch.is_grad_enabled() and memory_spans.requires_grad):
                 slack = decoding_slack(memory, positions, token_valid)
@@ -164,36 +209,69 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
                     visible_memory.expiry_slack = next_decoding_slack(slack, spans)
                     read_count = torch.full((), seen.numel(), dtype=torch.float32, device=output.device)
                     return output, visible_memory, spans, output.new_zeros((), dtype=torch.float32), read_count
+        position_scores = None
+        if relative_positions is not None:
+            position_scores = relative_positions(query, positions, visible_memory.positions)  # q_t · p_{t−i}
         output = expire_span_attention(
             query, visible_memory.keys, visible_memory.values, memory_spans, positions, visible_memory.positions,
             ramp=self.config.ramp, key_valid=visible_memory.valid, max_distance=max_distance, dropout=dropout,
+            position_scores=position_scores, attend_to_self=self.config.attend_to_self,
+            renormalization_epsilon=self.config.renormalization_epsilon,
         )  # fmt: skip
         output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
 
         # Bookkeeping: which (query, memory) pairs are read (m > 0), and which are on the ramp (0 < m < 1), where the
-        # span loss is computed (paper, "Loss Computation"): the loss is Σ_i e_i · (queries seeing i on the ramp) / R.
-        read_counts, ramp_counts = memory_counts(
-            memory_spans, positions, token_valid, visible_memory, self.config.ramp, max_distance, counted_positions
-        )
-        span_loss_sum = (ramp_counts * memory_spans).sum() / self.config.ramp if memory_spans is not None else None
-        if span_loss_sum is None:
-            span_loss_sum = output.new_zeros((), dtype=torch.float32)
+        # span loss is computed (paper, "Loss Computation"): the loss is Σ_i e_i · (queries seeing i on the ramp) / R,
+        # or with the official value Σ (e_i − (t − i)) / R over the same pairs (the remaining span; same gradient).
+        remaining = self.config.span_loss_form == "remaining_span"
+        read_counts, ramp_counts, *distances = memory_counts(
+            memory_spans, positions, token_valid, visible_memory, self.config.ramp, max_distance, counted_positions,
+            attend_to_self=self.config.attend_to_self, distance_sums=remaining,
+        )  # fmt: skip
+        if memory_spans is None:
+            span_loss_sum = output.new_zeros((), dtype=torch.promote_types(output.dtype, torch.float32))
+        elif remaining:
+            span_loss_sum = ((ramp_counts * memory_spans).sum() - distances[0].sum()) / self.config.ramp
+        else:
+            span_loss_sum = (ramp_counts * memory_spans).sum() / self.config.ramp
         if slack is not None:
             visible_memory.expiry_slack = next_decoding_slack(slack, spans)
         return output, visible_memory, spans, span_loss_sum, read_counts.sum()
 
 
 class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
-    """x = x + attention(norm(x), memories); x = x + mlp(norm(x)). Memories enter as tensors, never through the
-    cache object, so gradient checkpointing recomputes the layer from the same state."""
+    """x = x + attention(norm(x), memories); x = x + mlp(norm(x)) (pre-norm), or x = norm(x + attention(x,
+    memories)); x = norm(x + mlp(x)) (post-norm, the official default). A layer's memories are its attention inputs
+    (normed in pre-norm). Memories enter as tensors, never through the cache object, so gradient checkpointing
+    recomputes the layer from the same state."""
 
     def __init__(self, config: ExpireSpanConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_position = config.norm_position
+        self.input_layernorm = make_norm(config)
         self.attention = ExpireSpanAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = make_mlp(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def initial_memory(self, hidden_states, positions, cos, sin) -> ExpireSpanMemory:
+        """The memories of the layer inputs hidden_states (B, N, D) at `positions` (the official zero memory)."""
+        valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        return self.memory_of(hidden_states, positions, valid, cos, sin)
+
+    def memory_of(self, hidden_states, positions, valid, cos, sin) -> ExpireSpanMemory:
+        """The memories of the layer inputs hidden_states (B, N, D): keys, values and spans of the attention input
+        (normed in pre-norm) with the current weights; the layer inputs kept with `recompute_memory`."""
+        attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
+        kept = hidden_states if self.attention.config.recompute_memory else None
+        return self.attention.make_memory(attention_input, positions, valid, cos, sin, kept)
+
+    def recompute(self, memory: ExpireSpanMemory, rotary_embedding) -> ExpireSpanMemory:
+        """`recompute_memory`: the memories' keys, values and spans computed again from their (detached) layer inputs
+        with the current weights (Transformer-XL; the official Expire-Span training), so that the norm, the
+        projections and the span predictor get gradients through the memories and nothing is stale."""
+        cos, sin = rotary_embedding(memory.positions) if rotary_embedding is not None else (None, None)
+        return self.memory_of(memory.hidden_states, memory.positions, memory.valid, cos, sin)
 
     def prune(self, memory: ExpireSpanMemory, first_positions: torch.Tensor, delete_expired: bool):
         """The memory without empty slots and, with `delete_expired`, without the memories that are dead for each
@@ -203,25 +281,35 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
         def dead():
             spans = memory.spans if config.expire_memories else None
-            if spans is not None and memory.span_inputs is not None:
-                with torch.no_grad():  # spans follow the current parameters
+            if spans is not None and memory.span_inputs is not None and memory.hidden_states is None:
+                with torch.no_grad():  # spans follow the current parameters (recomputed memories' already do)
                     spans = self.attention.predict_spans(memory.span_inputs)
             return expired_memories(memory.positions, spans, first_positions, config.ramp, config.max_span)
 
         return memory.prune(dead if delete_expired else None)
 
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
-                first_positions=None, delete_expired=True, counted_positions=False):  # fmt: skip
+                first_positions=None, delete_expired=True, counted_positions=False, relative_positions=None,
+                rotary_embedding=None, span_limit=None):  # fmt: skip
         """Returns the new hidden states, the memories after this block (the earlier ones pruned for each row's first
         query `first_positions`, then this block's), this block's spans, the span-loss sum and the memories read."""
+        recompute = self.attention.config.recompute_memory
         if memory is not None:
+            if recompute and memory.hidden_states is not None:
+                memory = self.recompute(memory, rotary_embedding)
             memory = self.prune(memory, first_positions, delete_expired)
         mixed, memory, spans, span_loss_sum, read = self.attention(
-            self.input_layernorm(hidden_states), positions, token_valid, cos, sin, memory, max_distance,
-            counted_positions,
+            sublayer_input(hidden_states, self.input_layernorm, self.norm_position), positions, token_valid, cos, sin,
+            memory, max_distance, counted_positions, relative_positions, hidden_states if recompute else None,
+            span_limit,
         )  # fmt: skip
-        hidden_states = hidden_states + self.dropout(mixed)
-        hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        hidden_states = add_sublayer_output(
+            hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
+        )
+        mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
+        hidden_states = add_sublayer_output(
+            hidden_states, self.dropout(mlp_output), self.post_attention_layernorm, self.norm_position
+        )
         return hidden_states, memory, spans, span_loss_sum, read
 
 
@@ -290,6 +378,9 @@ class ExpireSpanPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedMode
             init.zeros_(module.weight)
             init.constant_(module.bias, self.config.initial_span_bias)
             return
+        if isinstance(module, LearnedRelativePositions):
+            init.normal_(module.weight, std=self.config.initializer_range)
+            return
         super()._init_weights(module)
         if isinstance(module, RotaryEmbedding):
             init.copy_(module.inv_freq, module.compute_inverse_frequencies())
@@ -308,8 +399,15 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         self.layers = nn.ModuleList(
             [ExpireSpanDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.norm = make_norm(config) if config.final_norm else nn.Identity()
+        rotary = config.position_encoding == "rotary"
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta) if rotary else None
+        # The official learned relative positions: one module, shared by the layers.
+        self.relative_positions = (
+            None if rotary else LearnedRelativePositions(config.num_relative_positions, config.head_dim)
+        )
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.output_dropout = nn.Dropout(config.output_dropout)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -352,6 +450,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         )
         return_dict = return_dict if return_dict is not None else config.return_dict
         inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
+        if config.embedding_scale != 1:
+            inputs_embeds = inputs_embeds * config.embedding_scale
         batch_size, length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
@@ -372,6 +472,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             token_valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         else:
             inputs_embeds = zero_padding(inputs_embeds, token_valid)
+        inputs_embeds = self.embedding_dropout(inputs_embeds)
 
         start_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         if cache is not None and cache.next_positions is not None:
@@ -394,18 +495,35 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         memories = [
             cache.layers[index].memory if cache is not None else None for index in range(config.num_hidden_layers)
         ]
-        keep_span_inputs = self.training and torch.is_grad_enabled() and config.expire_memories
+        if config.initial_memory == "zeros" and all(memory is None for memory in memories) and past_length == 0:
+            memories = self.initial_memories(inputs_embeds, start_positions)
+        # Spans of carried memories follow the current parameters in training: recomputed from their span inputs, or
+        # with `recompute_memory` from their hidden states together with their keys and values.
+        keep_span_inputs = (
+            self.training and torch.is_grad_enabled() and config.expire_memories and not config.recompute_memory
+        )
         blocks = split_into_blocks(positions, token_valid, config.block_size, self.rotary_emb)
+        options = {"relative_positions": self.relative_positions} if self.relative_positions is not None else {}
+        if config.recompute_memory and self.rotary_emb is not None:
+            options["rotary_embedding"] = self.rotary_emb  # memories are rotated again as they are recomputed
+        if self.training and config.noisy_spans and config.expire_memories:
+            # Official --expire-span-noisy: per forward u ~ U(0, 1), the mask sees min(e_i, u·L) in every layer.
+            options["span_limit"] = float(torch.rand(())) * config.max_span
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans = []
         span_loss_sum = inputs_embeds.new_zeros((), dtype=torch.float32)
         read_count = torch.zeros((), dtype=torch.long, device=device)
         for index, decoder_layer in enumerate(self.layers):
-            hidden_states, memories[index], layer_spans, layer_span_loss, layer_read = run_layer_over_blocks(
+            layer_output, memories[index], layer_spans, layer_span_loss, layer_read = run_layer_over_blocks(
                 decoder_layer, hidden_states, blocks, memories[index], keep_span_inputs, max_distance=max_distance,
-                delete_expired=self.prune_expired_memories, counted_positions=position_ids is None,
+                delete_expired=self.prune_expired_memories, counted_positions=position_ids is None, **options,
             )  # fmt: skip
+            if self.training and config.layer_drop > 0 and float(torch.rand(())) < config.layer_drop:
+                # LayerDrop (official --expire-span-layerdrop): the layer made and pruned its memories; its output
+                # and its span loss are left out.
+                layer_output, layer_span_loss = hidden_states, 0
+            hidden_states = layer_output
             span_loss_sum = span_loss_sum + layer_span_loss
             read_count = read_count + layer_read
             if output_hidden_states:
@@ -419,7 +537,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             widths = torch.stack([memory.valid.sum(1).amax() for memory in memories]).tolist()
             memories = compact_memories(memories, widths)
 
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.output_dropout(self.norm(hidden_states))
         hidden_states_out = None
         if output_hidden_states:
             # As in 🤗 Llama: the last entry is the normed output.
@@ -441,9 +559,21 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             hidden_states=hidden_states_out,
             spans=spans_out,
             span_loss=span_loss,
+            aux_loss=span_loss,
             memory_size=memory_size,
         )
         return output if return_dict else output.to_tuple()
+
+    def initial_memories(self, inputs_embeds: torch.Tensor, start_positions: torch.Tensor) -> list[ExpireSpanMemory]:
+        """The official initial memory (`init_hid_cache`): per layer, `initial_memory_size` zero layer inputs at the
+        positions just before each row's first token, whose keys, values and spans each layer computes."""
+        size = self.config.initial_memory_size
+        batch_size = inputs_embeds.shape[0]
+        offsets = torch.arange(-size, 0, device=inputs_embeds.device)
+        positions = start_positions[:, None] + offsets  # counters size..1 before the first query
+        zeros = inputs_embeds.new_zeros(batch_size, size, inputs_embeds.shape[-1])
+        cos, sin = self.rotary_emb(positions) if self.rotary_emb is not None else (None, None)
+        return [layer.initial_memory(zeros, positions, cos, sin) for layer in self.layers]
 
 
 class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, GenerationMixin):
@@ -453,7 +583,7 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
         super().__init__(config)
         self.model = ExpireSpanModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def forward(
@@ -491,7 +621,8 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
             loss = lm_loss + outputs.span_loss.to(lm_loss.dtype)
         output = ExpireSpanCausalLMOutput(
             loss=loss, logits=logits, **with_cache(outputs.cache), hidden_states=outputs.hidden_states,
-            spans=outputs.spans, lm_loss=lm_loss, span_loss=outputs.span_loss, memory_size=outputs.memory_size,
+            spans=outputs.spans, lm_loss=lm_loss, span_loss=outputs.span_loss, aux_loss=outputs.aux_loss,
+            memory_size=outputs.memory_size,
         )  # fmt: skip
         return output if return_dict else output.to_tuple()
 

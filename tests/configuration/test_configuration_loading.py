@@ -72,7 +72,6 @@ def test_other_libraries_names_are_refused_with_the_memlm_name(name, alias, fiel
         (DeltaNetConfig, {"use_short_conv": True}, "did you mean 'short_convolution'"),  # flash-linear-attention
         (DeltaNetConfig, {"conv_size": 3}, "did you mean 'convolution_size'"),
         (DeltaNetConfig, {"feature_dim": 8}, r"DeltaNetConfig.feature_dim is computed from the other fields"),
-        (ExpireSpanConfig, {"head_dim": 16}, r"head_dim is computed .*hidden_size / num_attention_heads"),
         (ExpireSpanConfig, {"attn_pdrop": 0.1}, "did you mean 'attention_dropout'"),
         (ExpireSpanConfig, {"expire_span_ramp": 8}, "did you mean 'ramp'"),  # the paper's code
         (FeedbackTransformerConfig, {"head_dim": 16}, r"head_dim is computed"),

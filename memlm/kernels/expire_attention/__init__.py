@@ -46,6 +46,22 @@ def _check_positions(name: str, positions, expected: tuple[int, int], meaning: s
         raise ValueError(f"{name} must hold integer absolute positions, got dtype {positions.dtype}.")
 
 
+def _check_official_options(query, key, position_scores, attend_to_self, renormalization_epsilon) -> None:
+    expected = (*query.shape[:3], key.shape[2])
+    if position_scores is not None:
+        if not isinstance(position_scores, torch.Tensor) or tuple(position_scores.shape) != expected:
+            raise ValueError(
+                f"position_scores must be None or a tensor of shape (batch, heads, tokens, keys) = {expected}, got "
+                f"{_shape(position_scores)}."
+            )
+        if not position_scores.is_floating_point():
+            raise ValueError(f"position_scores must be a floating-point tensor, got dtype {position_scores.dtype}.")
+    if not isinstance(attend_to_self, bool):
+        raise ValueError(f"attend_to_self must be True or False, got {attend_to_self!r}.")
+    if not _is_number(renormalization_epsilon) or not 0 <= renormalization_epsilon < math.inf:
+        raise ValueError(f"renormalization_epsilon must be a finite number >= 0, got {renormalization_epsilon!r}.")
+
+
 def _check_inputs(
     query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
 ) -> None:
@@ -113,6 +129,9 @@ def expire_span_attention(
     scale: float | None = None,
     dropout: float = 0.0,
     backend: str | None = None,
+    position_scores: torch.Tensor | None = None,
+    attend_to_self: bool = True,
+    renormalization_epsilon: float = 0.0,
 ) -> torch.Tensor:
     """Attention over keys that expire after their learned spans (paper Eqs. 4-5, SPEC §2).
 
@@ -137,6 +156,12 @@ def expire_span_attention(
         backend: ``"torch"``, ``"triton"`` or ``"reference"``; ``None`` reads ``$MEMLM_KERNELS``, else picks
             ``"triton"`` for CUDA tensors (when installed) and ``"torch"`` otherwise. The Triton kernel does not
             cover attention dropout, float64 or head widths above 128: those run the torch implementation.
+        position_scores: ``(B, H, T, N)`` added to ``q·k`` before the scale (the official learned relative
+            positions, ``q_t · p_{t−i}``), or ``None``.
+        attend_to_self: False hides key ``t`` from query ``t`` (the official causal mask).
+        renormalization_epsilon: ``ε >= 0``; ``ε > 0`` renormalises as the official code, ``m a / (Σ m a + ε)``
+            with the softmax over the keys with ``m > 0``. These three official options run the reference
+            implementation whatever the backend.
 
     Returns:
         ``(B, H, T, d_v)`` in the query's dtype.
@@ -156,6 +181,13 @@ def expire_span_attention(
     _check_inputs(
         query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
     )
+    _check_official_options(query, key, position_scores, attend_to_self, renormalization_epsilon)
+    if position_scores is not None or not attend_to_self or renormalization_epsilon > 0:
+        return expire_span_attention_reference(
+            query, key, value, spans, query_positions, key_positions, ramp=ramp, key_valid=key_valid,
+            max_distance=max_distance, scale=scale, dropout=dropout, position_scores=position_scores,
+            attend_to_self=attend_to_self, renormalization_epsilon=renormalization_epsilon,
+        )  # fmt: skip
     backend = resolve_backend(backend, query.device)
     implementation = expire_span_attention_reference if backend == "reference" else expire_span_attention_sdpa
     supported = (

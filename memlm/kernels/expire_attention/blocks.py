@@ -22,20 +22,22 @@ class Block(NamedTuple):
     tokens: slice  # the block's slice of the input
     positions: torch.Tensor  # (B, T_block) absolute positions, -1 at padding
     valid: torch.Tensor  # (B, T_block) False at padding
-    cos: torch.Tensor  # rotation of the block's positions
-    sin: torch.Tensor
+    cos: torch.Tensor | None  # rotation of the block's positions (None without rotary positions)
+    sin: torch.Tensor | None
     first_positions: torch.Tensor  # (B,) each row's first real query, -1 when the row has none (deletes nothing)
 
 
 def split_into_blocks(positions, token_valid, block_size: int, rotary_embedding) -> list[Block]:
-    """The blocks of `block_size` tokens of an input with `positions` and `token_valid` (B, T)."""
+    """The blocks of `block_size` tokens of an input with `positions` and `token_valid` (B, T); `rotary_embedding`
+    gives each block's cos and sin (None: no rotation)."""
     blocks = []
     for start in range(0, positions.shape[1], block_size):
         tokens = slice(start, start + block_size)
         block_positions, block_valid = positions[:, tokens], token_valid[:, tokens]
         first_positions = torch.where(block_valid, block_positions, torch.iinfo(torch.long).max).amin(1)
         first_positions = first_positions.masked_fill(~block_valid.any(1), -1)
-        blocks.append(Block(tokens, block_positions, block_valid, *rotary_embedding(block_positions), first_positions))
+        rotation = rotary_embedding(block_positions) if rotary_embedding is not None else (None, None)
+        blocks.append(Block(tokens, block_positions, block_valid, *rotation, first_positions))
     return blocks
 
 

@@ -46,8 +46,10 @@ def check_interval(width: int) -> int:
     return max(16, width // 16)
 
 
-_FIELDS = ("keys", "values", "positions", "valid", "spans", "span_inputs")
-_SLOT_DIMENSION = {"keys": 2, "values": 2, "positions": 1, "valid": 1, "spans": 1, "span_inputs": 1}
+_FIELDS = ("keys", "values", "positions", "valid", "spans", "span_inputs", "hidden_states")
+_SLOT_DIMENSION = {
+    "keys": 2, "values": 2, "positions": 1, "valid": 1, "spans": 1, "span_inputs": 1, "hidden_states": 1,
+}  # fmt: skip
 
 
 class _Buffer:
@@ -74,6 +76,9 @@ class ExpireSpanMemory:
     valid: torch.Tensor  # (B, N) False for empty, padding or dead slots
     spans: torch.Tensor | None  # (B, N) float32 e_i (None when expiration is off)
     span_inputs: torch.Tensor | None  # (B, N, D): h_i, kept in training so spans follow the current parameters
+    # (B, N, D): the layer inputs that made the memories, with `recompute_memory` (their keys, values and spans are
+    # recomputed from them with the current weights at every block, as the official code trains)
+    hidden_states: torch.Tensor | None = None
     buffer: _Buffer | None = dataclasses.field(default=None, repr=False, compare=False)
     # Decoding: a lower bound on min over rows and valid memories of (i + e_i) − t, t the row's next query; None
     # when unknown. While it is >= 0 no memory is on the ramp or expired (see `decoding_slack`).
@@ -231,26 +236,34 @@ def expired_memories(
     return positions + spans + ramp <= first_positions[:, None]
 
 
-def memory_counts(spans, positions, token_valid, memory, ramp, max_distance, counted_positions=False):
+def memory_counts(
+    spans, positions, token_valid, memory, ramp, max_distance, counted_positions=False, attend_to_self=True,
+    distance_sums=False,
+):  # fmt: skip
     """Per memory (B, N): how many of the block's queries read it (m > 0, the memory size of paper Eq. 6) and how
-    many see it on the ramp (0 < m < 1), where the span loss lives (paper Eq. 7 and "Loss Computation").
+    many see it on the ramp (0 < m < 1), where the span loss lives (paper Eq. 7 and "Loss Computation"); with
+    `distance_sums`, also Σ (t − i) over those on-ramp queries (the official loss sums e_i − (t − i)).
 
     When the valid queries of each row hold consecutive positions (always when `counted_positions`: counted from the
     padding mask; else checked, which torch.compile cannot trace), the counts come from their first and last position
     without building the (T, N) mask; other position_ids fall back to the mask."""
+    nearest = 0 if attend_to_self else 1
     if positions.shape[1] == 1 and spans is not None:
         # One query t per row (decoding), Eq. 5 with r_ti = e_i − (t − i): read ⇔ visible and r > −R; on the ramp
         # ⇔ also r < 0. In float64, exact for integer positions and float32 spans.
         distance = positions - memory.positions  # t − i
         remaining = spans.detach().double() - distance
-        read = (remaining > -ramp) & (distance >= 0) & memory.valid & token_valid
+        read = (remaining > -ramp) & (distance >= nearest) & memory.valid & token_valid
         if max_distance is not None:
             read = read & (distance <= max_distance)
-        return read.float(), (read & (remaining < 0)).float()
+        on_ramp = read & (remaining < 0)
+        counts = (read.float(), on_ramp.float())
+        return counts + ((torch.where(on_ramp, distance, 0).to(spans.dtype),) if distance_sums else ())
+    statistics = {"attend_to_self": attend_to_self, "distance_sums": distance_sums}
     if positions.shape[1] == 1:  # one query per row: its position is the range
         query = positions[:, 0]
         first, last = query.masked_fill(~token_valid[:, 0], 0), query.masked_fill(~token_valid[:, 0], -1)
-        return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance)
+        return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance, **statistics)
     valid_positions = positions.masked_fill(~token_valid, torch.iinfo(torch.long).max)
     first = valid_positions.amin(1)
     last = positions.masked_fill(~token_valid, torch.iinfo(torch.long).min).amax(1)
@@ -258,10 +271,17 @@ def memory_counts(spans, positions, token_valid, memory, ramp, max_distance, cou
     if counted_positions or bool(torch.where(count > 0, last - first + 1 == count, True).all()):
         first = torch.where(count > 0, first, 0)
         last = torch.where(count > 0, last, -1)
-        return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance)
-    visible = visible_keys(positions, memory.positions, memory.valid, max_distance) & token_valid[:, :, None]
+        return memory_statistics(spans, memory.positions, memory.valid, first, last, ramp, max_distance, **statistics)
+    visible = visible_keys(positions, memory.positions, memory.valid, max_distance, attend_to_self)
+    visible = visible & token_valid[:, :, None]
     if spans is None:
-        return visible.sum(1).float(), torch.zeros_like(memory.positions, dtype=torch.float32)
+        zeros = torch.zeros_like(memory.positions, dtype=torch.float32)
+        return (visible.sum(1).float(), zeros) + ((zeros,) if distance_sums else ())
     with torch.no_grad():
         mask = expire_span_mask(spans.detach(), positions, memory.positions, ramp)
-    return (visible & (mask > 0)).sum(1).float(), (visible & (mask > 0) & (mask < 1)).sum(1).float()
+    on_ramp = visible & (mask > 0) & (mask < 1)
+    counts = ((visible & (mask > 0)).sum(1).float(), on_ramp.sum(1).float())
+    if not distance_sums:
+        return counts
+    distance = positions[:, :, None] - memory.positions[:, None, :]  # t − i
+    return counts + (torch.where(on_ramp, distance, 0).sum(1).to(spans.dtype),)

@@ -67,12 +67,13 @@ def visible_keys(
     key_positions: torch.Tensor,
     key_valid: torch.Tensor | None = None,
     max_distance: float | None = None,
+    attend_to_self: bool = True,
 ) -> torch.Tensor:
-    """Which keys each query may see, ``(B, T, N)`` bool: ``i ≤ t``, the key slot is valid, and ``t − i ≤
-    max_distance`` when given. Causality is by position, so memories and the current block may be concatenated
-    in any order."""
+    """Which keys each query may see, ``(B, T, N)`` bool: ``i ≤ t`` (``i < t`` without ``attend_to_self``), the key
+    slot is valid, and ``t − i ≤ max_distance`` when given. Causality is by position, so memories and the current
+    block may be concatenated in any order."""
     distance = query_positions[:, :, None] - key_positions[:, None, :]  # t − i
-    visible = distance >= 0
+    visible = distance >= (0 if attend_to_self else 1)
     if key_valid is not None:
         visible = visible & key_valid[:, None, :]
     if max_distance is not None:
@@ -88,9 +89,12 @@ def memory_statistics(
     last_query: torch.Tensor,
     ramp: float,
     max_distance: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    attend_to_self: bool = True,
+    distance_sums: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Per key, how many queries read it (m > 0 and visible) and how many see it on the ramp (0 < m < 1), for
-    queries at every integer position of [first_query, last_query] (per row, (B,)); (B, N) float each.
+    queries at every integer position of [first_query, last_query] (per row, (B,)); (B, N) float each. With
+    `distance_sums`, also Σ (t − i) over the queries that see the key on the ramp (the official span loss).
 
     Counting instead of building the (T, N) mask: with integer positions, key i is visible to t in
     [max(first, i), min(last, i + ⌊D⌋)], has m > 0 for t < i + e_i + R and is on the ramp for t > i + e_i (Eq. 5).
@@ -99,10 +103,11 @@ def memory_statistics(
     last = last_query[:, None]
     if max_distance is not None:
         last = torch.minimum(last, key_positions + int(math.floor(max_distance)))
-    start = torch.maximum(first, key_positions)
+    start = torch.maximum(first, key_positions if attend_to_self else key_positions + 1)
     if spans is None:
         read = (last - start).add_(1).clamp_min_(0)
-        return torch.where(key_valid, read, 0).float(), torch.zeros_like(key_positions, dtype=torch.float32)
+        zeros = torch.zeros_like(key_positions, dtype=torch.float32)
+        return (torch.where(key_valid, read, 0).float(), zeros) + ((zeros,) if distance_sums else ())
     with torch.no_grad():
         # In float64, exact for integer positions and float32 spans; the (integer) query ranges as float64 too.
         expiry = spans.detach().double() + key_positions  # i + e_i
@@ -110,7 +115,12 @@ def memory_statistics(
         read = (last - start).add_(1).clamp_min_(0)
         ramp_start = torch.maximum(start, expiry.floor_().add_(1))  # 0 < m < 1 ⇔ i + e_i < t < i + e_i + R
         on_ramp = (last - ramp_start).add_(1).clamp_min_(0)
-    return torch.where(key_valid, read, 0).float(), torch.where(key_valid, on_ramp, 0).float()
+        counts = (torch.where(key_valid, read, 0).float(), torch.where(key_valid, on_ramp, 0).float())
+        if not distance_sums:
+            return counts
+        # Σ_{t=a}^{b} (t − i) = n · ((a + b) / 2 − i) over the n = b − a + 1 queries on the ramp.
+        distances = on_ramp * ((ramp_start + last) / 2 - key_positions)
+        return counts + (torch.where(key_valid, distances, 0).to(spans.dtype),)
 
 
 def expire_span_attention_reference(
@@ -126,11 +136,18 @@ def expire_span_attention_reference(
     max_distance: float | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
+    position_scores: torch.Tensor | None = None,
+    attend_to_self: bool = True,
+    renormalization_epsilon: float = 0.0,
 ) -> torch.Tensor:
     """Expire-Span attention written out as paper Eq. 4: softmax, multiply by the soft mask, renormalise.
 
     A query that sees no key, or only keys with m = 0, outputs zeros (with zero gradients). Returns
     ``(B, H, T, d_v)`` in the query's dtype; the math runs in float32 (float64 for float64 inputs).
+
+    The official code's variant (facebookresearch/transformer-sequential): ``position_scores`` (B, H, T, N) are added
+    to q·k before the scale, ``attend_to_self=False`` hides key t from query t, and ``renormalization_epsilon`` ε > 0
+    gives a'_ti = m_ti a_ti / (Σ_j m_tj a_tj + ε) with the softmax over the keys with m > 0.
     """
     dtype = _compute_dtype(query, key, value, spans)
     output_dtype = query.dtype
@@ -138,10 +155,15 @@ def expire_span_attention_reference(
         scale = query.shape[-1] ** -0.5
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
 
-    visible = visible_keys(query_positions, key_positions, key_valid, max_distance)[:, None]  # (B, 1, T, N)
+    visible = visible_keys(query_positions, key_positions, key_valid, max_distance, attend_to_self)[:, None]
     mask = expire_span_mask(spans, query_positions, key_positions, ramp).to(dtype)[:, None]  # m_ti, Eq. 5
+    if renormalization_epsilon > 0:
+        visible = visible & (mask > 0)  # the official softmax leaves out the keys with m = 0 (score −inf)
 
-    scores = scale * query @ key.mT  # s_ti
+    scores = query @ key.mT
+    if position_scores is not None:
+        scores = scores + position_scores.to(dtype)  # q_t · k_i + q_t · p_{t−i}
+    scores = scale * scores  # s_ti
     scores = scores.masked_fill(~visible, float("-inf"))
     # A query that sees no key would give a row of -inf (NaN softmax): score it 0 instead; its weights are
     # zeroed below by the visibility.
@@ -150,7 +172,10 @@ def expire_span_attention_reference(
 
     weights = mask * attention  # m_ti a_ti
     normaliser = weights.sum(dim=-1, keepdim=True)  # Σ_j m_tj a_tj
-    weights = weights / torch.where(normaliser > 0, normaliser, 1.0)  # a'_ti, Eq. 4
+    if renormalization_epsilon > 0:
+        weights = weights / (normaliser + renormalization_epsilon)  # the official a'_ti
+    else:
+        weights = weights / torch.where(normaliser > 0, normaliser, 1.0)  # a'_ti, Eq. 4
     if dropout > 0:
         weights = F.dropout(weights, p=dropout)
     output = weights @ value  # o_t = Σ_i a'_ti v_i, Eq. 4

@@ -1,0 +1,339 @@
+"""Expire-Span's block layouts and the official model's options (issue 30; SPEC §8): the default layout round-trips
+(tests/modeling/test_old_checkpoints.py loads checkpoints saved before these options), the papers' layout (LayerNorm,
+post-norm, plain biased MLP, biases, dropouts), an independent head width, the learned relative positions, no
+attention to self, the zero initial memory, the official span-loss value and renormalisation, memories recomputed
+from hidden states, noisy spans and layer drop, float64 throughout."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from memlm import ExpireSpanConfig, ExpireSpanForCausalLM
+from memlm.kernels.expire_attention import expire_span_attention, expire_span_mask
+from memlm.modeling.layers import LayerNorm, LearnedRelativePositions, PlainMLP
+
+TINY = {
+    "vocab_size": 40,
+    "hidden_size": 24,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "max_span": 12,
+    "ramp": 3,
+    "block_size": 6,
+    "initial_span_fraction": 0.3,
+}
+# The official model's options (facebookresearch/transformer-sequential, models/expire_span.py).
+OFFICIAL = {
+    "head_dim": 10,
+    "position_encoding": "learned_relative",
+    "attend_to_self": False,
+    "initial_memory": "zeros",
+    "span_loss_form": "remaining_span",
+    "renormalization_epsilon": 1e-8,
+    "norm_type": "layernorm",
+    "norm_position": "post",
+    "final_norm": False,
+    "mlp_type": "plain",
+    "mlp_bias": True,
+    "hidden_act": "relu",
+    "lm_head_bias": True,
+}
+
+
+def _model(dtype=torch.float32, **overrides) -> ExpireSpanForCausalLM:
+    """A tiny model with spread-out spans (random span predictors) and every parameter moved off its initial value."""
+    torch.manual_seed(0)
+    model = ExpireSpanForCausalLM(ExpireSpanConfig(**{**TINY, **overrides})).to(dtype).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+        for layer in model.model.layers:
+            layer.attention.span_predictor.weight.normal_(0, 0.6)
+    return model
+
+
+def _input_ids(length=20, batch=2):
+    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_default_layout_round_trips_through_save_pretrained(tmp_path):
+    model = _model()
+    names = set(model.state_dict())
+    assert "model.norm.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    assert not any(name.endswith(".bias") and "span_predictor" not in name for name in names)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_input_ids()).logits, loaded(input_ids=_input_ids()).logits)
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_the_papers_layout_builds_its_blocks_and_round_trips(norm_position, tmp_path):
+    layout = {"norm_position": norm_position, "final_norm": norm_position == "pre", "attention_dropout": 0.1}
+    model = _model(**{**OFFICIAL, **layout})
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, LayerNorm) and isinstance(layer.mlp, PlainMLP)
+    assert layer.mlp.up_proj.bias is not None and model.lm_head.bias is not None
+    assert layer.attention.q_proj.weight.shape == (2 * 10, 24) and layer.attention.o_proj.weight.shape == (24, 20)
+    assert isinstance(model.model.norm, LayerNorm) == (norm_position == "pre")
+    assert model.num_parameters() == model.config.estimated_parameters()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=_input_ids()).logits, loaded(input_ids=_input_ids()).logits)
+
+
+def test_post_norm_is_norm_of_the_residual_sum():
+    model = _model(**OFFICIAL)
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 6, 24)
+    positions = torch.arange(6)[None]
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    with torch.no_grad():
+        output, memory, *_ = layer(
+            hidden, positions, valid, None, None, relative_positions=model.model.relative_positions
+        )
+        mixed, *_ = layer.attention(
+            hidden, positions, valid, None, None, None, None, False, model.model.relative_positions
+        )
+        middle = layer.input_layernorm(hidden + mixed)  # official: h2 = norm1(h + attn(h)); out = norm2(h2 + ff(h2))
+        expected = layer.post_attention_layernorm(middle + layer.mlp(middle))
+    assert torch.allclose(output, expected, atol=1e-6)
+    assert torch.equal(memory.span_inputs, hidden)  # post-norm: the memories are the raw layer inputs
+
+
+def test_learned_relative_positions_score_q_dot_p_of_the_distance():
+    positions = LearnedRelativePositions(num_positions=4, head_dim=3)
+    with torch.no_grad():
+        positions.weight.normal_()
+    query = torch.randn(2, 2, 3, 3)
+    query_positions = torch.tensor([[5, 6, 7], [0, 1, 2]])
+    key_positions = torch.tensor([[0, 2, 3, 5, 6, 7], [-3, -2, -1, 0, 1, 2]])
+    scores = positions(query, query_positions, key_positions)
+    for b in range(2):
+        for t in range(3):
+            for n in range(6):
+                distance = int(query_positions[b, t] - key_positions[b, n])
+                expected = query[b, :, t] @ positions.weight[distance - 1] if 1 <= distance <= 4 else torch.zeros(2)
+                assert torch.allclose(scores[b, :, t, n], expected, atol=1e-6), (b, t, n)
+
+
+def test_one_relative_position_table_is_shared_by_the_layers():
+    model = _model(**OFFICIAL)
+    table = model.model.relative_positions.weight
+    assert table.shape == (min(TINY["max_span"], TINY["block_size"]), 10)
+    assert [name for name in model.state_dict() if "relative_positions" in name] == ["model.relative_positions.weight"]
+    loss = model(input_ids=_input_ids()).logits.square().mean()
+    loss.backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("renormalization_epsilon", [0.0, 1e-2])
+def test_attention_without_self_equals_hiding_the_own_key(renormalization_epsilon):
+    generator = torch.Generator().manual_seed(2)
+    query, key, value = (torch.randn(2, 2, 5, 4, generator=generator, dtype=torch.float64) for _ in range(3))
+    positions = torch.arange(5)[None].expand(2, 5)
+    spans = torch.rand(2, 5, generator=generator, dtype=torch.float64) * 6
+    options = {"ramp": 2.0, "renormalization_epsilon": renormalization_epsilon}
+    without_self = expire_span_attention(
+        query, key, value, spans, positions, positions, attend_to_self=False, **options
+    )
+    for t in range(1, 5):  # query t sees keys 0..t-1: the same as query t with keys up to t-1 only
+        alone = expire_span_attention(
+            query[:, :, t : t + 1], key[:, :, :t], value[:, :, :t], spans[:, :t], positions[:, t : t + 1],
+            positions[:, :t], **options,
+        )  # fmt: skip
+        assert torch.allclose(without_self[:, :, t : t + 1], alone, atol=1e-12)
+    assert without_self[:, :, 0].abs().max() == 0  # the first token sees nothing
+
+
+def test_the_official_renormalization_divides_by_the_masked_sum_plus_epsilon():
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(1, 2, 4, 3, generator=generator, dtype=torch.float64) for _ in range(3))
+    positions = torch.arange(4)[None]
+    spans = torch.tensor([[0.2, 3.0, 0.5, 2.0]], dtype=torch.float64)
+    epsilon = 0.05
+    output = expire_span_attention(
+        query, key, value, spans, positions, positions, ramp=1.5, renormalization_epsilon=epsilon
+    )
+    mask = expire_span_mask(spans, positions, positions, 1.5)[:, None]  # m_ti, Eq. 5
+    live = (mask > 0) & (positions[:, None, :, None] >= positions[:, None, None, :])
+    scores = (query @ key.mT / 3**0.5).masked_fill(~live, float("-inf"))  # official: −inf where m = 0
+    weights = scores.softmax(-1) * mask
+    expected = weights / (weights.sum(-1, keepdim=True) + epsilon) @ value
+    assert torch.allclose(output, expected, atol=1e-14)
+    exact = expire_span_attention(query, key, value, spans, positions, positions, ramp=1.5)
+    assert (output - exact).abs().max() > 1e-4  # ε changes the output: the option is not a no-op
+
+
+@pytest.mark.parametrize("recompute_memory", [False, True])
+def test_the_official_options_give_the_same_output_block_by_block_and_token_by_token(recompute_memory):
+    model = _model(torch.float64, **OFFICIAL, recompute_memory=recompute_memory)
+    input_ids = _input_ids(length=21)
+    with torch.no_grad():
+        whole = model(input_ids=input_ids).logits
+        cache, pieces = None, []
+        for start in range(0, 21, 6):
+            output = model(input_ids=input_ids[:, start : start + 6], cache=cache, use_cache=True)
+            cache, pieces = output.cache, pieces + [output.logits]
+        assert (torch.cat(pieces, 1) - whole).abs().max() < 1e-12
+        cache, pieces = None, []
+        for t in range(21):
+            output = model(input_ids=input_ids[:, t : t + 1], cache=cache, use_cache=True)
+            cache, pieces = output.cache, pieces + [output.logits]
+        assert (torch.cat(pieces, 1) - whole).abs().max() < 1e-12
+        generated = model.generate(input_ids[:, :8], max_new_tokens=5, do_sample=False)
+        recomputed = input_ids[:, :8]
+        for _ in range(5):  # greedy decoding with the cache equals full forwards without one
+            recomputed = torch.cat([recomputed, model(input_ids=recomputed).logits[:, -1:].argmax(-1)], dim=1)
+        beams = model.generate(input_ids[:, :8], max_new_tokens=5, num_beams=3, do_sample=False)
+    assert torch.equal(generated, recomputed) and beams.shape == (2, 13)
+
+
+def test_the_zero_initial_memory_is_attended_before_the_first_token():
+    model = _model(torch.float64, **{**OFFICIAL, "max_span": 40, "initial_span_fraction": 0.9})
+    input_ids = _input_ids(length=6)
+    with torch.no_grad():
+        output = model(input_ids=input_ids, use_cache=True)
+        memory = output.cache.layers[0].memory
+        # positions −6..−1 (counters mem_sz..1 before the first query), zero layer inputs (post-norm: zero keys)
+        assert memory.positions[0, :6].tolist() == list(range(-6, 0))
+        assert memory.keys[:, :, :6].abs().max() == 0
+        empty = model(input_ids=input_ids, cache=None, use_cache=True)
+        model.config.initial_memory = "empty"
+        without = model(input_ids=input_ids, use_cache=True)
+    assert torch.equal(output.logits, empty.logits)  # every forward without a cache starts from the same memory
+    assert without.cache.layers[0].memory.width == 6
+    # The first token attends to the zero memories (its value is the zero vector, its weight is not zero): without
+    # them it has nothing to attend to and its attention output is zero, so the logits differ.
+    assert (output.logits - without.logits).abs().max() > 1e-3
+
+
+def test_the_official_span_loss_sums_the_remaining_spans_on_the_ramp():
+    model = _model(torch.float64, **OFFICIAL, span_loss_coefficient=1.0)
+    config = model.config
+    input_ids = _input_ids(length=6)
+    with torch.no_grad():
+        output = model(input_ids=input_ids, output_spans=True, use_cache=True)
+    # Brute force over (query t, memory i): the memories are the six zero memories and the block's own tokens.
+    total = 0.0
+    for layer in range(config.num_hidden_layers):
+        decoder_layer = model.model.layers[layer]
+        zeros = torch.zeros(2, 6, config.hidden_size, dtype=torch.float64)
+        memory_spans = torch.cat([decoder_layer.attention.predict_spans(zeros), output.spans[layer]], dim=1)
+        memory_positions = torch.arange(-6, 6)
+        remaining = memory_spans[:, None, :] - (torch.arange(6)[:, None] - memory_positions[None, :])  # e_i − (t − i)
+        mask = 1 + remaining / config.ramp
+        total = total + (remaining * ((mask > 0) & (mask < 1))).sum() / config.ramp
+    assert torch.allclose(output.aux_loss, total / (2 * 6), atol=1e-12)
+    assert output.aux_loss < 0 and torch.equal(output.aux_loss, output.span_loss)
+
+
+def test_both_span_loss_forms_have_the_same_gradient():
+    gradients = []
+    for form in ("span", "remaining_span"):
+        model = _model(torch.float64, **{**OFFICIAL, "span_loss_form": form}, span_loss_coefficient=1.0).train()
+        model(input_ids=_input_ids(length=12)).span_loss.backward()
+        gradients.append(torch.cat([layer.attention.span_predictor.weight.grad for layer in model.model.layers]))
+    assert gradients[0].abs().max() > 0
+    assert torch.allclose(gradients[0], gradients[1], atol=1e-12)
+
+
+def test_a_float64_model_computes_its_spans_in_float64():
+    model = _model(torch.float64)
+    with torch.no_grad():
+        output = model(input_ids=_input_ids(), output_spans=True)
+    assert all(spans.dtype == torch.float64 for spans in output.spans)
+    assert output.span_loss.dtype == torch.float64 and output.logits.dtype == torch.float64
+
+
+def test_embedding_scale_and_the_dropouts_act_where_documented():
+    model = _model(embedding_scale=3.0)
+    base = _model()
+    with torch.no_grad():
+        scaled = model(input_ids=_input_ids(), output_hidden_states=True).hidden_states[0]
+        plain = base(input_ids=_input_ids(), output_hidden_states=True).hidden_states[0]
+    assert torch.allclose(scaled, 3 * plain)
+    dropped = _model(embedding_dropout=0.5, activation_dropout=0.5, output_dropout=0.5, mlp_type="plain").train()
+    first, second = dropped(input_ids=_input_ids()).logits, dropped(input_ids=_input_ids()).logits
+    assert not torch.equal(first, second)
+    dropped.eval()
+    with torch.no_grad():
+        assert torch.equal(dropped(input_ids=_input_ids()).logits, dropped(input_ids=_input_ids()).logits)
+
+
+@pytest.mark.parametrize("position_encoding", ["rotary", "learned_relative"])
+def test_recomputed_memories_give_the_same_outputs_and_reach_the_projections_through_the_memory(position_encoding):
+    """With fixed weights, recomputing the memories' keys, values and spans from their hidden states changes nothing;
+    in training it sends the next block's loss into the key/value projections through the carried memories."""
+    options = {**OFFICIAL, "position_encoding": position_encoding, "head_dim": 12, "norm_position": "pre"}
+    carried = _model(torch.float64, **options)
+    recomputed = _model(torch.float64, **options, recompute_memory=True)
+    input_ids = _input_ids(length=12)
+    with torch.no_grad():
+        expected = carried(input_ids=input_ids).logits
+        cache, pieces = None, []
+        for start in (0, 6):
+            output = recomputed(input_ids=input_ids[:, start : start + 6], cache=cache, use_cache=True)
+            cache, pieces = output.cache, pieces + [output.logits]
+    assert cache.layers[0].memory.hidden_states is not None
+    assert (torch.cat(pieces, 1) - expected).abs().max() < 1e-12
+    gradients = []
+    for model in (carried, recomputed):
+        model.train()
+        first = model(input_ids=input_ids[:, :6], use_cache=True)
+        model.zero_grad()
+        second = model(input_ids=input_ids[:, 6:], cache=first.cache, use_cache=True)
+        second.logits.square().mean().backward()
+        layer = model.model.layers[0]
+        gradients.append((layer.attention.k_proj.weight.grad.clone(), layer.input_layernorm.weight.grad.clone()))
+    # The second block's keys from the first block's memories: only the recomputed memories carry that gradient.
+    assert (gradients[0][0] - gradients[1][0]).abs().max() > 1e-6
+    assert (gradients[0][1] - gradients[1][1]).abs().max() > 1e-6
+
+
+def test_noisy_spans_clamp_what_the_mask_sees_in_training_only():
+    model = _model(**OFFICIAL, noisy_spans=True, span_loss_coefficient=1.0)
+    input_ids = _input_ids(length=12)
+    with torch.no_grad():
+        evaluated = model(input_ids=input_ids).logits
+        model.config.noisy_spans = False
+        assert torch.equal(model(input_ids=input_ids).logits, evaluated)  # never active in eval mode
+        model.config.noisy_spans = True
+    model.train()
+    torch.manual_seed(4)
+    noisy = model(input_ids=input_ids)
+    torch.manual_seed(4)
+    again = model(input_ids=input_ids)
+    assert torch.equal(noisy.logits, again.logits)  # one draw per forward from torch's generator
+    assert (noisy.logits - evaluated).abs().max() > 1e-4
+    # The attention sees min(e_i, limit): the layer with the limit passed equals the clamped spans; the memories it
+    # returns keep their own spans (they expire by them).
+    layer, relative = model.model.layers[0], model.model.relative_positions
+    hidden = torch.randn(2, 6, 24)
+    positions, valid = torch.arange(6)[None].expand(2, 6), torch.ones(2, 6, dtype=torch.bool)
+    limit = 0.4
+    with torch.no_grad():
+        clamped, memory, spans, loss, _ = layer.attention(
+            hidden, positions, valid, None, None, None, None, True, relative, span_limit=limit
+        )
+        assert torch.equal(memory.spans, spans) and spans.max() > limit
+        free, *_ = layer.attention(hidden, positions, valid, None, None, None, None, True, relative)
+    assert (clamped - free).abs().max() > 1e-6
+
+
+def test_layer_drop_skips_layers_in_training_but_keeps_their_memories():
+    model = _model(layer_drop=0.999).train()
+    input_ids = _input_ids(length=12)
+    torch.manual_seed(0)
+    output = model(input_ids=input_ids, use_cache=True, output_hidden_states=True)
+    embeddings = model.model.embed_tokens(input_ids)
+    # every layer dropped: the LM head reads the normed embeddings; no span loss; every layer still has its memories
+    assert torch.allclose(output.logits, model.lm_head(model.model.norm(embeddings)), atol=1e-6)
+    assert output.span_loss == 0
+    assert all(layer.memory is not None and layer.memory.width > 0 for layer in output.cache.layers)
+    model.eval()
+    with torch.no_grad():
+        kept = model(input_ids=input_ids).logits
+    assert (kept - output.logits).abs().max() > 1e-3  # never active in eval mode
