@@ -139,6 +139,19 @@ def resolve_backend(backend: str | None = None, device=None, operation: str | No
     return backend
 
 
+def sums_are_finite(*tensors) -> bool:
+    """Whether each of `tensors` sums to a finite number (so holds no NaN or inf, barring an overflow of the sum):
+    the check the operations run before keeping a non-finite input in place (issue 33). It reads one number per
+    tensor through the tensor's memory, so only for CPU tensors, where that costs no device read; for tensors
+    elsewhere (a GPU, whose queue a read-back at every layer would stall) and under torch.compile it answers True
+    without looking."""
+    import torch
+
+    if torch.compiler.is_compiling() or any(tensor.device.type != "cpu" for tensor in tensors):
+        return True
+    return all(bool(torch.isfinite(tensor.detach().sum()).numpy()) for tensor in tensors)
+
+
 def check_triton_device(device, backend: str = "triton") -> None:
     """Raise ``ValueError`` unless Triton kernels (memlm's, or flash-linear-attention's for ``backend="fla"``) can
     run on ``device``: CUDA, or any device inside Triton's interpreter."""

@@ -537,7 +537,8 @@ def claim_output(output_dir: Path, settings: dict, overwrite: bool):
 
 def prepare_tokenizer(arguments, documents, tokenizer_folder: Path):
     """The run's tokenizer (main process). OUTPUT/tokenizer holds it from the run's start (a resumed run reads with
-    it); it is written whole (temporary folder, then renamed), and an unreadable one is derived data: made again."""
+    it); it is written whole (temporary folder, then renamed). An unreadable one is made again when no checkpoint
+    depends on it; a run resuming from checkpoints that were trained with it stops and says what to do."""
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
@@ -550,9 +551,17 @@ def prepare_tokenizer(arguments, documents, tokenizer_folder: Path):
                 raise ValueError("it has no end-of-text token; is tokenizer_config.json missing?")
             return tokenizer
         except Exception as error:
+            reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
+            if complete_checkpoints(tokenizer_folder.parent):
+                raise ValueError(
+                    f"The tokenizer in {tokenizer_folder} cannot be read ({reason}), and the checkpoints of this run "
+                    "were trained with it: restore the folder from a copy, or delete it to have it made again from "
+                    "the same text and settings (the byte-level tokenizer, or a BPE trained on the same text, comes "
+                    "out the same), then resume; or start over with --overwrite."
+                ) from error
             logging.get_logger(__name__).warning(
-                f"The tokenizer in {tokenizer_folder} cannot be read ({type(error).__name__}: {error}); it is made "
-                "again."
+                f"The tokenizer in {tokenizer_folder} cannot be read ({reason}); no checkpoint depends on it: it is "
+                "made again."
             )
     tokenizer = train_byte_level_bpe(documents, arguments.vocab_size) if arguments.tokenizer == "bpe" else (
         byte_level_tokenizer()

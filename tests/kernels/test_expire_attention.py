@@ -436,3 +436,35 @@ def test_memory_statistics_count_what_the_dense_mask_shows(max_distance):
         torch.testing.assert_close(read[row], (visible & (mask > 0)).sum(1)[0].float())
         torch.testing.assert_close(on_ramp[row], (visible & (mask > 0) & (mask < 1)).sum(1)[0].float())
     assert read.sum() > 0 and on_ramp.sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "triton"])
+@pytest.mark.parametrize("where", ["key", "value", "spans"])
+@pytest.mark.parametrize("official", [False, True], ids=["memlm", "official_options"])
+def test_a_non_finite_key_reaches_only_the_queries_that_see_it(backend, where, official):
+    """Causality with non-finite inputs (issue 33): a NaN or inf key, value or span at position i leaves every query
+    that cannot see it (earlier positions) as it was without it; the queries that see it output NaN."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 2, 12, 8, generator=generator) for _ in range(3))
+    spans = torch.rand(2, 12, generator=generator) * 12
+    positions = torch.arange(12)[None].expand(2, -1)
+    options = {"ramp": 2.0, "backend": backend}
+    if official:
+        options |= {"attend_to_self": False, "renormalization_epsilon": 1e-8,
+                    "position_scores": torch.randn(2, 2, 12, 12, generator=generator)}  # fmt: skip
+    clean = expire_span_attention(query, key, value, spans, positions, positions, **options)
+    inputs = {"key": key.clone(), "value": value.clone(), "spans": spans.clone()}
+    if where == "spans":
+        inputs["spans"][1, 7] = float("nan")
+    else:
+        inputs[where][1, 0, 7, 2] = float("inf") if where == "value" else float("nan")
+    output = expire_span_attention(query, inputs["key"], inputs["value"], inputs["spans"], positions, positions,
+                                   **options)  # fmt: skip
+    first_seeing = 8 if official else 7  # the official mask hides a key from its own query
+    heads = [0, 1] if where == "spans" else [0]  # a span is every head's; a key or value one head's
+    for head in heads:
+        assert torch.equal(output[1, head, :first_seeing], clean[1, head, :first_seeing])
+        assert output[1, head, first_seeing:].isnan().all()
+    assert torch.equal(output[0], clean[0])

@@ -253,7 +253,7 @@ def test_text_that_is_not_utf8_or_too_small_is_refused(tmp_path):
                "--length", "32")  # fmt: skip
 
 
-def test_only_step_folders_are_checkpoints_and_a_damaged_tokenizer_folder_is_remade(tmp_path, capsys):
+def test_only_step_folders_are_checkpoints_and_a_damaged_tokenizer_stops_a_resume_in_words(tmp_path, capsys):
     output = tmp_path / "run"
     _train(tmp_path, output, "--steps", "4", "--save-every", "2")
     checkpoints = output / "checkpoints"
@@ -263,18 +263,49 @@ def test_only_step_folders_are_checkpoints_and_a_damaged_tokenizer_folder_is_rem
     (checkpoints / "step-x").mkdir()
     assert [path.name for path in pretrain.complete_checkpoints(output)] == ["step-0000002"]
     tokenizer_file = output / "tokenizer" / "tokenizer.json"
-    tokenizer_file.write_text(tokenizer_file.read_text()[:100])  # truncated
-    (output / "tokenizer" / "tokenizer_config.json").unlink()
+    original = tokenizer_file.read_text()
+    tokenizer_file.write_text(original[:100])  # cut short
+    # The checkpoints were trained with it: the resume stops, saying what to do (issue 33; it used to go on).
+    with pytest.raises(ValueError, match="cannot be read .* the checkpoints of this run were trained with it: "
+                                         "restore the folder from a copy, or delete it"):  # fmt: skip
+        _train(tmp_path, output, "--steps", "4", "--save-every", "2")
+    shutil.rmtree(output / "tokenizer")  # what the message offers: the same text and settings make the same one
     capsys.readouterr()
     _train(tmp_path, output, "--steps", "4", "--save-every", "2")
     assert f"Resuming from {checkpoints / 'step-0000002'} (step 2)" in capsys.readouterr().out
-    assert json.loads(tokenizer_file.read_text())["model"]["type"] == "BPE"
+    assert tokenizer_file.read_text() == original
     assert (output / "tokenizer" / "tokenizer_config.json").is_file()
 
 
-def test_a_tokenizer_json_without_its_config_is_remade_and_refused_in_words(tmp_path, capsys):
-    """tokenizer.json alone loads, but without tokenizer_config.json it has no end-of-text token: a run's tokenizer
-    folder like that is made again (it is derived data), and the library refuses such a tokenizer in words."""
+def test_memlm_train_resuming_with_a_damaged_tokenizer_exits_1_with_one_line(tmp_path):
+    output = tmp_path / "run"
+    _train(tmp_path, output, "--steps", "4", "--save-every", "2")
+    (output / "tokenizer" / "tokenizer.json").write_text("{")
+    command = [sys.executable, "-m", "memlm.cli", "train", "--preset", str(_preset(tmp_path, "deltanet")),
+               "--output-dir", str(output), "--data", str(_data(tmp_path)), "--steps", "4", "--save-every", "2"]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env=os.environ | {"HF_HUB_OFFLINE": "1"}
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert (
+        len(errors) == 1
+        and errors[0].startswith("memlm: error: The tokenizer in")
+        and "Traceback" not in result.stderr
+    )
+
+
+def test_keep_checkpoints_0_keeps_every_checkpoint(tmp_path):
+    output = tmp_path / "run"
+    _train(tmp_path, output, "--steps", "4", "--save-every", "1", "--keep-checkpoints", "0")
+    names = [path.name for path in pretrain.complete_checkpoints(output)]
+    assert names[:3] == [f"step-000000{step}" for step in (1, 2, 3)]  # the default, 2, would keep the newest two
+
+
+def test_a_tokenizer_json_without_its_config_is_refused_in_words(tmp_path, capsys):
+    """tokenizer.json alone loads, but without tokenizer_config.json it has no end-of-text token: the library refuses
+    such a tokenizer in words, and a run whose checkpoints depend on it stops; a run with no checkpoint yet makes its
+    tokenizer again (derived data)."""
     from transformers import AutoTokenizer
 
     from memlm.training.data import tokenize_documents
@@ -285,9 +316,10 @@ def test_a_tokenizer_json_without_its_config_is_remade_and_refused_in_words(tmp_
     alone = AutoTokenizer.from_pretrained(output / "tokenizer")
     with pytest.raises(ValueError, match="has no end-of-text token .* tokenizer.json but no tokenizer_config.json"):
         tokenize_documents(["def f():\n    return 1\n"], alone)
-    capsys.readouterr()
+    with pytest.raises(ValueError, match="has no end-of-text token.*the checkpoints of this run were trained"):
+        _train(tmp_path, output, "--steps", "4", "--save-every", "2")
+    shutil.rmtree(output / "checkpoints")  # nothing depends on it any more: made again
     _train(tmp_path, output, "--steps", "4", "--save-every", "2")
-    assert "Resuming from" in capsys.readouterr().out
     assert (output / "tokenizer" / "tokenizer_config.json").is_file()
 
 

@@ -16,7 +16,7 @@ rule only; the sum rule has no FLA kernel and runs as with ``"triton"``), ``"ref
 
 import torch
 
-from memlm.kernels import check_triton_device, resolve_backend
+from memlm.kernels import check_triton_device, resolve_backend, sums_are_finite
 
 from .chunk import delta_rule_chunk, delta_rule_step, sum_rule_chunk, sum_rule_step
 from .reference import delta_rule_reference, sum_rule_reference
@@ -146,11 +146,12 @@ def _poisoned_positions(bad: torch.Tensor, offsets: list[int] | None) -> torch.T
 def _causal_despite_non_finite(run, query, key, value, beta, initial_state, offsets):
     """`run(query, key, value, beta, initial_state)`, keeping a non-finite input where it is: a chunkwise product
     multiplies the rows of a chunk together, and 0 · NaN = NaN would carry a NaN at position t into the outputs
-    before t. When the output is not all finite (one reduction, read on the host), the rule runs again with the
-    non-finite positions' inputs zeroed — what comes before them does not depend on them — and every output from such
-    a position on (and the final state of its row or sequence) is NaN."""
+    before t. When the output is not all finite (one reduction, on CPU tensors: `sums_are_finite`), the rule runs
+    again with the non-finite positions' inputs zeroed — what comes before them does not depend on them — and every
+    output from such a position on (and the final state of its row or sequence) is NaN. On a GPU nothing is checked:
+    a read-back at every layer would stall its queue."""
     output, state = run(query, key, value, beta, initial_state)
-    if key.shape[2] == 1 or torch.compiler.is_compiling() or bool(torch.isfinite(output.detach().sum())):
+    if key.shape[2] == 1 or sums_are_finite(output):
         return output, state
     bad = ~(torch.isfinite(query).all(-1) & torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))
     if beta is not None:
@@ -217,8 +218,8 @@ def delta_rule(
 
     Returns:
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
-        float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``. A non-finite input at position
-        t leaves the outputs before t as they are without it; the outputs from t on are NaN.
+        float32 (float64 for float64 inputs) if ``output_final_state``, else ``None``. On CPU tensors a non-finite
+        input at position t leaves the outputs before t as they are without it, and the outputs from t on are NaN.
 
     Example:
         >>> import torch

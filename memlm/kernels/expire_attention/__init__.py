@@ -16,7 +16,7 @@ from numbers import Real
 
 import torch
 
-from memlm.kernels import check_triton_device, resolve_backend
+from memlm.kernels import check_triton_device, resolve_backend, sums_are_finite
 
 from .reference import expire_span_attention_reference, expire_span_mask, memory_statistics, visible_keys
 from .sdpa import expire_span_attention_sdpa
@@ -164,7 +164,8 @@ def expire_span_attention(
             implementation whatever the backend.
 
     Returns:
-        ``(B, H, T, d_v)`` in the query's dtype.
+        ``(B, H, T, d_v)`` in the query's dtype. On CPU tensors a non-finite key, value or span at position i leaves
+        the outputs of the queries that do not see it as they are without it, and those that see it get NaN.
 
     Example:
         >>> import torch
@@ -182,6 +183,56 @@ def expire_span_attention(
         query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
     )
     _check_official_options(query, key, position_scores, attend_to_self, renormalization_epsilon)
+    options = dict(
+        ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout, backend=backend,
+        position_scores=position_scores, attend_to_self=attend_to_self,
+        renormalization_epsilon=renormalization_epsilon,
+    )  # fmt: skip
+    output = _expire_span_attention(query, key, value, spans, query_positions, key_positions, **options)
+    # The spans too: a NaN span can hide its key instead of spreading.
+    if sums_are_finite(output, *([] if spans is None else [spans])):
+        return output
+    return _causal_despite_non_finite(output, query, key, value, spans, query_positions, key_positions, options)
+
+
+def _causal_despite_non_finite(output, query, key, value, spans, query_positions, key_positions, options):
+    """Keep a non-finite key, value or span where it is: the products of an attention kernel multiply the weights
+    of every key with every value, and a masked key's weight 0 times its NaN value is NaN, which would reach queries
+    that cannot see that key. The attention runs again with those keys' inputs zeroed (what cannot see them does not
+    depend on them), and the outputs of the queries that see one of them are NaN."""
+    bad = ~(torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))  # (B, H, N)
+    if spans is not None:
+        bad |= ~torch.isfinite(spans)[:, None]
+    position_scores = options["position_scores"]
+    bad_pairs = None if position_scores is None else ~torch.isfinite(position_scores)  # (B, H, T, N)
+    if not bool(bad.any()) and (bad_pairs is None or not bool(bad_pairs.any())):
+        return output  # non-finite queries only stay in their own rows; or an overflow: nothing to keep in place
+    zero = torch.zeros((), dtype=key.dtype, device=key.device)
+    key, value = (torch.where(bad[..., None], zero, tensor) for tensor in (key, value))
+    if spans is not None:
+        spans = torch.where(bad.any(1), torch.zeros((), dtype=spans.dtype, device=spans.device), spans)
+    pairs = bad[:, :, None, :].expand(*query.shape[:3], key.shape[2])
+    if bad_pairs is not None:
+        options = {
+            **options,
+            "position_scores": torch.where(bad_pairs, zero.to(position_scores.dtype), position_scores),
+        }
+        pairs = pairs | bad_pairs
+    output = _expire_span_attention(query, key, value, spans, query_positions, key_positions, **options)
+    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, T, N)
+    visible = distance >= (0 if options["attend_to_self"] else 1)
+    if options["key_valid"] is not None:
+        visible = visible & options["key_valid"][:, None, None, :]
+    if options["max_distance"] is not None:
+        visible = visible & (distance <= options["max_distance"])
+    seen = (pairs & visible).any(-1)  # (B, H, T): queries that see a non-finite key
+    return torch.where(seen[..., None], torch.full((), float("nan"), dtype=output.dtype), output)
+
+
+def _expire_span_attention(
+    query, key, value, spans, query_positions, key_positions, *, ramp, key_valid, max_distance, scale, dropout,
+    backend, position_scores, attend_to_self, renormalization_epsilon,
+):  # fmt: skip
     if position_scores is not None or not attend_to_self or renormalization_epsilon > 0:
         return expire_span_attention_reference(
             query, key, value, spans, query_positions, key_positions, ramp=ramp, key_valid=key_valid,
