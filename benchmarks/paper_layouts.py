@@ -53,7 +53,38 @@ def deltanet_configs() -> tuple:
     return default, official
 
 
-FAMILIES = {"DeltaNet (lmtool-fwp)": deltanet_configs}
+EXPIRE_SPAN_SIZES = {"max_span": 1024, "ramp": 32, "block_size": 256}
+
+
+def expire_span_configs() -> tuple:
+    """memlm's Expire-Span and the official transformer-sequential model (enwik8_small's post-norm layout: learned
+    relative positions, no attention to self, zero initial memories, memories recomputed from hidden states every
+    block, the remaining-span loss), spans up to 1024 tokens, blocks of 256."""
+    from memlm import ExpireSpanConfig
+
+    default = ExpireSpanConfig(**SIZES, **EXPIRE_SPAN_SIZES)
+    official = ExpireSpanConfig(
+        **SIZES,
+        **EXPIRE_SPAN_SIZES,
+        norm_type="layernorm",
+        norm_position="post",
+        final_norm=False,
+        mlp_type="plain",
+        mlp_bias=True,
+        hidden_act="relu",
+        lm_head_bias=True,
+        intermediate_size=default.intermediate_size * 3 // 2,
+        position_encoding="learned_relative",
+        attend_to_self=False,
+        initial_memory="zeros",
+        span_loss_form="remaining_span",
+        renormalization_epsilon=1e-8,
+        recompute_memory=True,
+    )
+    return default, official
+
+
+FAMILIES = {"DeltaNet (lmtool-fwp)": deltanet_configs, "Expire-Span (transformer-sequential)": expire_span_configs}
 
 
 def training_step(model, length: int, batch_size: int):
