@@ -162,7 +162,7 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         memory: ExpireSpanMemory | None,
         max_distance: float | None,
         counted_positions: bool = False,
-        relative_positions: LearnedRelativePositions | None = None,
+        relative_positions: nn.Module | None = None,  # a LearnedRelativePositions
         layer_inputs: torch.Tensor | None = None,
         span_limit: float | None = None,
     ) -> tuple[torch.Tensor, ExpireSpanMemory, torch.Tensor | None, torch.Tensor, torch.Tensor]:
