@@ -100,12 +100,29 @@ def training_step(model, length: int, batch_size: int):
     return step
 
 
-def decode_steps(model, context: int, steps: int):
+def tensor_bytes(value, seen=None) -> int:
+    """Bytes of the tensors in `value` (a tensor, a list or tuple, or an object's attributes, one level at a time)."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return 0
+        seen.add(id(value))
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item, seen) for item in value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return sum(tensor_bytes(item, seen) for item in vars(value).values())
+    return 0
+
+
+def decode_steps(model, context: int, steps: int, sizes: dict | None = None):
     cache_argument = cache_keyword(model)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, VOCAB_SIZE, (1, context), generator=generator)
     with torch.no_grad():
         cache = output_cache(model(prompt, use_cache=True, logits_to_keep=1))
+    if sizes is not None:  # what the memory holds after the prompt
+        sizes["cache_bytes"] = tensor_bytes(list(cache.layers))
     token = prompt[:, -1:]
 
     def run():
@@ -134,8 +151,12 @@ def measure(args) -> list[dict]:
             1,
             args.repeats,
         )
+        cache_sizes = {name: {} for name in models}
         decoding = report.interleaved_median_times(
-            {name: decode_steps(model, args.context, args.decode_steps) for name, model in models.items()},
+            {
+                name: decode_steps(model, args.context, args.decode_steps, cache_sizes[name])
+                for name, model in models.items()
+            },
             1,
             args.repeats,
         )
@@ -144,6 +165,7 @@ def measure(args) -> list[dict]:
             row[f"{name}_parameters"] = parameters[name]
             row[f"{name}_training_tokens_per_s"] = args.batch_size * args.length / training[name]
             row[f"{name}_decode_tokens_per_s"] = args.decode_steps / decoding[name]
+            row[f"{name}_cache_megabytes"] = cache_sizes[name]["cache_bytes"] / 2**20
         for kind in ("training", "decode"):
             row[f"{kind}_official_over_default"] = (
                 row[f"official_{kind}_tokens_per_s"] / row[f"default_{kind}_tokens_per_s"]
@@ -161,6 +183,8 @@ COLUMNS = [
     ("decode tok/s, default", "default_decode_tokens_per_s", ".1f"),
     ("decode tok/s, official", "official_decode_tokens_per_s", ".1f"),
     ("official / default", "decode_official_over_default", ".2f"),
+    ("cache MiB, default", "default_cache_megabytes", ".2f"),
+    ("cache MiB, official", "official_cache_megabytes", ".2f"),
 ]
 
 
@@ -185,7 +209,7 @@ def docs_section(results: dict) -> str:
             f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, vocabulary {VOCAB_SIZE}; "
             f"training = forward + backward of the LM loss on {settings['batch_size']} × {settings['length']} "
             f"tokens; decoding = {settings['decode_steps']} greedy steps at batch 1 after {settings['context']} "
-            "tokens.",
+            "tokens; cache = the bytes of the tensors the memory holds after those tokens.",
             report.markdown_table(COLUMNS, _with_parameters(results["rows"])),
         ]
     )

@@ -141,3 +141,4 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
             official, default = row[f"official_{kind}_tokens_per_s"], row[f"default_{kind}_tokens_per_s"]
             assert official > 0 and default > 0
             assert abs(row[f"{kind}_official_over_default"] - official / default) < 1e-9
+        assert row["default_cache_megabytes"] > 0 and row["official_cache_megabytes"] > 0
