@@ -21,17 +21,21 @@ __all__ = ["ListMemory", "feedback_recurrence_reference"]
 
 class ListMemory:
     """The memory as Python lists, one entry per memory: keys and values (G, B, H, d) (G key/value sets: one when the
-    layers share their projections), the position (B,) and whether it holds a memory (B,; False for padding)."""
+    layers share their projections), the position (B,) and whether it holds a memory (B,; False for padding); and,
+    when the model carries them (`memory_carry="hidden_states"`), the memories' hidden states (B, D)."""
 
     def __init__(self, cache_layers, like: torch.Tensor):
         self.batch_size, self.device, self.dtype = like.shape[0], like.device, like.dtype
-        self.keys, self.values, self.positions, self.valid = [], [], [], []
+        self.keys, self.values, self.positions, self.valid, self.hidden = [], [], [], [], []
         if cache_layers[0].keys is not None:  # carried from the cache: every slot, its position says if it is seen
+            hidden = getattr(cache_layers[0], "hidden", None)
             for slot in range(cache_layers[0].keys.shape[2]):
                 self.keys.append(torch.stack([layer.keys[:, :, slot] for layer in cache_layers]).to(like.dtype))
                 self.values.append(torch.stack([layer.values[:, :, slot] for layer in cache_layers]).to(like.dtype))
                 self.positions.append(cache_layers[0].positions[:, slot])
                 self.valid.append(cache_layers[0].valid[:, slot])
+                if hidden is not None:
+                    self.hidden.append(hidden[:, slot])
 
     def window(self, group: int, step: int):
         """Positions and validity (B, W) of the memories a step reads: all of them."""
@@ -40,9 +44,10 @@ class ListMemory:
             return None, None, empty, empty.bool()
         return None, None, torch.stack(self.positions, 1), torch.stack(self.valid, 1)
 
-    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor, transform=None) -> torch.Tensor:
         """softmax(q·Kᵀ/√d + bias) · V for query (B·H, d) and bias (B·H, W); zero where no memory is visible (the
-        paper's "no attention term" before the first memory)."""
+        paper's "no attention term" before the first memory). `transform`: a function applied to the softmax
+        weights (B·H, W) before they read the values (the adaptive span's mask, dropout on the weights)."""
         if not self.keys:
             return torch.zeros_like(query)
         keys = torch.stack([keys[group] for keys in self.keys], dim=2).flatten(0, 1)  # (B·H, W, d)
@@ -50,14 +55,20 @@ class ListMemory:
         scores = torch.einsum("nd,nwd->nw", query, keys) * query.shape[-1] ** -0.5 + bias
         seen = (bias > float("-inf")).any(-1, keepdim=True)
         weights = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+        if transform is not None:
+            weights = transform(weights)
         return torch.einsum("nw,nwd->nd", weights, values)
 
-    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
-        """Append m_t's keys and values (G, B, H, d) at positions (B,); padding is appended too, never seen."""
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+              hidden: torch.Tensor | None = None):  # fmt: skip
+        """Append m_t's keys and values (G, B, H, d) at positions (B,), and its hidden state (B, D) when given;
+        padding is appended too, never seen."""
         self.keys.append(keys)
         self.values.append(values)
         self.positions.append(positions)
         self.valid.append(valid)
+        if hidden is not None:
+            self.hidden.append(hidden)
 
 
 def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_layers, next_positions, memory_span):
@@ -73,7 +84,8 @@ def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_l
 
     Returns:
         The top layer's outputs (B, T, D), the list of every step's layer outputs, and the memory to carry: keys and
-        values (G, B, H, W, d), positions and validity (B, W) of the memories some row can still see next.
+        values (G, B, H, W, d), positions and validity (B, W) of the memories some row can still see next, and their
+        hidden states (B, W, D) when the step writes them.
     """
     memory = ListMemory(cache_layers, inputs_embeds)
     outputs, states = [], []
@@ -92,4 +104,7 @@ def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_l
     else:  # nothing left to see: an empty window (T ≥ 1, so there is a memory to take the shape of)
         keys = values = memory.keys[0].new_zeros(*memory.keys[0].shape[:3], 0, memory.keys[0].shape[3])
     window = (keys, values, memory_positions[:, carried], memory_valid[:, carried])
+    if memory.hidden and len(memory.hidden) == len(memory.keys):
+        window += (torch.stack([memory.hidden[index] for index in carried], dim=1) if carried
+                   else memory.hidden[0].new_zeros(memory.hidden[0].shape[0], 0, memory.hidden[0].shape[1]),)  # fmt: skip
     return torch.stack(outputs, dim=1), states, window
