@@ -87,6 +87,12 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
         adaptive_span_ramp: R > 0, the length of the soft mask's ramp (the official `--adapt-span-len`).
         adaptive_span_loss_coefficient: the coefficient of the span loss (the official `--adapt-span-loss`).
         adaptive_span_initial_ratio: the initial span ratio z of every head, in [0, 1] (`--adapt-span-init`).
+        adaptive_span_trim_step: `None` (default): every layer reads all τ memories (those beyond a head's span get
+            weight 0 from the mask). An integer s: as the official code (`--adapt-span-trim-step`, default 64), each
+            forward trims from a layer's window the oldest n = ⌊min(τ − 1, τ − S) / s⌋ · s memories, S =
+            min(τ, ⌈max_heads(z) · τ + R⌉) the longest span of the layer with its ramp: they are left out of the
+            softmax (which the renormalisation's ε sees), and a cache built without gradients keeps only the
+            memories some layer still reads (s = 1: the adaptive span bounds the cache to the longest span).
         renormalization_epsilon: ε >= 0 added to the denominator of the adaptive span's renormalisation; the official
             code uses 1e-8; 0 (default) renormalises exactly.
         attention_dropout_position: where `attention_dropout` applies: `"context"` (default): each head's attention
@@ -145,6 +151,7 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
     adaptive_span_ramp: int | float = 32
     adaptive_span_loss_coefficient: float = 0.0
     adaptive_span_initial_ratio: float = 0.0
+    adaptive_span_trim_step: int | None = None
     renormalization_epsilon: float = 0.0
     attention_dropout_position: str = "context"
     rope_theta: float = 10000.0
@@ -290,6 +297,11 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
         check_number(self, "adaptive_span_loss_coefficient", minimum=0)
         check_number(self, "adaptive_span_initial_ratio", minimum=0, maximum=1)
         check_number(self, "renormalization_epsilon", minimum=0)
+        if self.adaptive_span_trim_step is not None and not is_positive_int(self.adaptive_span_trim_step):
+            raise ValueError(
+                "FeedbackTransformerConfig.adaptive_span_trim_step must be None or a positive integer, got "
+                f"{self.adaptive_span_trim_step!r}."
+            )
         self.validate_block_layout()
         check_number(self, "rope_theta", minimum=0, strict_minimum=True)
         check_number(self, "hidden_dropout", minimum=0, maximum=1, strict_maximum=True)

@@ -9,22 +9,22 @@ projections of width `nheads · head_dim` without biases, an output projection w
 by all, with `--share-proj-kv`), after its own `norm1` with `--pre-norm`. The attention of a step reads the last
 `attn_lim` memories with the learned relative positions `key_pe` (one vector per distance, shared by the layers):
 softmax((q·k + q·p_d)/√head_dim), dropout on the weights, and with `--adapt-span` the adaptive span's mask
-(Sukhbaatar et al., 2019) and renormalisation (+1e-8), whose loss the trainer adds. The memory starts as `attn_lim`
+(Sukhbaatar et al., 2019) and renormalisation (+1e-8), whose loss the trainer adds, over a window trimmed to the
+longest span (`--adapt-span-trim-step`). The memory starts as `attn_lim`
 zero hidden states; between blocks the model carries the hidden states (detached) and recomputes keys and values
 from them; with `--pre-norm` it stores them after layer 0's `norm1`. In memlm's words (`official_config`):
 
     norm_type="layernorm", norm_position="pre"/"post", final_norm=pre_norm, mlp_type="plain", mlp_bias=True,
     hidden_act="relu", lm_head_bias=True, head_dim, position_encoding="learned_relative", initial_memory="zeros",
     memory_normalization="layer"/"none", memory_carry="hidden_states", carry_first_layer_norm=pre_norm,
-    adaptive_span (+ ramp, loss coefficient, renormalization_epsilon=1e-8), attention_dropout_position="weights".
+    adaptive_span (+ ramp, loss coefficient, trim step, renormalization_epsilon=1e-8),
+    attention_dropout_position="weights".
 
 `convert_state_dict(state_dict, official_args)` maps an official state dict (official names; tied parameters under
 each of their names) and the official arguments (`main.py`'s argparse names) to a `FeedbackTransformerConfig` and a
 memlm state dict, with torch operations only (views, a transpose and a flip), so that gradients flow back onto the
 official tensors. What memlm cannot express raises NotImplementedError naming the official flag.
 """
-
-import math
 
 import torch
 
@@ -66,18 +66,6 @@ def official_arguments(official_args: dict) -> dict:
     return {**OFFICIAL_DEFAULTS, **official_args}
 
 
-def _trimmed_steps(args: dict, size_ratios: list[torch.Tensor]) -> int:
-    """The most memories the official adaptive span trims from a layer's window (`AdaptiveSpan.get_trim_len`):
-    memlm reads the whole window, which gives the same weights only while nothing is trimmed (the 1e-8 of the
-    renormalisation is relative to the weights of the whole window)."""
-    size, ramp, step = args["attn_lim"], args["adapt_span_len"], args["adapt_span_trim_step"]
-    most = 0
-    for ratio in size_ratios:
-        max_size = max(0, min(size, math.ceil(ratio.max().item() * size + ramp)))
-        most = max(most, math.floor(min(size - 1, size - max_size) / step) * step)
-    return most
-
-
 def official_config(state_dict: dict, official_args: dict) -> FeedbackTransformerConfig:
     """The FeedbackTransformerConfig of the official model (sizes read from the state dict where they are there)."""
     args = official_arguments(official_args)
@@ -93,15 +81,6 @@ def official_config(state_dict: dict, official_args: dict) -> FeedbackTransforme
         if args["adapt_span_cache"]:
             _refuse(
                 "--adapt-span-cache", "a cache shortened by the spans (the official Feedback model refuses it too)"
-            )
-        ratios = [value for name, value in state_dict.items() if name.endswith("adaptive_span.mask.size_ratio")]
-        trimmed = _trimmed_steps(args, ratios)
-        if trimmed:
-            _refuse(
-                f"--adapt-span-trim-step {args['adapt_span_trim_step']}",
-                f"the spans of this checkpoint let the official code trim {trimmed} of the attn_lim = "
-                f"{args['attn_lim']} memories from a window, which changes its renormalised weights by ~1e-8; memlm "
-                "reads the whole window",
             )
     embedding = state_dict["in_emb.weight"]
     pre_norm = bool(args["pre_norm"])
@@ -124,6 +103,7 @@ def official_config(state_dict: dict, official_args: dict) -> FeedbackTransforme
         adaptive_span_ramp=args["adapt_span_len"],
         adaptive_span_loss_coefficient=args["adapt_span_loss"],
         adaptive_span_initial_ratio=args["adapt_span_init"],
+        adaptive_span_trim_step=args["adapt_span_trim_step"] if args["adapt_span"] else None,
         renormalization_epsilon=OFFICIAL_RENORMALIZATION_EPS if args["adapt_span"] else 0.0,
         attention_dropout=args["dropout"],
         attention_dropout_position="weights",

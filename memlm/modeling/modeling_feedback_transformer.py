@@ -149,6 +149,15 @@ def adaptive_span_mask(span_ratio: torch.Tensor, distance: torch.Tensor, memory_
     return ((template + span_ratio[None, :, None] * memory_span) / ramp + 1).clamp(0, 1)
 
 
+def adaptive_span_window(span_ratio: torch.Tensor, memory_span: int, ramp, trim_step: int) -> int:
+    """How many of the last τ memories a layer reads when the official code trims its window
+    (`AdaptiveSpan.get_trim_len`): τ − n with n = ⌊min(τ − 1, τ − S) / s⌋ · s and S = min(τ, ⌈max(z) · τ + R⌉) the
+    layer's longest span with its ramp (beyond it every head's mask is 0)."""
+    longest = max(0, min(memory_span, math.ceil(span_ratio.max().item() * memory_span + ramp)))
+    trimmed = math.floor(min(memory_span - 1, memory_span - longest) / trim_step) * trim_step
+    return memory_span - trimmed
+
+
 class FeedbackAttention(nn.Module):
     """The query side of one layer's attention over the memory (keys/values come from the memory, once per step when
     shared), and its output projection."""
@@ -351,6 +360,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.carries_hidden_states = config.memory_carry == "hidden_states"
         # The options only the step loop's reference runs (autograd through every step): keys and values computed
         # from hidden states at the start of a forward, the adaptive span's mask, dropout on the attention weights.
+        # With `adaptive_span_trim_step`: how many memories each layer reads, set at the start of every forward.
+        self.read_windows = None
         self.needs_reference_loop = (
             config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
         )
@@ -442,6 +453,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             else:
                 window = store.window(group, step)
                 bias = self._relative_position_scores(query, window, positions, bias)
+                if self.read_windows is not None:  # the adaptive span's trimmed window: memories 1..n steps back
+                    distance = positions[:, None] - window[2]  # (B, W)
+                    outside = (distance > self.read_windows[layer_idx])[:, None].expand(-1, self.num_heads, -1)
+                    bias = bias.masked_fill(outside.flatten(0, 1), -math.inf)
                 transform = self._attention_weights_transform(attention, window, positions)
                 if transform is None:
                     context = store.read(group, step, query, bias.to(query.dtype))
@@ -649,6 +664,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             cache.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
         positions = positions.masked_fill(~valid, -1)
+        self.read_windows = None
+        if config.adaptive_span and config.adaptive_span_trim_step is not None:
+            self.read_windows = [
+                adaptive_span_window(layer.attention.span_ratio, config.memory_span, config.adaptive_span_ramp,
+                                     config.adaptive_span_trim_step)
+                for layer in self.layers
+            ]  # fmt: skip
         memory_layers = cache.layers
         if config.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds)
@@ -671,7 +693,16 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             keys, values, slot_positions, slot_valid, *hidden = window
             hidden = hidden[0] if hidden else None
             following = cache.next_positions + valid.sum(1)
-            slot_valid = slot_valid & (following[:, None] - slot_positions <= config.memory_span)
+            reach = config.memory_span
+            if self.read_windows is not None and not torch.is_grad_enabled():
+                # Without gradients the weights stay as they are: keep only the memories some layer still reads.
+                reach = max(self.read_windows)
+            slot_valid = slot_valid & (following[:, None] - slot_positions <= reach)
+            if reach < config.memory_span:
+                kept = slot_valid.any(0).nonzero()[:, 0]
+                keys, values = keys[:, :, :, kept], values[:, :, :, kept]
+                slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
+                hidden = hidden[:, kept] if hidden is not None else None
             for group, layer in enumerate(cache.layers):
                 layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False

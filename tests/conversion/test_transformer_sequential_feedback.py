@@ -128,13 +128,14 @@ def test_what_memlm_cannot_express_is_refused_naming_the_official_flag(flags, na
         convert_state_dict(official, {**meta["official_args"], **flags})
 
 
-def test_a_trimmed_adaptive_span_is_refused_naming_the_trim_step():
+def test_the_adaptive_span_options_reach_the_config():
     meta, _, official = load_case("feedback_enwik8")
-    # spans of at most 1 + ramp 8 out of attn_lim 32: a trim step of 8 lets the official code trim 16 memories
-    small = {name: value.clamp(max=0.03) if name.endswith("size_ratio") else value for name, value in official.items()}
-    with pytest.raises(NotImplementedError, match="--adapt-span-trim-step 8`: .* trim 16 of the attn_lim = 32"):
-        convert_state_dict(small, {**meta["official_args"], "adapt_span_trim_step": 8})
-    convert_state_dict(small, meta["official_args"])  # the default step, 64, trims nothing here
+    config, _ = convert_state_dict(official, {**meta["official_args"], "adapt_span_trim_step": 8})
+    assert config.adaptive_span and config.adaptive_span_trim_step == 8 and config.adaptive_span_ramp == 8
+    assert config.adaptive_span_loss_coefficient == 5e-7 and config.renormalization_epsilon == 1e-8
+    meta, _, official = load_case("feedback_postnorm_shared_kv")
+    config, _ = convert_state_dict(official, meta["official_args"])
+    assert not config.adaptive_span and config.adaptive_span_trim_step is None
 
 
 def test_a_state_dict_that_does_not_fit_the_arguments_is_refused():

@@ -76,6 +76,19 @@ LAYOUTS = {
         "memory_carry": "hidden_states",
         "attention_dropout_position": "weights",
     },
+    "adaptive_span_trimmed": {
+        **OFFICIAL_BLOCK,
+        "memory_span": 9,
+        "share_key_value": False,
+        "position_encoding": "learned_relative",
+        "initial_memory": "zeros",
+        "memory_normalization": "layer",
+        "memory_carry": "hidden_states",
+        "adaptive_span": True,
+        "adaptive_span_ramp": 2,
+        "adaptive_span_trim_step": 2,
+        "renormalization_epsilon": 1e-3,  # large enough that the softmax over a trimmed window shows
+    },
     "shared_projections_layer_norms": {
         **OFFICIAL_BLOCK,
         "position_encoding": "learned_relative",
@@ -130,7 +143,12 @@ def naive_forward(model: FeedbackTransformerForCausalLM, input_ids: torch.Tensor
         for index, layer in enumerate(body.layers):
             attention = layer.attention
             query = attention.q_proj(layer.input_layernorm(x) if pre else x).view(batch, heads, width)
-            window = [(position, memory) for position, memory in memories if 1 <= t - position <= span]
+            reach = span
+            if config.adaptive_span_trim_step:  # the official trim: whole steps of memories beyond every head's span
+                step = config.adaptive_span_trim_step
+                longest = min(span, math.ceil(attention.span_ratio.max().item() * span + config.adaptive_span_ramp))
+                reach = span - (min(span - 1, span - longest) // step) * step
+            window = [(position, memory) for position, memory in memories if 1 <= t - position <= reach]
             context = torch.zeros_like(query)
             if window:
                 pairs = [keys_values(index, memory) for _, memory in window]
@@ -356,3 +374,17 @@ def test_the_options_round_trip_and_are_described(tmp_path):
     lines = "\n".join(model.config.describe())
     for words in ("pre-norm LayerNorm", "heads of width 8", "zero memories", "recomputed", "Adaptive attention span"):
         assert words in lines, words
+
+
+def test_the_trimmed_adaptive_span_bounds_the_cache_without_gradients():
+    model = _model("adaptive_span_trimmed", adaptive_span_trim_step=1)
+    with torch.no_grad():
+        for layer, ratio in zip(model.model.layers, (0.1, 0.3, 0.2)):
+            layer.attention.span_ratio.fill_(ratio)  # longest spans ⌈0.9 + 2⌉ = 3, ⌈2.7 + 2⌉ = 5, ⌈1.8 + 2⌉ = 4
+        input_ids = torch.randint(0, 40, (2, 12))
+        cache = model(input_ids, use_cache=True).cache
+    assert model.model.read_windows == [3, 5, 4]
+    assert cache.layers[0].hidden.shape[1] == 5 and cache.layers[0].positions[0].tolist() == [7, 8, 9, 10, 11]
+    assert (model(input_ids).logits - naive_forward(model, input_ids)).abs().max() < 1e-12
+    model.train()  # with gradients the spans may grow before the next forward: all τ memories are carried
+    assert model(input_ids, use_cache=True).cache.layers[0].hidden.shape[1] == 9
