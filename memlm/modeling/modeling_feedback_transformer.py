@@ -362,6 +362,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         # from hidden states at the start of a forward, the adaptive span's mask, dropout on the attention weights.
         # With `adaptive_span_trim_step`: how many memories each layer reads, set at the start of every forward.
         self.read_windows = None
+        self.embedding_scale = config.embedding_scale
+        self.recomputes_carried_memory = config.recomputes_carried_memory
+        self.adaptive_span = config.adaptive_span
+        self.trims_adaptive_span = config.adaptive_span and config.adaptive_span_trim_step is not None
         self.needs_reference_loop = (
             config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
         )
@@ -628,9 +632,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         )
         return_dict = return_dict if return_dict is not None else config.return_dict
         inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
-        if config.embedding_scale != 1:
-            inputs_embeds = inputs_embeds * config.embedding_scale
-        inputs_embeds = self.embedding_dropout(inputs_embeds)
+        if self.embedding_scale != 1:
+            inputs_embeds = inputs_embeds * self.embedding_scale
+        if self.training and self.embedding_dropout.p > 0:
+            inputs_embeds = self.embedding_dropout(inputs_embeds)
         batch_size, length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
@@ -665,14 +670,14 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
         positions = positions.masked_fill(~valid, -1)
         self.read_windows = None
-        if config.adaptive_span and config.adaptive_span_trim_step is not None:
+        if self.trims_adaptive_span:
             self.read_windows = [
                 adaptive_span_window(layer.attention.span_ratio, config.memory_span, config.adaptive_span_ramp,
                                      config.adaptive_span_trim_step)
                 for layer in self.layers
             ]  # fmt: skip
         memory_layers = cache.layers
-        if config.recomputes_carried_memory:
+        if self.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds)
 
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
@@ -716,7 +721,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 return states
             return states.new_empty(states.shape).scatter(1, order[..., None].expand_as(states), states)
 
-        hidden_states = self.output_dropout(restored(self.norm(top)))
+        hidden_states = restored(self.norm(top))
+        if self.training and self.output_dropout.p > 0:
+            hidden_states = self.output_dropout(hidden_states)
         hidden_states_out = None
         if output_hidden_states:
             # As in 🤗 Llama: the embeddings, each layer's output but the last, and the normed output. The embeddings
@@ -732,7 +739,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 layer_states.append(stacked)
             hidden_states_out = (given_embeds, *layer_states, hidden_states)
         aux_loss = None
-        if config.adaptive_span:
+        if self.adaptive_span:
             # The adaptive span's loss as the official code adds it: Σ_layers mean_heads(z) · coefficient · τ.
             aux_loss = 0
             for layer in self.layers:
