@@ -268,10 +268,13 @@ class FeedbackCache(MemoryCache):
         return config.memory_groups  # one key/value set for all layers when shared
 
     def memory_bytes(self) -> int:
-        """Bytes of the cached keys and values."""
-        return sum(
+        """Bytes of the cached keys and values (and of the hidden states, with `memory_carry="hidden_states"`: one
+        set for all layers)."""
+        total = sum(
             layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.keys is not None
         )
+        hidden = self.layers[0].hidden if self.layers else None
+        return total + (hidden.numel() * hidden.element_size() if hidden is not None else 0)
 
 
 class FeedbackTransformerPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel):

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.kernels.feedback.through_time import covers
+from tests.modeling.padding import LAYOUTS as PADDING_LAYOUTS
+from tests.modeling.padding import check_rows_alone, padding_mask
 
 DATA = Path(__file__).parent / "data"
 TINY = {
@@ -388,3 +390,28 @@ def test_the_trimmed_adaptive_span_bounds_the_cache_without_gradients():
     assert (model(input_ids).logits - naive_forward(model, input_ids)).abs().max() < 1e-12
     model.train()  # with gradients the spans may grow before the next forward: all τ memories are carried
     assert model(input_ids, use_cache=True).cache.layers[0].hidden.shape[1] == 9
+
+
+PADDING_CASES = [("official_pre_norm", "inference", padding) for padding in PADDING_LAYOUTS] + [
+    ("official_pre_norm", "training", "between"),
+    ("adaptive_span_trimmed", "inference", "between"),
+    ("adaptive_span_trimmed", "training", "empty_row"),
+]
+
+
+@pytest.mark.parametrize(("layout", "mode", "padding"), PADDING_CASES)
+def test_padding_anywhere_gives_each_row_alone(layout, mode, padding):
+    """The zero initial memory, the carried hidden states and the trimmed windows count positions, not steps."""
+    model = _model(layout, vocab_size=258, pad_token_id=257)
+    if mode == "training":
+        model.train()  # dropout 0: the same numbers, with gradients
+    check_rows_alone(model, padding_mask(padding, (9, 5, 3), width=12), 257, prefix_length=6, following_length=3,
+                     training=mode == "training")  # fmt: skip
+
+
+def test_the_cache_counts_the_carried_hidden_states():
+    model = _model("official_post_norm_shared")
+    with torch.no_grad():
+        cache = model(torch.randint(0, 40, (2, 7)), use_cache=True).cache
+    keys, hidden = cache.layers[0].keys, cache.layers[0].hidden
+    assert cache.memory_bytes() == 2 * keys.numel() * keys.element_size() + hidden.numel() * hidden.element_size()
