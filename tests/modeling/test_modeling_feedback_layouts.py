@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
@@ -260,7 +261,10 @@ def test_the_adaptive_span_mask_its_loss_and_where_the_loss_goes():
     assert output.loss is output.lm_loss  # eval: the language-model loss only
     model.train()
     output = model(input_ids, labels=input_ids)
-    torch.testing.assert_close(output.loss, output.lm_loss + output.aux_loss.to(output.lm_loss.dtype), rtol=0, atol=0)
+    assert output.lm_loss.dtype == torch.float64  # a float64 model's loss too
+    expected_lm = F.cross_entropy(output.logits[:, :-1].reshape(-1, 40), input_ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(output.lm_loss, expected_lm, rtol=0, atol=1e-14)
+    torch.testing.assert_close(output.loss, output.lm_loss + output.aux_loss, rtol=0, atol=0)
     output.loss.backward()
     assert all(ratio.grad.abs().min() > 0 for ratio in layer_ratios)  # through the mask and the loss
 
@@ -415,3 +419,18 @@ def test_the_cache_counts_the_carried_hidden_states():
         cache = model(torch.randint(0, 40, (2, 7)), use_cache=True).cache
     keys, hidden = cache.layers[0].keys, cache.layers[0].hidden
     assert cache.memory_bytes() == 2 * keys.numel() * keys.element_size() + hidden.numel() * hidden.element_size()
+
+
+def test_a_float64_model_s_loss_is_float64_with_every_way_of_passing_labels():
+    model = _model("official_post_norm_shared")
+    input_ids = torch.randint(0, 40, (2, 7))
+    labels = input_ids.masked_fill(torch.rand(2, 7) < 0.3, -100)
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        shifted = labels[:, 1:].reshape(-1)
+        per_token = F.cross_entropy(logits[:, :-1].reshape(-1, 40), shifted, ignore_index=-100, reduction="sum")
+        by_labels = model(input_ids, labels=labels).loss
+        by_shift = model(input_ids, shift_labels=F.pad(labels, (0, 1), value=-100)[:, 1:], num_items_in_batch=9).loss
+    assert by_labels.dtype == by_shift.dtype == torch.float64
+    torch.testing.assert_close(by_labels, per_token / (shifted != -100).sum(), rtol=0, atol=1e-14)
+    torch.testing.assert_close(by_shift, per_token / 9, rtol=0, atol=1e-14)
