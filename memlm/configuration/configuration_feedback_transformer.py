@@ -42,8 +42,8 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
 
     Args:
         vocab_size: number of tokens in the vocabulary.
-        hidden_size: width of the residual stream; a multiple of `num_attention_heads`.
-        intermediate_size: width of the gated MLP; `None` (default) takes the multiple of 256 nearest above
+        hidden_size: width of the residual stream; a multiple of `num_attention_heads` unless `head_dim` is given.
+        intermediate_size: width of the MLP; `None` (default) takes the multiple of 256 nearest above
             `hidden_size * 8 / 3`.
         num_hidden_layers: number of blocks L (the memory mixes L + 1 representations: the embedding and each layer).
         num_attention_heads: number of attention heads.
@@ -57,9 +57,9 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
             queries and keys by absolute position, so scores depend on the distance t − i; no parameters, any τ.
             `"relative_bias"`: a learned bias per layer, head and distance 1..τ added to the scores (the paper's
             relative position information, in its simplest form). `"learned_relative"`: the official code's learned,
-            query-dependent relative positions (`key_pe`; Sukhbaatar et al., 2019, Sec. 3): one vector p_d per
-            distance d = 1..τ, shared by the layers and heads, adding q_t · p_d to the score of the memory d steps
-            back: softmax((q_t · k_i + q_t · p_{t−i}) / √head_dim).
+            query-dependent relative positions (`key_pe`; Sukhbaatar et al., 2019: s_tr = q_t · (k_r + p_{t−r})): one
+            vector p_d per distance d = 1..τ, shared by the layers and heads, adding q_t · p_d to the score of the
+            memory d steps back: softmax((q_t · k_i + q_t · p_{t−i}) / √head_dim).
         initial_memory: `"empty"` (default): a forward that starts without a cache has no memory (the attention term
             of the first step is zero). `"zeros"`: the official initial memory, τ zero hidden states at the positions
             −τ … −1, whose keys and values are computed from those zeros and attended like any memory.
@@ -80,10 +80,12 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
             pre-norm code stores them), and each layer applies its own norm to them again in the next forward. Keys
             and values of memories made within a forward are computed without that extra norm.
         adaptive_span: a learned attention span per layer and head (Sukhbaatar et al., 2019, "Adaptive Attention
-            Span in Transformers", Eq. 5-6; the paper's enwik8 model uses it): the softmax weight of the memory d steps
-            back is multiplied by m_z(d) = clamp((1 − d + z·τ) / R + 1, 0, 1), z the learned span ratio of the head,
-            and the weights renormalised: a' = a·m / (Σ a·m + renormalization_epsilon). Its loss, Σ_layers
-            coefficient · τ · mean_heads(z), is the output's `aux_loss` (added to `loss` in training).
+            Span in Transformers": the soft mask m_z and the ℓ1 penalty on z; the paper's enwik8 model uses it): the
+            softmax weight of the memory d steps back is multiplied by m(d) = clamp((1 − d + z·τ) / R + 1, 0, 1), z
+            the learned span ratio of the head, and the weights renormalised: a' = a·m / (Σ a·m +
+            renormalization_epsilon). Its loss, Σ_layers coefficient · τ · mean_heads(z), is the output's `aux_loss`
+            (added to `loss` in training). The official trainer clamps z to [0, 1] after every optimizer step; memlm
+            leaves z as the optimizer leaves it.
         adaptive_span_ramp: R > 0, the length of the soft mask's ramp (the official `--adapt-span-len`).
         adaptive_span_loss_coefficient: the coefficient of the span loss (the official `--adapt-span-loss`).
         adaptive_span_initial_ratio: the initial span ratio z of every head, in [0, 1] (`--adapt-span-init`).

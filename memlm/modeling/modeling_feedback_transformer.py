@@ -123,7 +123,7 @@ class FeedbackModelOutput(BaseModelOutputWithPast):
         reads it too).
     hidden_states: embeddings and each layer's output, when `output_hidden_states`.
     aux_loss: with `adaptive_span`, the span loss Σ_layers coefficient · τ · mean_heads(z_l) (Sukhbaatar et al.,
-        2019, Eq. 6 with the official code's scale); None otherwise.
+        2019: the ℓ1 penalty on the spans, with the official code's scale); None otherwise.
     """
 
     aux_loss: torch.FloatTensor | None = None
@@ -142,9 +142,9 @@ class FeedbackCausalLMOutput(CausalLMOutputWithPast):
 
 
 def adaptive_span_mask(span_ratio: torch.Tensor, distance: torch.Tensor, memory_span: int, ramp) -> torch.Tensor:
-    """The soft mask of the adaptive span (Sukhbaatar et al., 2019, Eq. 5), m_z(d) = clamp((1 − d + z·τ)/R + 1, 0, 1)
-    for a memory d steps back: span_ratio (H,), distance (B, W) → (B, H, W). In the official code's order of
-    operations (its template holds 1 − d for the window's slots)."""
+    """The soft mask of the adaptive span (Sukhbaatar et al., 2019: m_z(x) = clamp((R + z − x)/R, 0, 1)) as the
+    official code computes it, m(d) = clamp((1 − d + z·τ)/R + 1, 0, 1) for a memory d steps back, in its order of
+    operations (its template holds 1 − d for the window's slots): span_ratio (H,), distance (B, W) → (B, H, W)."""
     template = (1 - distance).to(span_ratio.dtype)[:, None]  # (B, 1, W)
     return ((template + span_ratio[None, :, None] * memory_span) / ramp + 1).clamp(0, 1)
 
@@ -177,7 +177,7 @@ class FeedbackAttention(nn.Module):
             # Learned score bias per head for distances 1..τ (index d − 1).
             self.relative_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.memory_span))
         if config.adaptive_span:
-            # The span ratio z of each head (Sukhbaatar et al., 2019, Eq. 5: the span is z·τ).
+            # The span ratio z of each head (Sukhbaatar et al., 2019: the span is z·τ).
             self.span_ratio = nn.Parameter(
                 torch.full((config.num_attention_heads,), float(config.adaptive_span_initial_ratio))
             )
@@ -563,7 +563,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
 
     def _attention_weights_transform(self, attention: FeedbackAttention, window, positions):
         """What the official code does to the softmax weights (B·H, W) before reading the values, as a function, or
-        None: the adaptive span's mask and renormalisation (Sukhbaatar et al., 2019, Eq. 5), then dropout."""
+        None: the adaptive span's mask and renormalisation (Sukhbaatar et al., 2019), then dropout."""
         adaptive = hasattr(attention, "span_ratio")
         dropout = not self.attention_dropout_on_context and self.training and attention.dropout.p > 0
         if not adaptive and not dropout:

@@ -1,7 +1,7 @@
 """Feedback Transformer: the block layouts and the official model's options (SPEC §8) against a plain per-step loop
-written from the papers (Fan et al., 2021, Eq. 1; Sukhbaatar et al., 2019, Eq. 5), the default layout unchanged
-(checkpoints saved by main before the options existed give the same logits, the fast paths still run), the memory
-carried as hidden states, the adaptive span and its loss."""
+written from the papers (Fan et al., 2021, Eq. 1; Sukhbaatar et al., 2019: the adaptive span's soft mask), the
+default layout unchanged (checkpoints saved by main before the options existed give the same logits, the fast paths
+still run), the memory carried as hidden states, the adaptive span and its loss."""
 
 import copy
 import math
