@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
+from memlm.compat import activation_checkpointing_enable
 from memlm.kernels.feedback.through_time import covers
 from tests.modeling.padding import LAYOUTS as PADDING_LAYOUTS
 from tests.modeling.padding import check_rows_alone, padding_mask
@@ -434,3 +435,20 @@ def test_a_float64_model_s_loss_is_float64_with_every_way_of_passing_labels():
     assert by_labels.dtype == by_shift.dtype == torch.float64
     torch.testing.assert_close(by_labels, per_token / (shifted != -100).sum(), rtol=0, atol=1e-14)
     torch.testing.assert_close(by_shift, per_token / 9, rtol=0, atol=1e-14)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_in_an_official_layout():
+    model = _model("official_pre_norm").train()
+    input_ids = torch.randint(0, 40, (2, 9))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+    plain = gradients()
+    activation_checkpointing_enable(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    checkpointed = gradients()
+    for name, gradient in plain.items():
+        torch.testing.assert_close(checkpointed[name], gradient, rtol=0, atol=1e-13)
