@@ -40,6 +40,23 @@ MODELS = {
     **{name: lambda factory=factory: DeltaNetForCausalLM(factory()) for name, factory in DELTANET_VARIANTS.items()},
     "expire_span": _expire_span,
     "fixed_span": lambda: _expire_span(expire_memories=False),
+    # The official model's options (transformer-sequential), memories recomputed from hidden states.
+    "expire_span_official": lambda: _expire_span(
+        head_dim=12,
+        position_encoding="learned_relative",
+        attend_to_self=False,
+        initial_memory="zeros",
+        span_loss_form="remaining_span",
+        renormalization_epsilon=1e-8,
+        recompute_memory=True,
+        norm_type="layernorm",
+        norm_position="post",
+        final_norm=False,
+        mlp_type="plain",
+        mlp_bias=True,
+        hidden_act="relu",
+        lm_head_bias=True,
+    ),  # fmt: skip
     "feedback": lambda: FeedbackTransformerForCausalLM(
         FeedbackTransformerConfig(
             vocab_size=258,
@@ -60,6 +77,34 @@ MODELS = {
             memory_span=4,
             share_key_value=False,
             position_encoding="relative_bias",
+        )
+    ),
+    # The official model's options (transformer-sequential --feedback --pre-norm --adapt-span).
+    "feedback_official": lambda: FeedbackTransformerForCausalLM(
+        FeedbackTransformerConfig(
+            vocab_size=258,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            head_dim=12,
+            memory_span=4,
+            share_key_value=False,
+            position_encoding="learned_relative",
+            initial_memory="zeros",
+            memory_normalization="layer",
+            memory_carry="hidden_states",
+            carry_first_layer_norm=True,
+            adaptive_span=True,
+            adaptive_span_initial_ratio=0.5,
+            adaptive_span_ramp=2,
+            renormalization_epsilon=1e-8,
+            attention_dropout_position="weights",
+            norm_type="layernorm",
+            mlp_type="plain",
+            mlp_bias=True,
+            hidden_act="relu",
+            lm_head_bias=True,
         )
     ),
 }
@@ -88,6 +133,8 @@ def _saved(tmp_path, name="fla", tokenizer=None):
         "fixed_span",
         "feedback",
         "feedback_unshared",
+        "feedback_official",
+        "expire_span_official",
     ],
 )
 def test_round_trip_is_exact_and_uses_safetensors(tmp_path, name):
@@ -188,7 +235,9 @@ REMOTE_SCRIPT = textwrap.dedent(
 ).format(prompt=PROMPT)
 
 
-@pytest.mark.parametrize("name", ["fla", "official_block", "expire_span", "feedback"])
+@pytest.mark.parametrize(
+    "name", ["fla", "official_block", "expire_span", "expire_span_official", "feedback", "feedback_official"]
+)
 def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, tokenizer, name):
     model, directory = _saved(tmp_path, name, tokenizer)
     environment = {

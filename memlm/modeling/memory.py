@@ -70,7 +70,8 @@ def check_extra_kwargs(kwargs: dict, owner: str):
 
 def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
     """🤗's next-token loss (`model.loss_function`) from `labels` (shifted inside) or from `shift_labels` in `kwargs`
-    (already shifted, as context-parallel `Trainer` runs and some collators pass them); None without either."""
+    (already shifted, as context-parallel `Trainer` runs and some collators pass them); None without either. The same
+    cross-entropy in float64 for float64 logits."""
     loss_kwargs = {key: kwargs[key] for key in LOSS_KWARGS if key in kwargs}
     targets = loss_kwargs.get("shift_labels")
     if labels is None and targets is None:
@@ -87,6 +88,16 @@ def causal_lm_loss(model, logits: torch.Tensor, labels: torch.Tensor | None, kwa
         ignored = loss_kwargs.get("ignore_index", -100)
         predicted = targets if targets is not None else labels[:, 1:]
         loss_kwargs["num_items_in_batch"] = (predicted != ignored).sum().clamp(min=1)
+    if logits.dtype == torch.float64:
+        # 🤗's loss casts the logits to float32; a float64 model (the papers' models checked to 1e-9) keeps float64.
+        ignored = loss_kwargs.get("ignore_index", -100)
+        if targets is None:
+            targets = torch.nn.functional.pad(labels, (0, 1), value=ignored)[..., 1:]
+        total = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device), ignore_index=ignored,
+            reduction="sum",
+        )  # fmt: skip
+        return total / torch.as_tensor(loss_kwargs["num_items_in_batch"]).to(total.device)
     return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
 
 

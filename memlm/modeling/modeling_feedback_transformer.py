@@ -19,6 +19,8 @@ FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerFor
 """
 
 import math
+import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,7 @@ from ..kernels.feedback.compiled import compiled as compiled_function
 from ..kernels.feedback.compiled import compiler_available, warn_no_compiler
 from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding, make_mlp, make_norm
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -113,6 +115,49 @@ def step_memory(states: list, layer_weights, norm_weight, eps: float, projection
     return stack, mixture, memory, keys, values
 
 
+@dataclass
+class FeedbackModelOutput(BaseModelOutputWithPast):
+    """
+    last_hidden_state: (B, T, D) after the final norm.
+    cache: the `FeedbackCache` (the field is `past_key_values` under 🤗 Transformers before 5.24, where `.cache`
+        reads it too).
+    hidden_states: embeddings and each layer's output, when `output_hidden_states`.
+    aux_loss: with `adaptive_span`, the span loss Σ_layers coefficient · τ · mean_heads(z_l) (Sukhbaatar et al.,
+        2019: the ℓ1 penalty on the spans, with the official code's scale); None otherwise.
+    """
+
+    aux_loss: torch.FloatTensor | None = None
+
+
+@dataclass
+class FeedbackCausalLMOutput(CausalLMOutputWithPast):
+    """
+    loss: in training mode `lm_loss + aux_loss` (when there is an auxiliary loss); in eval mode `lm_loss`.
+    lm_loss: next-token cross-entropy.
+    aux_loss: as in `FeedbackModelOutput`.
+    """
+
+    lm_loss: torch.FloatTensor | None = None
+    aux_loss: torch.FloatTensor | None = None
+
+
+def adaptive_span_mask(span_ratio: torch.Tensor, distance: torch.Tensor, memory_span: int, ramp) -> torch.Tensor:
+    """The soft mask of the adaptive span (Sukhbaatar et al., 2019: m_z(x) = clamp((R + z − x)/R, 0, 1)) as the
+    official code computes it, m(d) = clamp((1 − d + z·τ)/R + 1, 0, 1) for a memory d steps back, in its order of
+    operations (its template holds 1 − d for the window's slots): span_ratio (H,), distance (B, W) → (B, H, W)."""
+    template = (1 - distance).to(span_ratio.dtype)[:, None]  # (B, 1, W)
+    return ((template + span_ratio[None, :, None] * memory_span) / ramp + 1).clamp(0, 1)
+
+
+def adaptive_span_window(span_ratio: torch.Tensor, memory_span: int, ramp, trim_step: int) -> int:
+    """How many of the last τ memories a layer reads when the official code trims its window
+    (`AdaptiveSpan.get_trim_len`): τ − n with n = ⌊min(τ − 1, τ − S) / s⌋ · s and S = min(τ, ⌈max(z) · τ + R⌉) the
+    layer's longest span with its ramp (beyond it every head's mask is 0)."""
+    longest = max(0, min(memory_span, math.ceil(span_ratio.max().item() * memory_span + ramp)))
+    trimmed = math.floor(min(memory_span - 1, memory_span - longest) / trim_step) * trim_step
+    return memory_span - trimmed
+
+
 class FeedbackAttention(nn.Module):
     """The query side of one layer's attention over the memory (keys/values come from the memory, once per step when
     shared), and its output projection."""
@@ -122,14 +167,20 @@ class FeedbackAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        width = config.attention_width
+        self.q_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.o_proj = nn.Linear(width, config.hidden_size, bias=config.attention_output_bias)
         if not config.share_key_value:
-            self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-            self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+            self.k_proj = nn.Linear(config.hidden_size, width, bias=False)
+            self.v_proj = nn.Linear(config.hidden_size, width, bias=False)
         if config.position_encoding == "relative_bias":
             # Learned score bias per head for distances 1..τ (index d − 1).
             self.relative_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.memory_span))
+        if config.adaptive_span:
+            # The span ratio z of each head (Sukhbaatar et al., 2019: the span is z·τ).
+            self.span_ratio = nn.Parameter(
+                torch.full((config.num_attention_heads,), float(config.adaptive_span_initial_ratio))
+            )
         self.dropout = nn.Dropout(config.attention_dropout)
 
 
@@ -141,10 +192,10 @@ class FeedbackDecoderLayer(nn.Module):
     def __init__(self, config: FeedbackTransformerConfig, layer_idx: int):
         super().__init__()
         self.gradient_checkpointing = False
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config)
         self.attention = FeedbackAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = make_mlp(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
 
@@ -166,7 +217,9 @@ class FeedbackCacheLayer(MemoryCacheLayer):
     fewer than τ slots no position has reached its end, so slot = position mod τ = position and growing keeps every
     slot where it is."""
 
-    tensor_names = ("keys", "values", "positions", "valid")
+    # `hidden`: with `memory_carry="hidden_states"`, the memories' hidden states (B, W, D), from which each forward
+    # recomputes the keys and values (`keys` and `values` then hold those of the last forward).
+    tensor_names = ("keys", "values", "positions", "valid", "hidden")
     rollback_message = "A Feedback memory cannot be rolled back: its ring buffer overwrites the oldest memories."
 
     def __repr__(self):
@@ -194,7 +247,7 @@ class FeedbackCacheLayer(MemoryCacheLayer):
     def grow_ring(self, slots: int):
         """Widen the ring to `slots` slots per row, its memories in the same slots (see the class docstring)."""
         size = self.keys.shape[2]
-        for name in self.tensor_names:
+        for name in ("keys", "values", "positions", "valid"):  # a ring holds no hidden states (keys_values carry)
             old = getattr(self, name)  # keys, values (B, H, slots, d); positions, valid (B, slots)
             shape = list(old.shape)
             shape[2 if old.dim() == 4 else 1] = slots
@@ -215,10 +268,13 @@ class FeedbackCache(MemoryCache):
         return config.memory_groups  # one key/value set for all layers when shared
 
     def memory_bytes(self) -> int:
-        """Bytes of the cached keys and values."""
-        return sum(
+        """Bytes of the cached keys and values (and of the hidden states, with `memory_carry="hidden_states"`: one
+        set for all layers)."""
+        total = sum(
             layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.keys is not None
         )
+        hidden = self.layers[0].hidden if self.layers else None
+        return total + (hidden.numel() * hidden.element_size() if hidden is not None else 0)
 
 
 class FeedbackTransformerPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel):
@@ -246,8 +302,13 @@ class FeedbackTransformerPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTr
         super()._init_weights(module)
         if isinstance(module, FeedbackTransformerModel):
             init.zeros_(module.layer_weights)  # softmax(0): every layer weighs the same at first
-        elif isinstance(module, FeedbackAttention) and hasattr(module, "relative_bias"):
-            init.zeros_(module.relative_bias)
+            if module.relative_positions is not None:
+                init.normal_(module.relative_positions, std=self.config.initializer_range)
+        elif isinstance(module, FeedbackAttention):
+            if hasattr(module, "relative_bias"):
+                init.zeros_(module.relative_bias)
+            if hasattr(module, "span_ratio"):
+                init.constant_(module.span_ratio, self.config.adaptive_span_initial_ratio)
         elif isinstance(module, RotaryEmbedding):
             init.copy_(module.inv_freq, module.compute_inverse_frequencies())
 
@@ -266,16 +327,24 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.layers = nn.ModuleList(
             [FeedbackDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = make_norm(config) if config.final_norm else nn.Identity()
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.output_dropout = nn.Dropout(config.output_dropout)
         # Paper Eq. 1: one learned scalar per representation (the embedding and each layer's output).
         self.layer_weights = nn.Parameter(torch.zeros(config.num_hidden_layers + 1))
-        self.memory_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.memory_norm = make_norm(config) if config.memory_normalization == "mixture" else None
         if config.share_key_value:
             # Keys and values of a memory computed once per step for all layers (paper Sec. 3.2).
-            self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-            self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+            self.k_proj = nn.Linear(config.hidden_size, config.attention_width, bias=False)
+            self.v_proj = nn.Linear(config.hidden_size, config.attention_width, bias=False)
         self.rotary_emb = (
             RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_encoding == "rotary" else None
+        )
+        # The official code's relative positions (`key_pe`): row d − 1 is p_d, shared by the layers and heads.
+        self.relative_positions = (
+            nn.Parameter(torch.zeros(config.memory_span, config.head_dim))
+            if config.position_encoding == "learned_relative"
+            else None
         )
         # The config values `step` reads, as plain attributes: a 🤗 config's attribute lookup costs microseconds,
         # and `step` runs once per token (about a tenth of a decoded token's time went to these lookups).
@@ -285,6 +354,24 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.share_key_value = config.share_key_value
         self.shared_bias = config.position_encoding == "rotary"  # no learned bias: one bias serves every layer
         self.rms_norm_eps = config.rms_norm_eps
+        self.norm_position = config.norm_position
+        self.default_step = config.default_step
+        self.layer_norms_memory = config.memory_normalization == "layer"
+        self.memory_groups = config.memory_groups
+        self.carry_first_layer_norm = config.carry_first_layer_norm
+        self.attention_dropout_on_context = config.attention_dropout_position == "context"
+        self.carries_hidden_states = config.memory_carry == "hidden_states"
+        # The options only the step loop's reference runs (autograd through every step): keys and values computed
+        # from hidden states at the start of a forward, the adaptive span's mask, dropout on the attention weights.
+        # With `adaptive_span_trim_step`: how many memories each layer reads, set at the start of every forward.
+        self.read_windows = None
+        self.embedding_scale = config.embedding_scale
+        self.recomputes_carried_memory = config.recomputes_carried_memory
+        self.adaptive_span = config.adaptive_span
+        self.trims_adaptive_span = config.adaptive_span and config.adaptive_span_trim_step is not None
+        self.needs_reference_loop = (
+            config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
+        )
         self.recurrence = FeedbackRecurrence()
         self.post_init()
 
@@ -313,7 +400,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
     def _feed_forward(self, layer: FeedbackDecoderLayer, residual: torch.Tensor, record=None, key=()):
         """The MLP block's output (before the residual sum); `record` keeps its gate and up projections."""
         mlp = layer.mlp
-        normed = layer.post_attention_layernorm(residual)
+        normed = layer.post_attention_layernorm(residual) if self.norm_position == "pre" else residual
         if record is None:
             output = mlp(normed)
         else:  # the MLP's lines, to keep its projections (only for plain modules, see `through_time.covers`)
@@ -356,16 +443,32 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 query = query_function(hidden_states, layer.input_layernorm.weight, self.rms_norm_eps,
                                        attention.q_proj.weight, *rotation, self.head_dim)  # fmt: skip
             else:
-                query = attention.q_proj(layer.input_layernorm(hidden_states)).view(batch_size, -1, self.head_dim)
+                attention_input = (
+                    layer.input_layernorm(hidden_states) if self.norm_position == "pre" else hidden_states
+                )
+                query = attention.q_proj(attention_input).view(batch_size, -1, self.head_dim)
                 if cos is not None:
                     query = _rotate(query, *rotation)
                 query = query.reshape(-1, self.head_dim)
-            group = 0 if self.share_key_value else layer_idx
+            group = 0 if self.memory_groups == 1 else layer_idx
             bias = shared_bias
             if bias is None:
                 bias = self._memory_bias(layer, store.window(group, step), positions)  # (B, H, W)
                 bias = bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
-            context = store.read(group, step, query, bias.to(query.dtype))
+            if self.default_step:
+                context = store.read(group, step, query, bias.to(query.dtype))
+            else:
+                window = store.window(group, step)
+                bias = self._relative_position_scores(query, window, positions, bias)
+                if self.read_windows is not None:  # the adaptive span's trimmed window: memories 1..n steps back
+                    distance = positions[:, None] - window[2]  # (B, W)
+                    outside = (distance > self.read_windows[layer_idx])[:, None].expand(-1, self.num_heads, -1)
+                    bias = bias.masked_fill(outside.flatten(0, 1), -math.inf)
+                transform = self._attention_weights_transform(attention, window, positions)
+                if transform is None:
+                    context = store.read(group, step, query, bias.to(query.dtype))
+                else:
+                    context = store.read(group, step, query, bias.to(query.dtype), transform)
             if compiled:  # no dropout (see `compiled_step_applies`)
                 mlp = layer.mlp
                 gate_up = (record.gate_up[layer_idx], None) if record is not None else (
@@ -379,15 +482,20 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 if record is not None and not layer.gradient_checkpointing:
                     record.gates[key], record.ups[key] = gate, up
             else:
-                context = self._dropout(context, attention.dropout.p, record, ("context",) + key)
+                if self.attention_dropout_on_context:
+                    context = self._dropout(context, attention.dropout.p, record, ("context",) + key)
                 mixed = self._dropout(attention.o_proj(context.reshape(batch_size, -1)), layer.dropout.p, record,
                                       ("attention",) + key)  # fmt: skip
                 residual = hidden_states + mixed
+                if self.norm_position == "post":  # norm(x + attention(x)), the official default
+                    residual = layer.input_layernorm(residual)
                 if layer.gradient_checkpointing and self.training and torch.is_grad_enabled():
                     feed_forward = layer._gradient_checkpointing_func(self._feed_forward, layer, residual)
                 else:
                     feed_forward = self._feed_forward(layer, residual, record, key)
                 hidden_states_next = residual + feed_forward
+                if self.norm_position == "post":
+                    hidden_states_next = layer.post_attention_layernorm(hidden_states_next)
             if record is not None:
                 record.inputs[key], record.queries[key], record.weights[key] = hidden_states, query, store.last_weights
                 record.contexts[key], record.residuals[key] = context, residual
@@ -404,23 +512,77 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             weights = torch.softmax(self.layer_weights.to(wide), dim=0).to(hidden_states.dtype)
             stack = torch.stack(states)
             mixture = torch.einsum("l,lbd->bd", weights, stack)
-            memory = self.memory_norm(mixture)
+            memory = self.memory_norm(mixture) if self.memory_norm is not None else mixture
             if record is not None:
                 keys, values = torch.stack([F.linear(memory, weight) for weight in record.key_value]).chunk(2, dim=-1)
-            elif self.share_key_value:
-                keys, values = self.k_proj(memory)[None], self.v_proj(memory)[None]
             else:
-                keys = torch.stack([layer.attention.k_proj(memory) for layer in self.layers])
-                values = torch.stack([layer.attention.v_proj(memory) for layer in self.layers])
+                keys, values = self._project_memory(memory)
             keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
             values = values.view(values.shape[0], batch_size, -1, self.head_dim)
             if cos is not None:
                 keys = _rotate(keys, *rotation)
-        store.write(step, keys, values, positions, valid)
+        if self.carries_hidden_states:
+            # What the next forward starts from (and recomputes keys and values of): the memory, or with
+            # `carry_first_layer_norm` the memory after the first layer's input norm, as the official pre-norm code
+            # stores it.
+            carried = self.layers[0].input_layernorm(memory) if self.carry_first_layer_norm else memory
+            store.write(step, keys, values, positions, valid, hidden=carried)
+        else:
+            store.write(step, keys, values, positions, valid)
         if record is not None:
             record.mixtures[step], record.stacks[step] = mixture, stack
             record.memories[step], record.rotations[step] = memory, (cos, sin)
         return hidden_states, states
+
+    def _project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (G, ..., H·d) of memories (..., D): with the shared projections once, else with each
+        layer's own projections, or the shared ones after each layer's own input norm (`memory_normalization=
+        "layer"`, the official pre-norm code: k = W_k · norm_l(m))."""
+        if self.memory_groups == 1:
+            return self.k_proj(memory)[None], self.v_proj(memory)[None]
+        keys, values = [], []
+        for layer in self.layers:
+            source = layer.input_layernorm(memory) if self.layer_norms_memory else memory
+            projections = self if self.share_key_value else layer.attention
+            keys.append(projections.k_proj(source))
+            values.append(projections.v_proj(source))
+        return torch.stack(keys), torch.stack(values)
+
+    def _relative_position_scores(self, query, window, positions, bias):
+        """`bias` (B·H, W) plus, with `position_encoding="learned_relative"`, the official code's position term
+        q_t · p_{t−i} / √d for the memories 1..τ steps back (the store adds q_t · k_i / √d)."""
+        if self.relative_positions is None:
+            return bias
+        _, _, slot_positions, _ = window
+        distance = positions[:, None] - slot_positions  # (B, W)
+        inside = (distance >= 1) & (distance <= self.memory_span)
+        index = (distance - 1).clamp(0, self.memory_span - 1)[:, None].expand(-1, self.num_heads, -1)
+        by_distance = query.view(-1, self.num_heads, self.head_dim) @ self.relative_positions.to(query.dtype).T
+        scores = by_distance.gather(-1, index).masked_fill(~inside[:, None], 0.0)  # (B, H, W)
+        return bias + scores.flatten(0, 1) * self.head_dim**-0.5
+
+    def _attention_weights_transform(self, attention: FeedbackAttention, window, positions):
+        """What the official code does to the softmax weights (B·H, W) before reading the values, as a function, or
+        None: the adaptive span's mask and renormalisation (Sukhbaatar et al., 2019), then dropout."""
+        adaptive = hasattr(attention, "span_ratio")
+        dropout = not self.attention_dropout_on_context and self.training and attention.dropout.p > 0
+        if not adaptive and not dropout:
+            return None
+        mask = None
+        if adaptive:
+            _, _, slot_positions, _ = window
+            distance = positions[:, None] - slot_positions  # (B, W)
+            mask = adaptive_span_mask(attention.span_ratio, distance, self.memory_span, self.config.adaptive_span_ramp)
+            mask = mask.flatten(0, 1)  # (B·H, W)
+
+        def transform(weights: torch.Tensor) -> torch.Tensor:
+            if mask is not None:
+                weights = weights * mask.to(weights.dtype)
+                denominator = weights.sum(-1, keepdim=True) + self.config.renormalization_epsilon
+                weights = weights / denominator.masked_fill(denominator == 0, 1.0)  # a row that sees nothing: 0
+            return attention.dropout(weights) if dropout else weights
+
+        return transform
 
     def _projections(self) -> tuple:
         """(W_k, W_v) of each key/value set: one pair shared by the layers, or one per layer."""
@@ -473,6 +635,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         )
         return_dict = return_dict if return_dict is not None else config.return_dict
         inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
+        if self.embedding_scale != 1:
+            inputs_embeds = inputs_embeds * self.embedding_scale
+        if self.training and self.embedding_dropout.p > 0:
+            inputs_embeds = self.embedding_dropout(inputs_embeds)
         batch_size, length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
@@ -501,10 +667,21 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             valid = valid.gather(1, order)
             if torch.is_grad_enabled():  # the training tape widens its windows by it
                 padding_steps = int((~valid).sum(1).max())
-        if cache.next_positions is None:
+        fresh = cache.next_positions is None
+        if fresh:
             cache.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
         positions = positions.masked_fill(~valid, -1)
+        self.read_windows = None
+        if self.trims_adaptive_span:
+            self.read_windows = [
+                adaptive_span_window(layer.attention.span_ratio, config.memory_span, config.adaptive_span_ramp,
+                                     config.adaptive_span_trim_step)
+                for layer in self.layers
+            ]  # fmt: skip
+        memory_layers = cache.layers
+        if self.recomputes_carried_memory:
+            memory_layers = self._starting_memory(cache, fresh, inputs_embeds)
 
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
         top, all_states, window = self.recurrence(
@@ -512,20 +689,32 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             inputs_embeds,
             positions,
             valid,
-            cache.layers,
+            memory_layers,
             cache.next_positions,
             padding_steps,
             output_hidden_states,
         )
         if window is not None:
             # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
-            # training forward takes it as its prefix, inference lays it out as a ring.
-            keys, values, slot_positions, slot_valid = window
+            # training forward takes it as its prefix, inference lays it out as a ring. With `memory_carry=
+            # "hidden_states"` their hidden states too, from which the next forward recomputes keys and values.
+            keys, values, slot_positions, slot_valid, *hidden = window
+            hidden = hidden[0] if hidden else None
             following = cache.next_positions + valid.sum(1)
-            slot_valid = slot_valid & (following[:, None] - slot_positions <= config.memory_span)
+            reach = config.memory_span
+            if self.read_windows is not None and not torch.is_grad_enabled():
+                # Without gradients the weights stay as they are: keep only the memories some layer still reads.
+                reach = max(self.read_windows)
+            slot_valid = slot_valid & (following[:, None] - slot_positions <= reach)
+            if reach < config.memory_span:
+                kept = slot_valid.any(0).nonzero()[:, 0]
+                keys, values = keys[:, :, :, kept], values[:, :, :, kept]
+                slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
+                hidden = hidden[:, kept] if hidden is not None else None
             for group, layer in enumerate(cache.layers):
                 layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
+                layer.hidden = hidden.detach().clone() if hidden is not None else None
         cache.next_positions = cache.next_positions + valid.sum(1)
         for layer in cache.layers:
             layer.seen_tokens += length
@@ -536,6 +725,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             return states.new_empty(states.shape).scatter(1, order[..., None].expand_as(states), states)
 
         hidden_states = restored(self.norm(top))
+        if self.training and self.output_dropout.p > 0:
+            hidden_states = self.output_dropout(hidden_states)
         hidden_states_out = None
         if output_hidden_states:
             # As in 🤗 Llama: the embeddings, each layer's output but the last, and the normed output. The embeddings
@@ -550,12 +741,52 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                     StepGradients(stacked, steps, restored)
                 layer_states.append(stacked)
             hidden_states_out = (given_embeds, *layer_states, hidden_states)
-        output = BaseModelOutputWithPast(
+        aux_loss = None
+        if self.adaptive_span:
+            # The adaptive span's loss as the official code adds it: Σ_layers mean_heads(z) · coefficient · τ.
+            aux_loss = 0
+            for layer in self.layers:
+                aux_loss = aux_loss + layer.attention.span_ratio.mean() * config.adaptive_span_loss_coefficient * (
+                    config.memory_span
+                )  # fmt: skip
+        output = FeedbackModelOutput(
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
             hidden_states=hidden_states_out,
+            aux_loss=aux_loss,
         )
         return output if return_dict else output.to_tuple()
+
+    def _starting_memory(self, cache: FeedbackCache, fresh: bool, like: torch.Tensor) -> list:
+        """The memory a forward starts from when its keys and values are computed here, from hidden states: the
+        official initial memory (`initial_memory="zeros"`: τ zero hidden states at positions −τ … −1) when the cache
+        is fresh, else the hidden states the cache carries (`memory_carry="hidden_states"`), their keys and values
+        recomputed with the current weights (so that gradients reach the projections through them). Otherwise the
+        cache's own layers."""
+        config, first = self.config, cache.layers[0]
+        batch_size = like.shape[0]
+        if fresh and config.initial_memory == "zeros":
+            span = config.memory_span
+            hidden = like.new_zeros(batch_size, span, config.hidden_size)
+            positions = torch.arange(-span, 0, device=like.device).expand(batch_size, span)
+            valid = torch.ones(batch_size, span, dtype=torch.bool, device=like.device)
+        elif self.carries_hidden_states and first.hidden is not None:
+            hidden, positions, valid = first.hidden.to(like.dtype), first.positions, first.valid
+        else:
+            return cache.layers
+        keys, values = self._project_memory(hidden)  # (G, B, W, H·d)
+        shape = (keys.shape[0], batch_size, hidden.shape[1], self.num_heads, self.head_dim)
+        keys, values = keys.view(shape).transpose(2, 3), values.view(shape).transpose(2, 3)  # (G, B, H, W, d)
+        if self.rotary_emb is not None:
+            cos, sin = self.rotary_emb(positions)  # (B, 1, W, d)
+            half = self.head_dim // 2
+            keys = _rotate(keys, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
+        carried = hidden if self.carries_hidden_states else None
+        return [
+            types.SimpleNamespace(keys=keys[group], values=values[group], positions=positions, valid=valid,
+                                  hidden=carried, ring=False)
+            for group in range(keys.shape[0])
+        ]  # fmt: skip
 
 
 class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsOwnPositions, GenerationMixin):
@@ -565,7 +796,7 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
         super().__init__(config)
         self.model = FeedbackTransformerModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def forward(
@@ -584,7 +815,8 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         r"""
-        labels: (B, T) token ids; next-token cross-entropy (shifted inside), -100 ignored.
+        labels: (B, T) token ids; next-token cross-entropy (shifted inside), -100 ignored. In training, the
+            auxiliary loss (`aux_loss`, the adaptive span's) is added to it.
         logits_to_keep: an int keeps the last that many positions (0 keeps all); a tensor selects positions.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
@@ -595,10 +827,13 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
             output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
         )  # fmt: skip
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
-        loss = causal_lm_loss(self, logits, labels, kwargs)
-        output = CausalLMOutputWithPast(
-            loss=loss, logits=logits, **with_cache(outputs.cache), hidden_states=outputs.hidden_states
-        )
+        loss = lm_loss = causal_lm_loss(self, logits, labels, kwargs)
+        if lm_loss is not None and self.training and outputs.aux_loss is not None:
+            loss = lm_loss + outputs.aux_loss.to(lm_loss.dtype)
+        output = FeedbackCausalLMOutput(
+            loss=loss, logits=logits, **with_cache(outputs.cache), hidden_states=outputs.hidden_states,
+            lm_loss=lm_loss, aux_loss=outputs.aux_loss,
+        )  # fmt: skip
         return output if return_dict else output.to_tuple()
 
 

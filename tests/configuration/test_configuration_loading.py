@@ -74,7 +74,6 @@ def test_other_libraries_names_are_refused_with_the_memlm_name(name, alias, fiel
         (DeltaNetConfig, {"feature_dim": 8}, r"DeltaNetConfig.feature_dim is computed from the other fields"),
         (ExpireSpanConfig, {"attn_pdrop": 0.1}, "did you mean 'attention_dropout'"),
         (ExpireSpanConfig, {"expire_span_ramp": 8}, "did you mean 'ramp'"),  # the paper's code
-        (FeedbackTransformerConfig, {"head_dim": 16}, r"head_dim is computed"),
         (FeedbackTransformerConfig, {"mem_len": 16}, "did you mean 'memory_span'"),
         (FeedbackTransformerConfig, {"share_kv": False}, "did you mean 'share_key_value'"),
         (FeedbackTransformerConfig, {"rotary_base": 500.0}, "did you mean 'rope_theta'"),
@@ -185,6 +184,36 @@ ESTIMATE_CASES = [
     (
         FeedbackTransformerForCausalLM,
         FeedbackTransformerConfig(memory_span=8, share_key_value=False, position_encoding="relative_bias", **SIZES),
+    ),  # fmt: skip
+    (
+        FeedbackTransformerForCausalLM,
+        FeedbackTransformerConfig(
+            memory_span=8,
+            share_key_value=False,
+            head_dim=6,
+            position_encoding="learned_relative",
+            memory_normalization="layer",
+            adaptive_span=True,
+            norm_type="layernorm",
+            mlp_type="plain",
+            mlp_bias=True,
+            lm_head_bias=True,
+            **SIZES,
+        ),
+    ),  # fmt: skip
+    (
+        FeedbackTransformerForCausalLM,
+        FeedbackTransformerConfig(
+            memory_span=8,
+            head_dim=10,
+            memory_normalization="none",
+            norm_position="post",
+            final_norm=False,
+            attention_output_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+            **SIZES,
+        ),
     ),  # fmt: skip
 ]
 

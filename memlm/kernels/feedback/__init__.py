@@ -97,7 +97,9 @@ def feedback_recurrence(
     _check_inputs(model, inputs_embeds, positions, valid, cache_layers, next_positions, padding_steps)
     backend = resolve_backend(backend, inputs_embeds.device, operation="feedback")
     config = model.config
-    if backend == "reference":
+    # The official layout's options (keys and values recomputed from hidden states, the adaptive span, dropout on
+    # the attention weights) run through the reference only: autograd through every step.
+    if backend == "reference" or getattr(model, "needs_reference_loop", False):
         return feedback_recurrence_reference(model.step, inputs_embeds, positions, valid, cache_layers,
                                              next_positions, config.memory_span)  # fmt: skip
     training = torch.is_grad_enabled() and (

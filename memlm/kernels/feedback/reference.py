@@ -9,7 +9,7 @@ and the step's memory mixes the embedding and every layer's output (Eq. 1)::
 
 m_t needs the top layer at t, so the loop over t is sequential, in training too. The step itself (layers, the mix,
 the projections) is the model's `step` function; this file is the loop around it and the memory it reads and writes:
-Python lists with one entry per step, and plain autograd. Every step reads every memory so far; which ones it sees is
+the carried memories as tensors and Python lists with one entry per step, and plain autograd. Every step reads every memory so far; which ones it sees is
 decided by positions alone (`bias` is −inf outside [t − τ, t − 1], for padding and for empty slots). Slow (O(T²)) and
 plain on purpose: the fast path of `memlm.kernels.feedback` is tested against it.
 """
@@ -20,44 +20,79 @@ __all__ = ["ListMemory", "feedback_recurrence_reference"]
 
 
 class ListMemory:
-    """The memory as Python lists, one entry per memory: keys and values (G, B, H, d) (G key/value sets: one when the
-    layers share their projections), the position (B,) and whether it holds a memory (B,; False for padding)."""
+    """The memory as the carried prefix (the cache's slots, as tensors) and Python lists with one entry per new memory:
+    keys and values (G, B, H, d) (G key/value sets: one when the layers share their projections), the position (B,)
+    and whether it holds a memory (B,; False for padding); and, when the model carries them (`memory_carry=
+    "hidden_states"`), the memories' hidden states (B, D). A step reads the prefix and the new memories concatenated,
+    so it costs O(τ + t) whatever the prefix holds."""
 
     def __init__(self, cache_layers, like: torch.Tensor):
         self.batch_size, self.device, self.dtype = like.shape[0], like.device, like.dtype
-        self.keys, self.values, self.positions, self.valid = [], [], [], []
-        if cache_layers[0].keys is not None:  # carried from the cache: every slot, its position says if it is seen
-            for slot in range(cache_layers[0].keys.shape[2]):
-                self.keys.append(torch.stack([layer.keys[:, :, slot] for layer in cache_layers]).to(like.dtype))
-                self.values.append(torch.stack([layer.values[:, :, slot] for layer in cache_layers]).to(like.dtype))
-                self.positions.append(cache_layers[0].positions[:, slot])
-                self.valid.append(cache_layers[0].valid[:, slot])
+        self.keys, self.values, self.positions, self.valid, self.hidden = [], [], [], [], []
+        self.prefix = None
+        first = cache_layers[0]
+        if first.keys is not None:  # carried from the cache: every slot, its position says if it is seen
+            hidden = getattr(first, "hidden", None)
+            self.prefix = {
+                "keys": torch.stack([layer.keys for layer in cache_layers]).to(like.dtype),  # (G, B, H, P, d)
+                "values": torch.stack([layer.values for layer in cache_layers]).to(like.dtype),
+                "positions": first.positions,  # (B, P)
+                "valid": first.valid,
+                "hidden": hidden.to(like.dtype) if hidden is not None else None,  # (B, P, D)
+            }
+
+    def __len__(self) -> int:
+        return (self.prefix["positions"].shape[1] if self.prefix is not None else 0) + len(self.positions)
+
+    def _joined(self, name: str, dim: int, pick=lambda entry: entry) -> torch.Tensor | None:
+        """The prefix's and the new memories' `name` along `dim`, the new ones stacked there."""
+        parts = [pick(self.prefix[name])] if self.prefix is not None and self.prefix[name] is not None else []
+        if getattr(self, name):
+            parts.append(torch.stack([pick(entry) for entry in getattr(self, name)], dim=dim))
+        return torch.cat(parts, dim=dim) if parts else None
 
     def window(self, group: int, step: int):
         """Positions and validity (B, W) of the memories a step reads: all of them."""
-        if not self.positions:
+        if not len(self):
             empty = torch.zeros(self.batch_size, 0, dtype=torch.long, device=self.device)
             return None, None, empty, empty.bool()
-        return None, None, torch.stack(self.positions, 1), torch.stack(self.valid, 1)
+        return None, None, self._joined("positions", 1), self._joined("valid", 1)
 
-    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor, transform=None) -> torch.Tensor:
         """softmax(q·Kᵀ/√d + bias) · V for query (B·H, d) and bias (B·H, W); zero where no memory is visible (the
-        paper's "no attention term" before the first memory)."""
-        if not self.keys:
+        paper's "no attention term" before the first memory). `transform`: a function applied to the softmax
+        weights (B·H, W) before they read the values (the adaptive span's mask, dropout on the weights)."""
+        if not len(self):
             return torch.zeros_like(query)
-        keys = torch.stack([keys[group] for keys in self.keys], dim=2).flatten(0, 1)  # (B·H, W, d)
-        values = torch.stack([values[group] for values in self.values], dim=2).flatten(0, 1)
+        keys = self._joined("keys", 2, lambda entry: entry[group]).flatten(0, 1)  # (B·H, W, d)
+        values = self._joined("values", 2, lambda entry: entry[group]).flatten(0, 1)
         scores = torch.einsum("nd,nwd->nw", query, keys) * query.shape[-1] ** -0.5 + bias
         seen = (bias > float("-inf")).any(-1, keepdim=True)
         weights = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+        if transform is not None:
+            weights = transform(weights)
         return torch.einsum("nw,nwd->nd", weights, values)
 
-    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
-        """Append m_t's keys and values (G, B, H, d) at positions (B,); padding is appended too, never seen."""
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+              hidden: torch.Tensor | None = None):  # fmt: skip
+        """Append m_t's keys and values (G, B, H, d) at positions (B,), and its hidden state (B, D) when given;
+        padding is appended too, never seen."""
         self.keys.append(keys)
         self.values.append(values)
         self.positions.append(positions)
         self.valid.append(valid)
+        if hidden is not None:
+            self.hidden.append(hidden)
+
+    def carried(self, indices: list[int]) -> tuple:
+        """The memories at `indices` (in the order prefix, then new): keys and values (G, B, H, W, d), positions and
+        validity (B, W), and their hidden states (B, W, D) when every memory has one."""
+        keys, values = self._joined("keys", 3)[:, :, :, indices], self._joined("values", 3)[:, :, :, indices]
+        window = (keys, values, self._joined("positions", 1)[:, indices], self._joined("valid", 1)[:, indices])
+        hidden = self._joined("hidden", 1)
+        if hidden is not None and hidden.shape[1] == len(self):
+            window += (hidden[:, indices],)
+        return window
 
 
 def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_layers, next_positions, memory_span):
@@ -73,7 +108,8 @@ def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_l
 
     Returns:
         The top layer's outputs (B, T, D), the list of every step's layer outputs, and the memory to carry: keys and
-        values (G, B, H, W, d), positions and validity (B, W) of the memories some row can still see next.
+        values (G, B, H, W, d), positions and validity (B, W) of the memories some row can still see next, and their
+        hidden states (B, W, D) when the step writes them.
     """
     memory = ListMemory(cache_layers, inputs_embeds)
     outputs, states = [], []
@@ -86,10 +122,5 @@ def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_l
     _, _, memory_positions, memory_valid = memory.window(0, len(outputs))
     following = next_positions + valid.sum(1)
     carried = (memory_valid & (following[:, None] - memory_positions <= memory_span)).any(0).nonzero()[:, 0].tolist()
-    if carried:
-        keys = torch.stack([memory.keys[index] for index in carried], dim=3)
-        values = torch.stack([memory.values[index] for index in carried], dim=3)
-    else:  # nothing left to see: an empty window (T ≥ 1, so there is a memory to take the shape of)
-        keys = values = memory.keys[0].new_zeros(*memory.keys[0].shape[:3], 0, memory.keys[0].shape[3])
-    window = (keys, values, memory_positions[:, carried], memory_valid[:, carried])
+    window = memory.carried(carried)
     return torch.stack(outputs, dim=1), states, window

@@ -21,16 +21,17 @@ def recurrent_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
-    """Whether the hand-written backward knows what the forward computes: float32/float64 without autocast, no
-    per-step outputs kept for the caller, and only the model's plain modules (`model.step_modules`, and the
-    activation of its config). A hook, an adapter (e.g. LoRA) or a quantised linear layer changes what the forward
+    """Whether the hand-written backward knows what the forward computes: memlm's default step (not the papers'
+    layouts), float32/float64 without autocast, no per-step outputs kept for the caller, and only the model's plain
+    modules (`model.step_modules`, and the activation of its config). A hook, an adapter (e.g. LoRA) or a quantised linear layer changes what the forward
     computes, so those keep autograd."""
     activations = [layer.mlp.act_fn for layer in model.layers]
     modules = [
         module for name, module in model.named_modules() if name and not name.startswith(("embed_tokens", "norm"))
     ]
     return (
-        inputs_embeds.dtype in (torch.float32, torch.float64)
+        getattr(model, "default_step", True)  # memlm's default layout (`FeedbackTransformerConfig.default_step`)
+        and inputs_embeds.dtype in (torch.float32, torch.float64)
         and not torch.is_autocast_enabled(inputs_embeds.device.type)
         and not keep_states
         and all(type(module) in model.step_modules or any(module is act for act in activations) for module in modules)

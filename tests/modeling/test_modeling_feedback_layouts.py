@@ -1,0 +1,454 @@
+"""Feedback Transformer: the block layouts and the official model's options (SPEC §8) against a plain per-step loop
+written from the papers (Fan et al., 2021, Eq. 1; Sukhbaatar et al., 2019: the adaptive span's soft mask), the
+default layout unchanged (checkpoints saved by main before the options existed give the same logits, the fast paths
+still run), the memory carried as hidden states, the adaptive span and its loss."""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
+from memlm.compat import activation_checkpointing_enable
+from memlm.kernels.feedback.through_time import covers
+from tests.modeling.padding import LAYOUTS as PADDING_LAYOUTS
+from tests.modeling.padding import check_rows_alone, padding_mask
+
+DATA = Path(__file__).parent / "data"
+TINY = {
+    "vocab_size": 40,
+    "hidden_size": 24,
+    "intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "memory_span": 5,
+}
+OFFICIAL_BLOCK = {
+    "norm_type": "layernorm",
+    "mlp_type": "plain",
+    "mlp_bias": True,
+    "hidden_act": "relu",
+    "lm_head_bias": True,
+}
+LAYOUTS = {
+    "post_norm_layernorm_plain": {
+        **OFFICIAL_BLOCK,
+        "norm_position": "post",
+        "final_norm": False,
+        "position_encoding": "relative_bias",
+    },
+    "biases_scale_no_final_norm": {
+        "mlp_bias": True,
+        "attention_output_bias": True,
+        "lm_head_bias": True,
+        "embedding_scale": 2.5,
+        "final_norm": False,
+        "position_encoding": "relative_bias",
+    },
+    "head_dim_learned_relative_raw_memory": {
+        **OFFICIAL_BLOCK,
+        "head_dim": 7,
+        "position_encoding": "learned_relative",
+        "memory_normalization": "none",
+    },
+    "official_pre_norm": {
+        **OFFICIAL_BLOCK,
+        "head_dim": 8,
+        "share_key_value": False,
+        "position_encoding": "learned_relative",
+        "initial_memory": "zeros",
+        "memory_normalization": "layer",
+        "memory_carry": "hidden_states",
+        "carry_first_layer_norm": True,
+        "adaptive_span": True,
+        "adaptive_span_ramp": 2,
+        "adaptive_span_loss_coefficient": 1e-2,
+        "renormalization_epsilon": 1e-8,
+        "attention_dropout_position": "weights",
+    },
+    "official_post_norm_shared": {
+        **OFFICIAL_BLOCK,
+        "norm_position": "post",
+        "final_norm": False,
+        "position_encoding": "learned_relative",
+        "initial_memory": "zeros",
+        "memory_normalization": "none",
+        "memory_carry": "hidden_states",
+        "attention_dropout_position": "weights",
+    },
+    "adaptive_span_trimmed": {
+        **OFFICIAL_BLOCK,
+        "memory_span": 9,
+        "share_key_value": False,
+        "position_encoding": "learned_relative",
+        "initial_memory": "zeros",
+        "memory_normalization": "layer",
+        "memory_carry": "hidden_states",
+        "adaptive_span": True,
+        "adaptive_span_ramp": 2,
+        "adaptive_span_trim_step": 2,
+        "renormalization_epsilon": 1e-3,  # large enough that the softmax over a trimmed window shows
+    },
+    "shared_projections_layer_norms": {
+        **OFFICIAL_BLOCK,
+        "position_encoding": "learned_relative",
+        "initial_memory": "zeros",
+        "memory_normalization": "layer",
+        "adaptive_span": True,
+        "adaptive_span_ramp": 3,
+    },
+}
+
+
+def _model(layout: str, seed: int = 0, **overrides) -> FeedbackTransformerForCausalLM:
+    torch.manual_seed(seed)
+    config = FeedbackTransformerConfig(**{**TINY, **LAYOUTS[layout], **overrides})
+    model = FeedbackTransformerForCausalLM(config).to(torch.float64)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("span_ratio"):
+                parameter.copy_(torch.rand_like(parameter) * 0.6 + 0.1)  # spans of 0.5 to 3.5 steps (τ = 5)
+            else:
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    return model.eval()
+
+
+def naive_forward(model: FeedbackTransformerForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward from an empty cache as the plainest loop: every memory's hidden state kept in a list, its keys and
+    values projected again at every step it is read; the block as the official code writes it (pre-norm
+    x + f(norm(x)), post-norm norm(x + f(x))); Eq. 1's mix; the learned relative positions q·p_d; the adaptive span's
+    mask m(d) = clamp((1 − d + z·τ)/R + 1, 0, 1) and renormalisation."""
+    config, body = model.config, model.model
+    assert config.position_encoding != "rotary"  # the rotary layouts: test_modeling_feedback_transformer.py
+    batch, length = input_ids.shape
+    heads, width, span = config.num_attention_heads, config.head_dim, config.memory_span
+    pre = config.norm_position == "pre"
+    embeddings = body.embed_tokens(input_ids) * config.embedding_scale
+    memories = []  # (position, hidden state (B, D))
+    if config.initial_memory == "zeros":
+        memories = [(position, embeddings.new_zeros(batch, config.hidden_size)) for position in range(-span, 0)]
+
+    def keys_values(index, memory):
+        layer = body.layers[index]
+        source = layer.input_layernorm(memory) if config.memory_normalization == "layer" else memory
+        projections = body if config.share_key_value else layer.attention
+        return projections.k_proj(source).view(batch, heads, width), projections.v_proj(source).view(
+            batch, heads, width
+        )
+
+    outputs = []
+    for t in range(length):
+        x = embeddings[:, t]
+        states = [x]
+        for index, layer in enumerate(body.layers):
+            attention = layer.attention
+            query = attention.q_proj(layer.input_layernorm(x) if pre else x).view(batch, heads, width)
+            reach = span
+            if config.adaptive_span_trim_step:  # the official trim: whole steps of memories beyond every head's span
+                step = config.adaptive_span_trim_step
+                longest = min(span, math.ceil(attention.span_ratio.max().item() * span + config.adaptive_span_ramp))
+                reach = span - (min(span - 1, span - longest) // step) * step
+            window = [(position, memory) for position, memory in memories if 1 <= t - position <= reach]
+            context = torch.zeros_like(query)
+            if window:
+                pairs = [keys_values(index, memory) for _, memory in window]
+                keys = torch.stack([key for key, _ in pairs], 2)  # (B, H, W, d)
+                values = torch.stack([value for _, value in pairs], 2)
+                distances = torch.tensor([t - position for position, _ in window], dtype=torch.float64)
+                scores = torch.einsum("bhd,bhwd->bhw", query, keys)
+                if config.position_encoding == "learned_relative":
+                    vectors = body.relative_positions[[int(d) - 1 for d in distances]]  # (W, d): p_d
+                    scores = scores + torch.einsum("bhd,wd->bhw", query, vectors)
+                scores = scores / math.sqrt(width)
+                if config.position_encoding == "relative_bias":
+                    scores = scores + attention.relative_bias[:, [int(d) - 1 for d in distances]][None]
+                weights = scores.softmax(-1)
+                if config.adaptive_span:
+                    ratio = attention.span_ratio[None, :, None]
+                    mask = ((1 - distances) + ratio * span) / config.adaptive_span_ramp + 1
+                    weights = weights * mask.clamp(0, 1)
+                    weights = weights / (weights.sum(-1, keepdim=True) + config.renormalization_epsilon)
+                context = torch.einsum("bhw,bhwd->bhd", weights, values)
+            attended = attention.o_proj(context.reshape(batch, -1))
+            if pre:
+                x = x + attended
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            else:
+                x = layer.input_layernorm(x + attended)
+                x = layer.post_attention_layernorm(x + layer.mlp(x))
+            states.append(x)
+        mixture = sum(w * state for w, state in zip(torch.softmax(body.layer_weights, 0), states))
+        memories.append((t, body.memory_norm(mixture) if config.memory_normalization == "mixture" else mixture))
+        outputs.append(x)
+    return model.lm_head(body.norm(torch.stack(outputs, 1)))
+
+
+@pytest.mark.parametrize("name", ["shared_rotary", "unshared_relative_bias"])
+def test_a_checkpoint_saved_by_main_before_the_options_gives_the_same_logits(name):
+    folder = DATA / f"feedback_{name}_main_d2993f4"  # saved by main at d2993f4, with its logits
+    model = FeedbackTransformerForCausalLM.from_pretrained(folder).eval()
+    expected = load_file(folder / "expected_logits.safetensors")
+    assert model.config.default_step and model.config.head_dim == 8
+    with torch.no_grad():
+        logits = model(expected["input_ids"]).logits
+    assert torch.equal(logits, expected["logits"])
+
+
+def test_the_default_layout_keeps_its_fast_paths_and_the_others_run_with_autograd():
+    default = FeedbackTransformerForCausalLM(FeedbackTransformerConfig(**TINY)).model
+    embeddings = torch.zeros(1, 3, TINY["hidden_size"])
+    assert covers(default, embeddings, keep_states=False) and not default.needs_reference_loop
+    for layout in LAYOUTS:
+        body = _model(layout).model.float()
+        assert not body.config.default_step
+        assert not covers(body, embeddings, keep_states=False), layout
+        body.config.compile_step = True
+        assert not body.compiled_step_applies(embeddings), layout
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_the_naive_loop_with_their_gradients(layout):
+    model = _model(layout)
+    input_ids = torch.randint(0, 40, (2, 11))
+    logits = model(input_ids).logits
+    expected = naive_forward(model, input_ids)
+    assert (logits - expected).abs().max() < 1e-12
+    weights = torch.randn_like(expected)
+    parameters = [parameter for _, parameter in model.named_parameters()]
+    gradients = torch.autograd.grad((logits * weights).sum(), parameters)
+    expected_gradients = torch.autograd.grad((expected * weights).sum(), parameters)
+    for (name, _), gradient, reference in zip(model.named_parameters(), gradients, expected_gradients):
+        assert (gradient - reference).abs().max() <= 1e-12 * max(1.0, reference.abs().max()), name
+        assert gradient.abs().sum() > 0, name
+
+
+def test_a_float64_model_computes_in_float64():
+    model = _model("official_pre_norm")
+    input_ids = torch.randint(0, 40, (1, 6))
+    with torch.no_grad():
+        output = model(input_ids, use_cache=True)
+    assert output.logits.dtype == torch.float64 and output.aux_loss.dtype == torch.float64
+    assert output.cache.layers[0].hidden.dtype == torch.float64 and output.cache.layers[0].keys.dtype == torch.float64
+
+
+def test_the_zero_initial_memory_is_attended():
+    zeros, empty = _model("official_pre_norm"), _model("official_pre_norm", initial_memory="empty")
+    input_ids = torch.randint(0, 40, (1, 4))
+    with torch.no_grad():
+        # LayerNorm(0) = its bias: the zero memories have keys and values, and the first token reads them.
+        assert (zeros(input_ids).logits[:, 0] - empty(input_ids).logits[:, 0]).abs().max() > 1e-3
+        cache = zeros(input_ids, use_cache=True).cache
+    assert cache.layers[0].positions[0].tolist() == [-1, 0, 1, 2, 3]  # the last zero memory is still in reach
+
+
+def test_the_adaptive_span_mask_its_loss_and_where_the_loss_goes():
+    model = _model("official_pre_norm", adaptive_span_ramp=2.0)
+    layer_ratios = [layer.attention.span_ratio for layer in model.model.layers]
+    with torch.no_grad():
+        layer_ratios[0].copy_(torch.tensor([0.0, 0.5]))
+    # m(d) = clamp((1 − d + z·τ)/R + 1, 0, 1): z = 0 sees d = 1 fully and d = 2 at one half; z = 0.5 (span 2.5)
+    from memlm.modeling.modeling_feedback_transformer import adaptive_span_mask
+
+    mask = adaptive_span_mask(layer_ratios[0], torch.tensor([[1, 2, 3, 4, 5]]), 5, 2.0)
+    torch.testing.assert_close(mask[0], torch.tensor([[1, 0.5, 0, 0, 0], [1, 1, 1, 0.75, 0.25]], dtype=torch.float64))
+    input_ids = torch.randint(0, 40, (2, 6))
+    expected = sum(ratio.mean() * 1e-2 * 5 for ratio in layer_ratios)
+    output = model(input_ids, labels=input_ids)
+    torch.testing.assert_close(output.aux_loss, expected, rtol=0, atol=1e-15)
+    assert output.loss is output.lm_loss  # eval: the language-model loss only
+    model.train()
+    output = model(input_ids, labels=input_ids)
+    assert output.lm_loss.dtype == torch.float64  # a float64 model's loss too
+    expected_lm = F.cross_entropy(output.logits[:, :-1].reshape(-1, 40), input_ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(output.lm_loss, expected_lm, rtol=0, atol=1e-14)
+    torch.testing.assert_close(output.loss, output.lm_loss + output.aux_loss, rtol=0, atol=0)
+    output.loss.backward()
+    assert all(ratio.grad.abs().min() > 0 for ratio in layer_ratios)  # through the mask and the loss
+
+
+def test_no_auxiliary_loss_without_adaptive_span():
+    model = _model("official_post_norm_shared").train()
+    input_ids = torch.randint(0, 40, (2, 6))
+    output = model(input_ids, labels=input_ids)
+    assert output.aux_loss is None and output.loss is output.lm_loss
+
+
+@pytest.mark.parametrize("carry", ["hidden_states", "keys_values"])
+def test_a_carried_memory_gives_gradients_to_the_projections_only_as_hidden_states(carry):
+    """The next block's first token reads only carried memories: their keys and values reach the projections' weights
+    when they are recomputed from hidden states (Transformer-XL; the official code), not when carried as keys."""
+    model = _model("official_post_norm_shared", memory_carry=carry, initial_memory="empty").train()
+    cache = model(torch.randint(0, 40, (2, 6)), use_cache=True).cache
+    output = model(torch.randint(0, 40, (2, 1)), cache=cache)
+    output.logits.sum().backward()
+    key_gradient = model.model.k_proj.weight.grad
+    if carry == "hidden_states":
+        assert key_gradient.abs().sum() > 0 and cache.layers[0].hidden.requires_grad is False
+    else:
+        assert key_gradient is None or key_gradient.abs().sum() == 0
+
+
+def test_hidden_states_carried_use_the_current_weights():
+    model = _model("official_post_norm_shared")
+    first, second = torch.randint(0, 40, (2, 2, 6))
+    with torch.no_grad():
+        cache = model(first, use_cache=True).cache
+        values_then = cache.layers[0].values  # computed in that forward, with the weights of then
+        before = model(second, cache=copy.deepcopy(cache)).logits
+        model.model.v_proj.weight.mul_(1.5)  # as an optimizer step would change them
+        after = model(second, cache=copy.deepcopy(cache)).logits
+        values_now = model.model._starting_memory(cache, False, first.new_zeros(2, 1, 1, dtype=torch.float64))
+    assert (before - after).abs().max() > 1e-3
+    # the next forward reads values recomputed from the carried hidden states with the current weights
+    torch.testing.assert_close(values_now[0].values, 1.5 * values_then, atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["official_post_norm_shared", "shared_projections_layer_norms"])
+def test_prefill_then_decoding_equals_the_full_forward(layout):
+    model = _model(layout)
+    input_ids = torch.randint(0, 40, (2, 13))
+    with torch.no_grad():
+        full = model(input_ids).logits
+        output = model(input_ids[:, :4], use_cache=True)
+        cache, pieces = output.cache, [output.logits]
+        for t in range(4, 13):
+            output = model(input_ids[:, t : t + 1], cache=cache)
+            pieces.append(output.logits)
+        generated = model.generate(input_ids[:, :4], max_new_tokens=4, do_sample=False, num_beams=2)
+    assert (torch.cat(pieces, 1) - full).abs().max() < 1e-12
+    assert generated.shape == (2, 8)
+
+
+def test_carrying_memories_after_the_first_layer_norm_changes_them_at_each_call():
+    """The official pre-norm model stores its memories after layer 0's norm and normalises them again in the next
+    block: a model with `carry_first_layer_norm` depends on where the calls split the sequence (documented)."""
+    model = _model("official_pre_norm")
+    input_ids = torch.randint(0, 40, (1, 10))
+    with torch.no_grad():
+        full = model(input_ids).logits
+        cache = model(input_ids[:, :5], use_cache=True).cache
+        split = model(input_ids[:, 5:], cache=cache).logits
+        stored = cache.layers[0].hidden
+    assert (split - full[:, 5:]).abs().max() > 1e-6
+    # what is carried is normalised by the first layer's LayerNorm: its rows have the norm's mean, its bias' mean
+    bias = model.model.layers[0].input_layernorm.bias
+    weight = model.model.layers[0].input_layernorm.weight
+    rows = stored[0, -5:]  # the memories of this call
+    torch.testing.assert_close(
+        ((rows - bias) / weight).mean(-1), torch.zeros(5, dtype=torch.float64), atol=1e-12, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"head_dim": 0}, "head_dim must be a positive integer"),
+        ({"hidden_size": 30, "num_attention_heads": 4}, "must be a multiple of num_attention_heads"),
+        ({"head_dim": 7}, "head_dim = 7 must be even for position_encoding='rotary'"),
+        ({"position_encoding": "sinusoidal"}, "position_encoding must be one of .*'learned_relative'"),
+        ({"initial_memory": "random"}, "initial_memory must be one of 'empty', 'zeros'"),
+        ({"memory_normalization": "rms"}, "memory_normalization must be one of 'mixture', 'layer', 'none'"),
+        ({"memory_carry": "keys"}, "memory_carry must be one of 'keys_values', 'hidden_states'"),
+        ({"carry_first_layer_norm": True}, "carry_first_layer_norm=True needs memory_carry='hidden_states'"),
+        ({"adaptive_span": 1}, "adaptive_span must be True or False"),
+        ({"adaptive_span_ramp": 0}, r"adaptive_span_ramp must be a number in \(0, inf\]"),
+        ({"adaptive_span_loss_coefficient": -1.0}, "adaptive_span_loss_coefficient must be a number in"),
+        ({"adaptive_span_initial_ratio": 1.5}, r"adaptive_span_initial_ratio must be a number in \[0, 1\]"),
+        ({"renormalization_epsilon": -1e-8}, "renormalization_epsilon must be a number in"),
+        ({"attention_dropout_position": "output"}, "attention_dropout_position must be one of 'context', 'weights'"),
+        ({"norm_position": "middle"}, "norm_position must be one of 'pre', 'post'"),
+        ({"mlp_type": "moe"}, "mlp_type must be one of 'gated', 'plain'"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        FeedbackTransformerConfig(**options)
+
+
+def test_the_options_round_trip_and_are_described(tmp_path):
+    model = _model("official_pre_norm")
+    model.save_pretrained(tmp_path)
+    loaded = FeedbackTransformerForCausalLM.from_pretrained(tmp_path).eval()
+    saved, built = loaded.config.to_dict(), model.config.to_dict()
+    assert {**saved, "_name_or_path": ""} == {**built, "_name_or_path": ""}
+    input_ids = torch.randint(0, 40, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids).logits, model(input_ids).logits)
+    lines = "\n".join(model.config.describe())
+    for words in ("pre-norm LayerNorm", "heads of width 8", "zero memories", "recomputed", "Adaptive attention span"):
+        assert words in lines, words
+
+
+def test_the_trimmed_adaptive_span_bounds_the_cache_without_gradients():
+    model = _model("adaptive_span_trimmed", adaptive_span_trim_step=1)
+    with torch.no_grad():
+        for layer, ratio in zip(model.model.layers, (0.1, 0.3, 0.2)):
+            layer.attention.span_ratio.fill_(ratio)  # longest spans ⌈0.9 + 2⌉ = 3, ⌈2.7 + 2⌉ = 5, ⌈1.8 + 2⌉ = 4
+        input_ids = torch.randint(0, 40, (2, 12))
+        cache = model(input_ids, use_cache=True).cache
+    assert model.model.read_windows == [3, 5, 4]
+    assert cache.layers[0].hidden.shape[1] == 5 and cache.layers[0].positions[0].tolist() == [7, 8, 9, 10, 11]
+    assert (model(input_ids).logits - naive_forward(model, input_ids)).abs().max() < 1e-12
+    model.train()  # with gradients the spans may grow before the next forward: all τ memories are carried
+    assert model(input_ids, use_cache=True).cache.layers[0].hidden.shape[1] == 9
+
+
+PADDING_CASES = [("official_pre_norm", "inference", padding) for padding in PADDING_LAYOUTS] + [
+    ("official_pre_norm", "training", "between"),
+    ("adaptive_span_trimmed", "inference", "between"),
+    ("adaptive_span_trimmed", "training", "empty_row"),
+]
+
+
+@pytest.mark.parametrize(("layout", "mode", "padding"), PADDING_CASES)
+def test_padding_anywhere_gives_each_row_alone(layout, mode, padding):
+    """The zero initial memory, the carried hidden states and the trimmed windows count positions, not steps."""
+    model = _model(layout, vocab_size=258, pad_token_id=257)
+    if mode == "training":
+        model.train()  # dropout 0: the same numbers, with gradients
+    check_rows_alone(model, padding_mask(padding, (9, 5, 3), width=12), 257, prefix_length=6, following_length=3,
+                     training=mode == "training")  # fmt: skip
+
+
+def test_the_cache_counts_the_carried_hidden_states():
+    model = _model("official_post_norm_shared")
+    with torch.no_grad():
+        cache = model(torch.randint(0, 40, (2, 7)), use_cache=True).cache
+    keys, hidden = cache.layers[0].keys, cache.layers[0].hidden
+    assert cache.memory_bytes() == 2 * keys.numel() * keys.element_size() + hidden.numel() * hidden.element_size()
+
+
+def test_a_float64_model_s_loss_is_float64_with_every_way_of_passing_labels():
+    model = _model("official_post_norm_shared")
+    input_ids = torch.randint(0, 40, (2, 7))
+    labels = input_ids.masked_fill(torch.rand(2, 7) < 0.3, -100)
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        shifted = labels[:, 1:].reshape(-1)
+        per_token = F.cross_entropy(logits[:, :-1].reshape(-1, 40), shifted, ignore_index=-100, reduction="sum")
+        by_labels = model(input_ids, labels=labels).loss
+        by_shift = model(input_ids, shift_labels=F.pad(labels, (0, 1), value=-100)[:, 1:], num_items_in_batch=9).loss
+    assert by_labels.dtype == by_shift.dtype == torch.float64
+    torch.testing.assert_close(by_labels, per_token / (shifted != -100).sum(), rtol=0, atol=1e-14)
+    torch.testing.assert_close(by_shift, per_token / 9, rtol=0, atol=1e-14)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_in_an_official_layout():
+    model = _model("official_pre_norm").train()
+    input_ids = torch.randint(0, 40, (2, 9))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+    plain = gradients()
+    activation_checkpointing_enable(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    checkpointed = gradients()
+    for name, gradient in plain.items():
+        torch.testing.assert_close(checkpointed[name], gradient, rtol=0, atol=1e-13)
