@@ -182,7 +182,12 @@ def convert_config(state_dict: dict, official_args: dict) -> ExpireSpanConfig:
 def convert_state_dict(state_dict: dict, official_args: dict) -> tuple[ExpireSpanConfig, dict]:
     """(config, memlm state dict) of the official model with `state_dict` (official names, tied parameters under
     each of their names) and `official_args` (main.py's argument names and values). Every official tensor is used (the
-    causal masks are checked, memlm builds its own); torch operations only, so gradients flow back."""
+    causal masks are checked, memlm builds its own); torch operations only, so gradients flow back. A Feedback
+    Transformer (`--feedback`) converts through `memlm.conversion.transformer_sequential_feedback`."""
+    if official_arguments(official_args)["feedback"]:
+        from .transformer_sequential_feedback import convert_state_dict as convert_feedback
+
+        return convert_feedback(state_dict, official_args)
     config = convert_config(state_dict, official_args)
     converted = {
         "model.embed_tokens.weight": state_dict["in_emb.weight"],
@@ -249,7 +254,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
     DistributedDataParallel, hence the names' `module.` prefix, removed here), read with `torch.load(weights_only=True)`.
 
     The file holds no arguments: the ones returned are those the state dict determines (sizes, `pre_norm`,
-    `expire_span`); pass the others (`nheads`, `attn_lim`, `expire_span_ramp`, ... as the training command set them) to
+    `expire_span`, `feedback`, `adapt_span`); pass the others (`nheads`, `attn_lim`, `expire_span_ramp`, ... as the training command set them) to
     `convert_state_dict` (the CLI: `--official-args ARGS.json`), else main.py's defaults are taken and checked
     against the state dict where it can tell."""
     try:
@@ -279,6 +284,12 @@ def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
         official_args["mem_sz"] = state_dict["layers.0.attn.attn.mask_causal"].shape[0]
     official_args["pre_norm"] = "out_norm.weight" in state_dict
     official_args["expire_span"] = "layers.0.attn.attn.expire_span.span_predictor.weight" in state_dict
+    if "single_memory_attn_params" in state_dict:  # the Feedback Transformer's layer weights (Eq. 1)
+        from .transformer_sequential_feedback import sizes_of
+
+        official_args = {**official_args, **sizes_of(state_dict), "feedback": True}
+        official_args.pop("mem_sz", None)
+        official_args["adapt_span"] = "layers.0.attn.attn.adaptive_span.mask.size_ratio" in state_dict
     return state_dict, official_args
 
 

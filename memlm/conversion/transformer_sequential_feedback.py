@@ -32,6 +32,8 @@ from ..configuration.configuration_feedback_transformer import FeedbackTransform
 
 # main.py's defaults (its argparse parser) for the arguments the conversion reads.
 OFFICIAL_DEFAULTS = {
+    "nheads": 2,
+    "attn_lim": 64,
     "dropout": 0.2,
     "head_dim": 0,
     "pre_norm": False,
@@ -66,9 +68,34 @@ def official_arguments(official_args: dict) -> dict:
     return {**OFFICIAL_DEFAULTS, **official_args}
 
 
+def sizes_of(state_dict: dict) -> dict:
+    """The arguments an official Feedback state dict determines: hid_sz, inner_hid_sz, nlayers, nheads, head_dim and
+    attn_lim (`key_pe` is (1, head_dim, attn_lim))."""
+    if "in_emb.weight" not in state_dict or "layers.0.attn.attn.key_pe" not in state_dict:
+        raise ValueError(
+            "The official state dict has no in_emb.weight or layers.0.attn.attn.key_pe; is it a transformer-sequential "
+            "FeedbackTransformer state dict?"
+        )
+    _, head_dim, attn_lim = state_dict["layers.0.attn.attn.key_pe"].shape
+    sizes = {"hid_sz": state_dict["in_emb.weight"].shape[1], "head_dim": head_dim, "attn_lim": attn_lim}
+    if "layers.0.attn.proj_query.weight" in state_dict:  # (nheads · head_dim, hid_sz)
+        sizes["nheads"] = state_dict["layers.0.attn.proj_query.weight"].shape[0] // head_dim
+    sizes["nlayers"] = len({int(name.split(".")[1]) for name in state_dict if name.startswith("layers.")})
+    if "layers.0.ff.fc1.weight" in state_dict:
+        sizes["inner_hid_sz"] = state_dict["layers.0.ff.fc1.weight"].shape[0]
+    return sizes
+
+
 def official_config(state_dict: dict, official_args: dict) -> FeedbackTransformerConfig:
-    """The FeedbackTransformerConfig of the official model (sizes read from the state dict where they are there)."""
-    args = official_arguments(official_args)
+    """The FeedbackTransformerConfig of the official model (sizes read from the state dict where they are there;
+    given arguments must agree with them)."""
+    sizes = sizes_of(state_dict)
+    args = {**sizes, **official_arguments(official_args)}
+    for name, found in sizes.items():
+        if args[name] != found and not (name == "head_dim" and args[name] == 0):
+            raise ValueError(
+                f"official_args {name}={args[name]!r} does not fit the state dict, which gives {found!r}."
+            )
     if not args["feedback"]:
         _refuse("--feedback (not given)", "a model other than the Feedback Transformer (this converter reads "
                 "`--feedback` models; Expire-Span has its own)")  # fmt: skip
