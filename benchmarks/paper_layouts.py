@@ -84,7 +84,43 @@ def expire_span_configs() -> tuple:
     return default, official
 
 
-FAMILIES = {"DeltaNet (lmtool-fwp)": deltanet_configs, "Expire-Span (transformer-sequential)": expire_span_configs}
+def feedback_configs() -> tuple:
+    """memlm's Feedback Transformer and the official transformer-sequential model (algorithmic_3var's pre-norm
+    layout: learned relative positions, zero initial memories carried as hidden states whose keys and values are
+    recomputed every forward, each layer's own key/value projections and norm), a window of 256 steps."""
+    from memlm import FeedbackTransformerConfig
+
+    default = FeedbackTransformerConfig(**SIZES, memory_span=256)
+    official = FeedbackTransformerConfig(
+        **SIZES,
+        memory_span=256,
+        norm_type="layernorm",
+        norm_position="pre",
+        final_norm=True,
+        mlp_type="plain",
+        mlp_bias=True,
+        hidden_act="relu",
+        lm_head_bias=True,
+        # Each layer's own key and value projections (2·d² parameters) taken from the plain MLP's width (2·d per unit).
+        intermediate_size=default.intermediate_size * 3 // 2 - SIZES["hidden_size"],
+        share_key_value=False,
+        position_encoding="learned_relative",
+        initial_memory="zeros",
+        memory_normalization="layer",
+        memory_carry="hidden_states",
+        carry_first_layer_norm=True,
+        attention_dropout_position="weights",
+    )
+    return default, official
+
+
+# Each family, and the sizes it is timed at where they differ from the command line's (the Feedback Transformer runs
+# one step at a time, and its official layout through autograd over the whole window: shorter sequences).
+FAMILIES = {
+    "DeltaNet (lmtool-fwp)": (deltanet_configs, {}),
+    "Expire-Span (transformer-sequential)": (expire_span_configs, {}),
+    "Feedback (transformer-sequential)": (feedback_configs, {"length": 512, "batch_size": 2, "context": 512}),
+}
 
 
 def training_step(model, length: int, batch_size: int):
@@ -140,30 +176,34 @@ def measure(args) -> list[dict]:
     import memlm  # noqa: F401  (registers memlm's classes)
 
     rows = []
-    for family, configs in tqdm(FAMILIES.items(), desc="families", leave=False):
+    for family, (configs, sizes) in tqdm(FAMILIES.items(), desc="families", leave=False):
+        length, batch_size, context = (
+            min(sizes.get(name, getattr(args, name)), getattr(args, name))
+            for name in ("length", "batch_size", "context")
+        )
         models = {}
         for name, config in zip(("default", "official"), configs()):
             torch.manual_seed(0)
             models[name] = AutoModelForCausalLM.from_config(config).eval()
         parameters = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
         training = report.interleaved_median_times(
-            {name: training_step(model, args.length, args.batch_size) for name, model in models.items()},
+            {name: training_step(model, length, batch_size) for name, model in models.items()},
             1,
             args.repeats,
         )
         cache_sizes = {name: {} for name in models}
         decoding = report.interleaved_median_times(
             {
-                name: decode_steps(model, args.context, args.decode_steps, cache_sizes[name])
+                name: decode_steps(model, context, args.decode_steps, cache_sizes[name])
                 for name, model in models.items()
             },
             1,
             args.repeats,
         )
-        row = {"family": family}
+        row = {"family": family, "training_shape": f"{batch_size} × {length}", "context": context}
         for name in models:
             row[f"{name}_parameters"] = parameters[name]
-            row[f"{name}_training_tokens_per_s"] = args.batch_size * args.length / training[name]
+            row[f"{name}_training_tokens_per_s"] = batch_size * length / training[name]
             row[f"{name}_decode_tokens_per_s"] = args.decode_steps / decoding[name]
             row[f"{name}_cache_megabytes"] = cache_sizes[name]["cache_bytes"] / 2**20
         for kind in ("training", "decode"):
@@ -177,6 +217,8 @@ def measure(args) -> list[dict]:
 COLUMNS = [
     ("", "family", "s"),
     ("parameters (default / official)", "parameters", "s"),
+    ("training batch × tokens", "training_shape", "s"),
+    ("decode context", "context", "d"),
     ("training tok/s, default", "default_training_tokens_per_s", ".0f"),
     ("training tok/s, official", "official_training_tokens_per_s", ".0f"),
     ("official / default", "training_official_over_default", ".2f"),
@@ -207,9 +249,9 @@ def docs_section(results: dict) -> str:
             f"From `python benchmarks/paper_layouts.py` (medians of {settings['repeats']} runs, the two layouts "
             f"timed in turns). {report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
             f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, vocabulary {VOCAB_SIZE}; "
-            f"training = forward + backward of the LM loss on {settings['batch_size']} × {settings['length']} "
-            f"tokens; decoding = {settings['decode_steps']} greedy steps at batch 1 after {settings['context']} "
-            "tokens; cache = the bytes of the tensors the memory holds after those tokens.",
+            "training = forward + backward of the LM loss on the batch × tokens of the row; decoding = "
+            f"{settings['decode_steps']} greedy steps at batch 1 after the row's context; cache = the bytes of the "
+            "tensors the memory holds after that context.",
             report.markdown_table(COLUMNS, _with_parameters(results["rows"])),
         ]
     )

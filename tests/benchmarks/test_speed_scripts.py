@@ -133,7 +133,7 @@ def test_expire_span_training_table_measures_the_max_spans_asked(monkeypatch):
 def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tmp_path):
     results = run_script("paper_layouts.py", "--quick", output=tmp_path / "results.json")
     assert [row["family"] for row in results["rows"]] == [
-        "DeltaNet (lmtool-fwp)", "Expire-Span (transformer-sequential)"
+        "DeltaNet (lmtool-fwp)", "Expire-Span (transformer-sequential)", "Feedback (transformer-sequential)"
     ]  # fmt: skip
     for row in results["rows"]:
         assert abs(row["official_parameters"] / row["default_parameters"] - 1) < 0.05  # same size within 5 %
