@@ -183,8 +183,9 @@ def convert_state_dict(state_dict: dict, official_args: dict) -> tuple[ExpireSpa
     """(config, memlm state dict) of the official model with `state_dict` (official names, tied parameters under
     each of their names) and `official_args` (main.py's argument names and values). Every official tensor is used (the
     causal masks are checked, memlm builds its own); torch operations only, so gradients flow back. A Feedback
-    Transformer (`--feedback`) converts through `memlm.conversion.transformer_sequential_feedback`."""
-    if official_arguments(official_args)["feedback"]:
+    Transformer's state dict (`--feedback`: it holds `single_memory_attn_params`) converts through
+    `memlm.conversion.transformer_sequential_feedback`."""
+    if "single_memory_attn_params" in state_dict:  # a Feedback Transformer's weights (its layer mix, Eq. 1)
         from .transformer_sequential_feedback import convert_state_dict as convert_feedback
 
         return convert_feedback(state_dict, official_args)
