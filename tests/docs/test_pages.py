@@ -105,6 +105,7 @@ SPEED_SECTIONS = {
     "delta_rule": ("delta_rule.py", "delta_rule.json", "docs_section"),
     "expire_span": ("expire_span.py", "expire_span.json", "docs_section"),
     "feedback": ("feedback.py", "feedback.json", "docs_section"),
+    "paper_layouts": ("paper_layouts.py", "paper_layouts.json", "docs_section"),
     "kernel_costs_static_sm_90": ("kernel_costs.py", "kernel_costs_static_sm_90.json", "static_section"),
     "kernel_costs_static_sm_80": ("kernel_costs.py", "kernel_costs_static_sm_80.json", "static_section"),
 }
