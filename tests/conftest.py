@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from memlm import DeltaNetConfig  # noqa: E402
+from memlm.configuration.configuration_deltanet import LMTOOL_FWP_LAYOUT  # noqa: E402
 from memlm.tokenization import byte_level_tokenizer  # noqa: E402
 
 TINY = {
@@ -35,23 +36,13 @@ TINY = {
 
 # lmtool-fwp's model as memlm.conversion.lmtool_fwp converts it (attn_type 24, normaliser on, adaptive softmax).
 OFFICIAL_BLOCK = {
+    **LMTOOL_FWP_LAYOUT,
     "feature_map": "elu+1",
     "query_key_normalization": "sum",
-    "attention_normalizer": True,
-    "attention_normalizer_eps": 1e-5,
-    "scale_output": True,
-    "norm_type": "layernorm",
-    "layer_norm_eps": 1e-5,
-    "norm_position": "post",
-    "final_norm": False,
-    "mlp_type": "plain",
-    "mlp_bias": True,
-    "hidden_act": "relu",
-    "attention_output_bias": True,
-    "lm_head_bias": True,
+    "attention_output_bias": True,  # not the official model's: covers the option
     "embedding_scale": 32**0.5,
     "adaptive_softmax_cutoffs": [64, 200],
-    "tie_word_embeddings": True,
+    "position_encoding": "none",  # sinusoidal positions restart every call: tested on their own
 }
 
 # Each variant turns on a different set of options, so that together they cover every config field.

@@ -23,13 +23,13 @@ official flag.
 Command line:  memlm convert lmtool-fwp CHECKPOINT OUT --official-args ARGS.json
 """
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from ..configuration.configuration_deltanet import LMTOOL_FWP_LAYOUT, DeltaNetConfig
+from .official_arguments import read_arguments_file
 
 # train.py's defaults (its argparse parser) for the arguments the conversion reads.
 OFFICIAL_DEFAULTS = {
@@ -265,15 +265,7 @@ def read_checkpoint(path: str | Path) -> dict:
 def read_official_args(path: str | Path) -> dict:
     """train.py's arguments from a JSON file: a dict of argument names and values (the reference data's
     `official_args`), or a dict holding one under "official_args"."""
-    try:
-        arguments = json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}).") from error
-    if isinstance(arguments, dict) and isinstance(arguments.get("official_args"), dict):
-        arguments = arguments["official_args"]
-    if not isinstance(arguments, dict):
-        raise ValueError(f"{path} must hold a JSON object of train.py's argument names and values.")
-    return arguments
+    return read_arguments_file(path, "train.py")
 
 
 __all__ = ["convert_config", "convert_state_dict", "read_checkpoint", "read_official_args"]

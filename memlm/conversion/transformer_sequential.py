@@ -32,12 +32,12 @@ tensors. What memlm cannot express raises NotImplementedError naming the officia
 Command line:  memlm convert transformer-sequential CHECKPOINT OUT [--official-args ARGS.json]
 """
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..configuration.configuration_expire_span import ExpireSpanConfig
+from .official_arguments import read_arguments_file
 
 # main.py's defaults (its argparse parser) for the arguments the conversion reads.
 OFFICIAL_DEFAULTS = {
@@ -297,15 +297,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
 def read_official_args(path: str | Path) -> dict:
     """main.py's arguments from a JSON file: a dict of argument names and values (the reference data's
     `official_args`), or a dict holding one under "official_args"."""
-    try:
-        arguments = json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}).") from error
-    if isinstance(arguments, dict) and isinstance(arguments.get("official_args"), dict):
-        arguments = arguments["official_args"]
-    if not isinstance(arguments, dict):
-        raise ValueError(f"{path} must hold a JSON object of main.py's argument names and values.")
-    return arguments
+    return read_arguments_file(path, "main.py")
 
 
 __all__ = ["convert_config", "convert_state_dict", "read_checkpoint", "read_official_args"]
