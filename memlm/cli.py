@@ -22,6 +22,8 @@ import os
 import sys
 from pathlib import Path
 
+from memlm.checkpoint_files import load_model, one_line, read_weights
+
 # Files any of which makes a folder hold a tokenizer AutoTokenizer can load without converting a slow one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
@@ -139,7 +141,7 @@ def describe(path: str, broken: list[str] | None = None) -> list[str]:
     folder, _ = checkpoint_folder(path)
     config = AutoConfig.from_pretrained(folder)
     lines = [f"{folder}: {type(config).__name__} (model_type {config.model_type})"]
-    counts, unreadable = _read_weights(folder)
+    counts, unreadable = read_weights(folder)
     count, readable = sum(counts.values()), list(counts)
     if broken is not None:
         broken += list(unreadable)
@@ -164,7 +166,7 @@ def describe(path: str, broken: list[str] | None = None) -> list[str]:
         try:
             lines += _describe_metrics(json.loads((folder / "metrics.json").read_text()))
         except (ValueError, OSError) as error:
-            lines.append(f"metrics.json: cannot be read, skipped ({_one_line(error)})")
+            lines.append(f"metrics.json: cannot be read, skipped ({one_line(error)})")
             if broken is not None:
                 broken.append("metrics.json")
     if (folder / "tokenizer.json").is_file():
@@ -309,42 +311,6 @@ def plot_memory(argv) -> None:
     print(f"wrote {arguments.output}")
 
 
-def _read_weights(folder: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """Each `*.safetensors` file of `folder` that opens, with its number of parameters, and each that does not, with
-    the reason in one line."""
-    from safetensors import SafetensorError, safe_open
-
-    counts, unreadable = {}, {}
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                counts[file.name] = sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
-        except (SafetensorError, OSError, ValueError) as error:
-            unreadable[file.name] = _one_line(error)
-    return counts, unreadable
-
-
-def load_model(folder):
-    """`AutoModelForCausalLM.from_pretrained(folder)`, with a weights file that cannot be read (cut short, damaged)
-    named in a `ValueError` instead of safetensors' bare header error."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(folder)
-    except SafetensorError as error:
-        broken = list(_read_weights(Path(folder))[1])
-        raise ValueError(
-            f"{folder}: {', '.join(broken) or 'a weights file'} cannot be read ({_one_line(error)}): damaged or cut "
-            "short; save the model again, or take an earlier checkpoint."
-        ) from error
-
-
-def _one_line(error: BaseException) -> str:
-    """An error's message on one line (🤗 and others write some over several)."""
-    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
-
-
 # What `memlm train` and `memlm finetune` cannot run without, from the `train` extra (matplotlib, also in it, only
 # draws loss.png: without it the picture is skipped). `datasets` is needed by train for non-text data files only.
 TRAIN_EXTRA_NEEDED = {"train": ("accelerate",), "finetune": ("accelerate", "datasets")}
@@ -477,7 +443,7 @@ def one_line_errors(program: str, debug: bool = False):
     except (ValueError, OSError) as error:
         if debug:
             raise
-        print(f"{program}: error: {_one_line(error)}", file=sys.stderr)
+        print(f"{program}: error: {one_line(error)}", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         if debug:

@@ -56,7 +56,7 @@ def finetune(arguments: argparse.Namespace) -> dict:
 
     import memlm  # noqa: F401  (registers memlm's model types)
 
-    from ..cli import load_model
+    from ..checkpoint_files import load_model
     from .data import load_texts
 
     if not Path(arguments.model).is_dir():
