@@ -27,7 +27,7 @@ backward, memlm's kernels and flash-linear-attention's ``chunk_delta_rule`` side
 - shared memory, registers and spilled bytes (ptxas ``-v`` stores / loads) of the kernel compiled for sm_90 (or
   ``--target sm_80``) with the tiles and launch options chosen for that target, and whether its PTX holds tensor-core instructions (``mma`` / ``wgmma``). The launches are
   recorded at the full shape (so that Triton specialises the integer arguments as it would) and compiled with
-  ``memlm.kernels.gpu_compile``, exactly as the CI check does;
+  ``devtools.gpu_compile``, exactly as the CI check does;
 - global-memory bytes read and written: the elements that ``tl.load`` / ``tl.store`` (and atomics) touch, masked
   elements excluded, counted by running the kernels in Triton's interpreter at B = H = 1 and scaled by B·H (exact
   for unpacked batches: every (batch, head) pair does the same work). Cache hits are not modelled: every load
@@ -54,10 +54,15 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+# devtools/ (beside the installed package, never in it) from the repository's root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 try:  # run as a script (python benchmarks/kernel_costs.py) or imported as benchmarks.kernel_costs
     import report
@@ -249,7 +254,7 @@ def _static_inputs(batch, length, heads, width, heads_first):
 def _record_delta_rule(library, batch, length, heads, width, count, target):
     """The launches of one forward and one backward chosen for `target`, labelled by phase; counted (and run) when
     `count`."""
-    from memlm.kernels.gpu_compile import backward, on_gpu, record_launches
+    from devtools.gpu_compile import backward, on_gpu, record_launches
 
     if library == "memlm":
         from memlm.kernels.delta_rule import delta_rule
@@ -280,7 +285,7 @@ def _record_delta_rule(library, batch, length, heads, width, count, target):
 
 def static_rows(widths, shape, target):
     """One row per launched kernel (see the module docstring), for memlm and flash-linear-attention."""
-    from memlm.kernels.gpu_compile import compile_launches
+    from devtools.gpu_compile import compile_launches
 
     batch, length, heads = shape
     rows = []

@@ -16,7 +16,6 @@ import argparse
 import ast
 import builtins
 import functools
-import hashlib
 import importlib.util
 import json
 import shutil
@@ -24,7 +23,7 @@ import sys
 from pathlib import Path
 
 from .export import PACKAGE, _module_file, _package_of, bundle_sources, flat_module_name
-from .kernels.hub import HUB_REPOSITORY, KERNEL_NAME, KERNEL_VERSION, LAYER_NAMES
+from .kernels.hub import HUB_REPOSITORY, KERNEL_NAME, KERNEL_VERSION, LAYER_NAMES, sources_digest
 
 VARIANTS = {"torch-cpu": "cpu", "torch-cuda": "cuda"}
 PYTHON_NAME = KERNEL_NAME.replace("-", "_")
@@ -215,18 +214,10 @@ def package_sources() -> dict[str, str]:
     return dict(sorted(files.items()))
 
 
-@functools.cache
-def package_digest() -> str:
-    """Ten hex digits of the generated package's hash: the end of each variant's `id`, so a loaded repository tells
-    which memlm generated it (`memlm.kernels.hub.running_kernel`)."""
-    package = package_sources()
-    return hashlib.sha256("".join(name + text for name, text in package.items()).encode()).hexdigest()[:10]
-
-
 def repository_files(version: int = KERNEL_VERSION) -> dict[str, str]:
     """Path in the repository → text, for every file of the generated repository (its metadata naming `version`)."""
     package = package_sources()
-    digest = package_digest()
+    digest = sources_digest()
     files = {"README.md": _card()}
     for variant, backend in VARIANTS.items():
         metadata = {

@@ -12,6 +12,8 @@ the installed `kernels` is a version that 🤗 release accepts for `use_kernels=
 This module is part of the code a checkpoint carries (the model files import it), so it imports nothing from memlm.
 """
 
+import functools
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -154,15 +156,30 @@ def running_kernel(module) -> str | None:
 
 
 def _generation_note(kernel_id: str) -> str:
-    """Whether memlm's repository that was loaded is the installed memlm's generation (its id ends in a digest of
-    the generated package)."""
-    try:  # by name, so that a checkpoint's code bundle does not carry the generator along with this module
-        generator = importlib.import_module("memlm.kernel_repository")
-    except ImportError:  # the checkpoint's bundled copy of this module, without memlm installed
+    """Whether memlm's repository that was loaded is the installed memlm's generation (its id ends in the digest of
+    the sources it was generated from, `sources_digest`)."""
+    digest = sources_digest()
+    if digest is None:  # the checkpoint's bundled copy of this module, without memlm installed
         return ""
-    if kernel_id.endswith("_" + generator.package_digest()):
+    if kernel_id.endswith("_" + digest):
         return ", generated from the installed memlm"
     return ", generated from another memlm (python -m memlm.kernel_repository build refreshes it)"
+
+
+@functools.cache
+def sources_digest() -> str | None:
+    """Ten hex digits of a hash of the installed memlm's Python sources, which decide everything the generated kernel
+    repository holds: the end of each variant's `id` (`memlm.kernel_repository`), so that a loaded repository tells
+    which memlm generated it. None where memlm is not installed (a checkpoint's bundled code run without it). Read
+    from the files, not by importing the generator, which imports this module."""
+    spec = importlib.util.find_spec("memlm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 class HubLayerMixin:

@@ -1,5 +1,5 @@
 """Every Triton kernel the dispatch launches compiles for sm_80 and sm_90, fits their shared memory and does not
-spill registers (memlm.kernels.gpu_compile; no GPU needed).
+spill registers (devtools.gpu_compile; no GPU needed).
 
 Each scenario calls the public functions (delta rule, sum rule, Expire-Span attention, forward and backward) on small
 CPU tensors that report ``cuda``, records the launches in Triton's interpreter without running them, and compiles
@@ -22,9 +22,9 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from devtools.gpu_compile import SHARED_MEMORY_LIMITS, backward, compile_launches, record_launches  # noqa: E402
 from memlm.kernels.delta_rule import delta_rule, sum_rule  # noqa: E402
 from memlm.kernels.expire_attention import expire_span_attention  # noqa: E402
-from memlm.kernels.gpu_compile import SHARED_MEMORY_LIMITS, backward, compile_launches, record_launches  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="recording the launches needs Triton's interpreter"

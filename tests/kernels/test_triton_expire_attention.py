@@ -581,9 +581,9 @@ def test_launch_configurations_and_dot_precision():
 @pytest.mark.parametrize(("dtype", "key_dim", "value_dim"), [(torch.float16, 64, 64), (torch.float32, 40, 72)])
 def test_gpu_tiles_in_the_interpreter(dtype, key_dim, value_dim):
     """The GPU launch path (tiles of _launch_configs, autotuned kernels, one configuration launched directly) runs
-    in the interpreter on tensors that report ``cuda`` (memlm.kernels.gpu_compile): the first configuration of each
+    in the interpreter on tensors that report ``cuda`` (devtools.gpu_compile): the first configuration of each
     kernel runs, with a result equal to the reference."""
-    from memlm.kernels.gpu_compile import backward, on_gpu, record_launches
+    from devtools.gpu_compile import backward, on_gpu, record_launches
 
     tensors, options, grad_output = make_inputs(
         length=45, memory=100, key_dim=key_dim, value_dim=value_dim, max_span=60.0, dtype=dtype

@@ -707,7 +707,7 @@ def _launch(name: str, kernel, arguments: tuple, options: dict, num_items: int, 
 
     CPU tensors (Triton's interpreter): tiles of 16. CUDA tensors: the configurations of _launch_configs for the
     device's capability, through the autotuner when there are several — in the interpreter (e.g. recording the
-    launches, see memlm.kernels.gpu_compile) nothing is timed and the first runs; compiled without a driver
+    launches, see devtools.gpu_compile) nothing is timed and the first runs; compiled without a driver
     (ahead of time), the first runs directly."""
     block = "BLOCK_N" if name == "key" else "BLOCK_M"
     dtype = arguments[0].dtype

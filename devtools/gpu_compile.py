@@ -20,12 +20,12 @@ kernels (or of any Triton code) launches and compiles exactly those launches for
    tensor cores (TTGIR: ``warp_group_dot`` or an MMA layout) — :meth:`CompiledLaunch.split_flops` uses that to
    classify the counted FLOPs, since a kernel may take another path in the interpreter than on the GPU.
 
-Example (a user checking the delta rule for an A100 and an H100)::
+Example (a developer checking the delta rule for an A100 and an H100, from the repository's root)::
 
     TRITON_INTERPRET=1 python -c "
     import torch
     from memlm.kernels.delta_rule import delta_rule
-    from memlm.kernels.gpu_compile import compile_launches, record_launches, on_gpu
+    from devtools.gpu_compile import compile_launches, record_launches, on_gpu
     for target in ('sm_80', 'sm_90'):
         with record_launches(target=target) as recorder:
             q, k, v = (on_gpu(torch.randn(2, 4, 128, 64, dtype=torch.bfloat16)) for _ in range(3))
@@ -48,6 +48,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -556,7 +557,7 @@ def compile_launches(
             path = os.path.join(folder, f"request{job}.json")
             with open(path, "w") as file:
                 json.dump(request, file)
-            command = [sys.executable, "-c", _WORKER, path]
+            command = [sys.executable, "-c", _WORKER, path, str(Path(__file__).resolve().parents[1])]
             processes.append(
                 (
                     share,
@@ -578,14 +579,15 @@ def compile_launches(
 
 
 # The compile subprocess: memlm's package __init__ (🤗 Transformers and the models) is not needed to compile
-# kernels, so the worker imports memlm.kernels without it.
+# kernels, so the worker imports memlm.kernels without it; devtools/ is found from the folder that holds it.
 _WORKER = """
 import importlib.util, sys, types
+sys.path.insert(0, sys.argv[2])
 if "memlm" not in sys.modules:
     package = types.ModuleType("memlm")
     package.__path__ = list(importlib.util.find_spec("memlm").submodule_search_locations)
     sys.modules["memlm"] = package
-from memlm.kernels.gpu_compile import _main
+from devtools.gpu_compile import _main
 _main(sys.argv[1])
 """
 
