@@ -53,7 +53,7 @@ def test_fsdp_two_processes_give_the_gradients_of_one(tmp_path):
     # --standalone: the rendezvous takes a free port (a fixed one failed once when it was still held).
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(ROOT / "tests" / "training" / "fsdp_worker.py"), str(output)], env=environment,
-                         capture_output=True, text=True)  # fmt: skip
+                         capture_output=True, text=True, timeout=420)  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     sharded = torch.load(output)
     batch = fixed_batch()
