@@ -3,6 +3,7 @@
 memlm train --preset tiny-deltanet --output-dir runs/tiny      pretrain (see memlm.training.pretrain)
 memlm finetune --model runs/tiny --output-dir runs/tuned ...    fine-tune with the 🤗 Trainer
 memlm generate runs/tiny --prompt "def "                        stream text from a saved model
+memlm serve runs/tiny --port 8000                               an OpenAI-compatible server (🤗's transformers serve)
 memlm info runs/tiny                                            what a checkpoint is, and the versions memlm runs with
 memlm rebundle runs/tiny                                        rewrite a checkpoint's code with the installed memlm's
 memlm plot-memory runs/tiny --text "..." --output memory.png     what an Expire-Span / Feedback model remembers
@@ -22,10 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from memlm.checkpoint_files import load_model, one_line, read_weights
-
-# Files any of which makes a folder hold a tokenizer AutoTokenizer can load without converting a slow one.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+from memlm.checkpoint_files import check_tokenizer, checkpoint_folder, load_model, one_line, read_weights
 
 
 def positive_int(text: str) -> int:
@@ -50,51 +48,6 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == math.inf:
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value
-
-
-def checkpoint_folder(path: str) -> tuple[Path, dict]:
-    """The folder of a saved model and its config.json, or a clear error: the folder does not exist, holds no
-    config.json, or names a model type neither memlm nor 🤗 Transformers knows (🤗 would otherwise ask to trust remote
-    code)."""
-    from memlm.configuration.validation import CONVERTIBLE_MODEL_TYPES, MEMLM_MODEL_TYPES
-
-    folder = Path(path)
-    if not folder.exists():
-        raise FileNotFoundError(f"the folder {path!r} does not exist; give a folder written by save_pretrained.")
-    if not folder.is_dir():
-        raise NotADirectoryError(f"{path!r} is a file, not a folder written by save_pretrained.")
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{path!r} holds no config.json: not a folder written by save_pretrained.")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"{folder / 'config.json'} is not valid JSON ({error}).") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{folder / 'config.json'} holds {type(config).__name__}, not a JSON object.")
-    model_type = config.get("model_type")
-    if model_type is None:
-        raise ValueError(f"{folder / 'config.json'} names no model_type; memlm's are {', '.join(MEMLM_MODEL_TYPES)}.")
-    if model_type in MEMLM_MODEL_TYPES:
-        return folder, config
-    if model_type in CONVERTIBLE_MODEL_TYPES:
-        raise ValueError(f"{path!r} is {CONVERTIBLE_MODEL_TYPES[model_type]}.")
-    from transformers import CONFIG_MAPPING
-
-    if model_type.startswith("memlm_") or model_type not in CONFIG_MAPPING:
-        raise ValueError(
-            f"unknown model type {model_type!r} in {folder / 'config.json'}; known: {', '.join(MEMLM_MODEL_TYPES)} "
-            "(memlm) and 🤗 Transformers' own model types."
-        )
-    return folder, config
-
-
-def check_tokenizer(folder: Path):
-    """A clear error when no tokenizer was saved beside the model (🤗 would ask for sentencepiece or tiktoken)."""
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"no tokenizer found in {str(folder)!r}: it needs tokenizer.json (or a sentencepiece tokenizer.model, or "
-            "vocab.json with merges.txt) beside the model; save one there with tokenizer.save_pretrained(folder)."
-        )
 
 
 def generate(argv) -> None:
@@ -395,6 +348,10 @@ def run(command: str, rest: list[str]) -> None:
         _training_command(command)(rest)
     elif command == "generate":
         generate(rest)
+    elif command == "serve":
+        from memlm.serving import serve
+
+        serve(rest)
     elif command == "plot-memory":
         plot_memory(rest)
     elif command == "rebundle":
@@ -422,7 +379,7 @@ def main(argv=None) -> None:
     debug = os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0")
     if argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
-    commands = ("train", "finetune", "generate", "info", "rebundle", "plot-memory", "kernels", "convert")
+    commands = ("train", "finetune", "generate", "serve", "info", "rebundle", "plot-memory", "kernels", "convert")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -16,6 +16,10 @@ from ..compat import CacheNameGeneration
 PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 ACCEPTED_EXTRA_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels", "output_attentions", *PACKING_KWARGS)
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+# What `generate` takes for itself but hands on with the model's inputs (`generate(stop_strings=..., tokenizer=...)`,
+# `pipeline(...)(prompt, stop_sequence=...)`): 🤗's own models ignore it in their `**kwargs`; memlm's do not take it, so
+# it is left out of their inputs here, and `forward(tokenizer=...)` is still refused.
+GENERATE_OWN_KWARGS = ("tokenizer",)
 
 
 # Set to 1 to build a model that looks larger than the memory this machine has left (e.g. with swap in mind).
@@ -355,10 +359,24 @@ def refuse_packed_documents(position_ids, valid, batch_size: int, length: int, o
         )
 
 
-class CountsOwnPositions(CacheNameGeneration):
+class DeclinesContinuousBatching:
+    """🤗's continuous batching (`init_continuous_batching`, `generate_batch`, `transformers serve
+    --continuous-batching`) runs the model on a paged cache of keys and values, which memlm's memories are not. The
+    entry point is absent, so that `hasattr(model, "init_continuous_batching")` is False: `transformers serve` then
+    falls back to `generate` (which batches left-padded prompts), and `generate_batch` raises AttributeError at once
+    instead of failing inside the model."""
+
+    @property
+    def init_continuous_batching(self):
+        raise AttributeError("init_continuous_batching")  # torch's Module.__getattr__ reports it as missing
+
+
+class CountsOwnPositions(DeclinesContinuousBatching, CacheNameGeneration):
     """For the ForCausalLM classes, before `GenerationMixin`: `generate` passes no position_ids. The models count
     positions from the attention mask and their cache; 🤗's position_ids for the tokens after a right-padded prompt
-    repeat the prompt's positions. (`generate(cache=...)` works on every 🤗 release: `CacheNameGeneration`.)"""
+    repeat the prompt's positions. (`generate(cache=...)` works on every 🤗 release: `CacheNameGeneration`.) Nor
+    does it pass on what it keeps for itself (`GENERATE_OWN_KWARGS`), and continuous batching is declined
+    (`DeclinesContinuousBatching`)."""
 
     # The signature is 🤗's, spelled out (`generate` reads it, e.g. to allow inputs_embeds), except the memory: it
     # passes through `kwargs` under the name the installed 🤗 gives it (`cache`, or `past_key_values` before 5.24).
@@ -376,4 +394,6 @@ class CountsOwnPositions(CacheNameGeneration):
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs,
         )  # fmt: skip
         model_inputs.pop("position_ids", None)
+        for name in GENERATE_OWN_KWARGS:
+            model_inputs.pop(name, None)
         return model_inputs

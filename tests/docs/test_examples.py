@@ -6,7 +6,8 @@ the docstrings of memlm's modules (what the API pages show). An example that a n
 - ```python blocks run in order, one namespace per page (a page's later block may use what an earlier one built),
   in an empty folder (what they save lands there), with no hub (HF_HUB_OFFLINE=1, set by tests/conftest.py).
 - ```bash blocks are checked, not run (most train for minutes): each command's options are parsed by the command's
-  own argument parser (`memlm ...`, `python SCRIPT ...`, `python -m MODULE ...`, `accelerate launch ...`), `make`
+  own argument parser (`memlm ...`, `python SCRIPT ...`, `python -m MODULE ...`, `accelerate launch ...`,
+  `transformers ...`; argparse's, or click's for 🤗's commands and `memlm serve`), `make`
   targets must exist in the Makefile and `pip install 'memlm[EXTRA]'` extras in setup.cfg; a command this file does
   not know how to check fails, so that nothing unchecked is shown as a command.
 - ```json blocks must parse; ```text blocks (equations, layouts, output) are not code. Any other language fails.
@@ -53,17 +54,26 @@ class _Parsed(BaseException):
 
 @contextlib.contextmanager
 def _parse_only():
-    original = argparse.ArgumentParser.parse_args
+    """argparse's parsers, and click's commands (🤗's `transformers` command, and `memlm serve`, which is 🤗's serve),
+    stop once they have read their arguments."""
+    import click
+
+    original, original_invoke = argparse.ArgumentParser.parse_args, click.Command.invoke
 
     def parse_args(self, args=None, namespace=None):
         original(self, args, namespace)  # a bad option: usage and SystemExit(2)
         raise _Parsed
 
-    argparse.ArgumentParser.parse_args = parse_args
+    def invoke(self, context):
+        if isinstance(self, click.Group):  # a group's own callback: its command reads its arguments next
+            return None
+        raise _Parsed  # the command has read its arguments (a bad option: usage and SystemExit(2))
+
+    argparse.ArgumentParser.parse_args, click.Command.invoke = parse_args, invoke
     try:
         yield
     finally:
-        argparse.ArgumentParser.parse_args = original
+        argparse.ArgumentParser.parse_args, click.Command.invoke = original, original_invoke
 
 
 def _parse(command: str, run, argv: list[str]) -> None:
@@ -119,6 +129,10 @@ def check_command(command: str) -> None:
         from memlm.cli import main
 
         _parse(command, lambda: main(arguments), ["memlm", *arguments])
+    elif program == "transformers":  # 🤗's command, e.g. `transformers chat` against `memlm serve`
+        from transformers.cli.transformers import app
+
+        _parse(command, lambda: app(arguments, prog_name="transformers"), ["transformers", *arguments])
     elif program == "python" and arguments[:1] == ["-m"]:
         module = arguments[1]
         _parse(
@@ -238,6 +252,10 @@ def test_the_command_checks_catch_a_wrong_option_a_missing_target_and_an_unknown
         check_command("memlm train --preset tiny-deltanet --output-dir runs/x --no-such-option 3")
     with pytest.raises(AssertionError, match="refused by its parser"):
         check_command("python training/tasks/make_dataset.py no-such-task --output-dir data/x")
+    with pytest.raises(AssertionError, match="refused by its parser"):
+        check_command("memlm serve runs/x --port 8000 --no-such-option")
+    with pytest.raises(AssertionError, match="refused by its parser"):
+        check_command("transformers chat runs/x http://localhost:8000/v1 --no-such-option")
     with pytest.raises(AssertionError, match="has no target"):
         check_command("make no-such-target")
     with pytest.raises(AssertionError, match="has no extra"):

@@ -28,7 +28,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, pipeline
 
 import memlm
 from memlm.compat import (
@@ -632,6 +632,45 @@ class TransformersContract:
         embeds = model.get_input_embeddings()(input_ids)
         from_embeds = model.generate(inputs_embeds=embeds, max_new_tokens=4, do_sample=False)
         assert torch.equal(from_embeds, from_ids[:, input_ids.shape[1] :])
+
+    def _printable_generation_model(self):
+        """A model that generates only printable bytes ('!'..'b', below the tester's vocabulary size of 99), so that
+        any generated token is a one-character stop string."""
+        model, _ = self._generation_model()
+        model.generation_config.suppress_tokens = list(range(ord("!")))
+        model.generation_config.do_sample = False
+        return model
+
+    def test_generate_stops_at_a_stop_string(self, tokenizer):
+        model = self._printable_generation_model()
+        prompt = tokenizer("MEMORY", return_tensors="pt").input_ids
+        free = model.generate(prompt, max_new_tokens=8)[0, prompt.shape[1] :]
+        stop = tokenizer.decode(free[3:4])
+        end = int((free == free[3]).nonzero()[0]) + 1  # the first time the stop string is generated
+        stopped = model.generate(prompt, max_new_tokens=8, stop_strings=[stop], tokenizer=tokenizer)
+        assert torch.equal(stopped[0, prompt.shape[1] :], free[:end])
+
+    def test_pipeline_stops_at_a_stop_sequence(self, tokenizer):
+        model = self._printable_generation_model()
+        generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        free = generator("MEMORY", max_new_tokens=8, return_full_text=False)[0]["generated_text"]
+        assert len(free) == 8
+        stopped = generator("MEMORY", max_new_tokens=8, return_full_text=False, stop_sequence=free[3])
+        assert stopped[0]["generated_text"] == free[: free.index(free[3]) + 1]
+
+    def test_forward_refuses_what_generate_keeps(self, tokenizer):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        model = self._model(self.model_tester.causal_lm_class, config)
+        with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\): tokenizer\."):
+            model(inputs["input_ids"], tokenizer=tokenizer)
+
+    def test_continuous_batching_is_declined(self):
+        """🤗's continuous batching needs a paged key-value cache: the entry point is absent (`transformers serve
+        --continuous-batching` then falls back to generate), and generate_batch refuses at once."""
+        model, inputs = self._generation_model()
+        assert not hasattr(model, "init_continuous_batching")
+        with pytest.raises(AttributeError, match="init_continuous_batching"):
+            model.generate_batch(inputs["input_ids"].tolist(), generation_config=GenerationConfig(max_new_tokens=2))
 
     def test_assisted_decoding(self):
         pytest.skip("_is_stateful: 🤗 refuses assisted and prompt-lookup decoding for stateful models (Mamba, RWKV)")

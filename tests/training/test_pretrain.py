@@ -15,9 +15,9 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from memlm.tokenization import byte_level_tokenizer
+from memlm.tokenization import CHAT_TEMPLATE, byte_level_tokenizer
 from memlm.training import TrainingError, pretrain
 from memlm.training.data import TokenStream, load_texts, tokenize_documents
 
@@ -254,6 +254,12 @@ def test_a_byte_level_bpe_trained_on_the_text(tmp_path):
     lengths = pretrain.token_byte_lengths(tokenizer)
     assert int(lengths[ids].sum()) == len(b"def function_12(value):")  # bits per byte count real bytes
     assert metrics["eval_after"]["bits_per_byte"] < metrics["eval_before"]["bits_per_byte"]
+    # The run's model stops at the tokenizer's end of text, and its tokenizer chats (`memlm serve`'s chat endpoints).
+    generation_config = GenerationConfig.from_pretrained(output)
+    assert (generation_config.bos_token_id, generation_config.eos_token_id, generation_config.pad_token_id) == (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+    ) == (318, 318, 319)  # fmt: skip
+    assert tokenizer.chat_template == CHAT_TEMPLATE
 
 
 def test_dataset_files_and_folders_accumulation_and_bfloat16(tmp_path):

@@ -85,7 +85,7 @@ def test_the_hub_receives_the_saved_checkpoint_tokenizer_and_code(hub, pushed, r
         assert remote[name] == local[name], f"{name} differs from the local save"
     # One commit for the model (weights, config, code, card), one for the tokenizer, nothing else (README unchanged).
     assert [commit["summary"] for commit in hub.commits[repo_id]] == ["Upload memlm model", "Upload tokenizer"]
-    assert hub.commits[repo_id][1]["paths"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert hub.commits[repo_id][1]["paths"] == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
     assert hub.unhandled == []
 
 
