@@ -55,14 +55,17 @@ def fla_repository(tmp_path_factory) -> Path:
     """A local kernel repository with FLA's gated delta rule as its `chunk_gated_delta_rule` layer, and FLA's gated
     kernels ready for the interpreter."""
     directory = tmp_path_factory.mktemp("fla_standin")
-    variant = directory / "build" / "torch-cpu"
-    package = variant / "fla_standin"
-    package.mkdir(parents=True)
-    metadata = {"id": "_fla_standin_cpu", "name": "fla-standin", "version": 2, "license": "MIT",
-                "python-depends": [], "backend": {"type": "cpu"}}  # fmt: skip
-    (variant / "metadata.json").write_text(json.dumps(metadata))
-    (package / "__init__.py").write_text("from . import layers\n")
-    (package / "layers.py").write_text(textwrap.dedent(STAND_IN_LAYER))
+    # Both noarch variants, as the Hub repository has them: which one a torch build resolves is the `kernels`
+    # package's rule (a CUDA build of torch takes torch-cuda even for kernelize(device="cpu")).
+    for backend in ("cpu", "cuda"):
+        variant = directory / "build" / f"torch-{backend}"
+        package = variant / "fla_standin"
+        package.mkdir(parents=True)
+        metadata = {"id": f"_fla_standin_{backend}", "name": "fla-standin", "version": 2, "license": "MIT",
+                    "python-depends": [], "backend": {"type": backend}}  # fmt: skip
+        (variant / "metadata.json").write_text(json.dumps(metadata))
+        (package / "__init__.py").write_text("from . import layers\n")
+        (package / "layers.py").write_text(textwrap.dedent(STAND_IN_LAYER))
     with fla_on_this_machine("fla.ops.gated_delta_rule"):
         yield directory
 
@@ -129,7 +132,11 @@ def test_kernelized_hub_kernel_runs_the_rule_and_matches_the_fla_backend(fla_rep
     with use_kernel_mapping(_mapping(fla_repository)):
         kernelize(model, mode=Mode.TRAINING, device="cpu")
     assert all(swapped_kernel(layer.attention) is not None for layer in model.model.layers)
-    assert "chunk_gated_delta_rule=fla-standin version 2 (cpu) from " in repr(model.model.layers[0].attention)
+    # The variant this torch build resolves (`kernels`' rule: torch-cuda for a CUDA build, torch-cpu for a CPU one).
+    (loaded,) = [entry for entry in kernels.get_loaded_kernels() if str(entry.metadata.name) == "fla-standin"]
+    backend = str(loaded.metadata.backend.backend_type).rpartition(".")[2].lower()
+    text = f"chunk_gated_delta_rule=fla-standin version 2 ({backend}) from {fla_repository / 'build' / f'torch-{backend}'}"
+    assert text in repr(model.model.layers[0].attention)
     # Each layer carries its own copy of the function: the other models of the process keep memlm's.
     for other in (plain, _model()):
         assert all(swapped_kernel(layer.attention) is None for layer in other.model.layers)

@@ -37,11 +37,21 @@ def repository(tmp_path_factory) -> Path:
     return directory
 
 
-def test_cpu_resolves_the_cpu_variant(repository):
+@pytest.fixture(scope="module")
+def backend(repository) -> str:
+    """The backend ("cpu" or "cuda") of the variant the `kernels` package resolves on this machine: its rule, not
+    memlm's (a CUDA build of torch resolves torch-cuda even without a GPU, a CPU build torch-cpu). Both variants hold
+    the same code, which dispatches per tensor (Triton on CUDA tensors, PyTorch on CPU ones), so every test below holds
+    under either build."""
+    return _backend_of(repository)
+
+
+def test_the_build_resolves_one_of_the_repository_variants(repository, backend):
     kernel = get_local_kernel(repository)
     loaded = {entry.module: entry for entry in kernels.get_loaded_kernels()}[kernel]
     assert loaded.metadata.name.python_name == "memlm_kernels"
-    assert Path(kernel.__file__).parent.parent.name == "torch-cpu"
+    variant = Path(kernel.__file__).parent.parent.name
+    assert VARIANTS[variant] == backend
     assert set(VARIANTS) == {path.name for path in (repository / "build").iterdir()}
 
 
@@ -99,6 +109,12 @@ print("triton ok")
     assert "triton ok" in result.stdout
 
 
+def _backend_of(repository) -> str:
+    kernel = get_local_kernel(repository)
+    loaded = {entry.module: entry for entry in kernels.get_loaded_kernels()}[kernel]
+    return str(loaded.metadata.backend.backend_type).rpartition(".")[2].lower()
+
+
 def hub_modules(model) -> list:
     """memlm's modules that carry a hub name (🤗's own hub layers, e.g. its SiLU, are not memlm's)."""
     return [
@@ -109,6 +125,7 @@ def hub_modules(model) -> list:
 
 
 def _kernelized(model, repository, mode):
+    backend = _backend_of(repository)
     kernelized = copy.deepcopy(model)
     with use_kernel_mapping(kernel_mapping(repository)):
         # Falling back is allowed for 🤗's own hub layers (e.g. its SiLU where 🤗 accepts the installed `kernels`),
@@ -118,7 +135,7 @@ def _kernelized(model, repository, mode):
     for module in hub_modules(kernelized):
         # The forward that runs is the repository's, not memlm's.
         name = module.forward.__func__.__module__
-        assert name.startswith("_memlm_kernels_cpu_") and ".layers_" in name, name
+        assert name.startswith(f"_memlm_kernels_{backend}_") and ".layers_" in name, name
     for module in hub_modules(model):
         assert module.forward.__func__.__module__ == type(module).__module__
     return kernelized
@@ -161,7 +178,7 @@ def test_training_gradients_equal(repository, family):
     _assert_same_gradients(kernelized, model)
 
 
-def test_hub_mapping_loads_a_local_override(repository, monkeypatch):
+def test_hub_mapping_loads_a_local_override(repository, backend, monkeypatch):
     """The mapping for the Hub repository (`memlm.kernels.hub.HUB_REPOSITORY`), with the `kernels` package's
     LOCAL_KERNELS override pointing that repository id at a folder: nothing is fetched."""
     monkeypatch.setenv("LOCAL_KERNELS", f"{HUB_REPOSITORY}={repository}")
@@ -170,7 +187,7 @@ def test_hub_mapping_loads_a_local_override(repository, monkeypatch):
     with use_kernel_mapping(kernel_mapping(HUB_REPOSITORY, revision="main")):
         kernelize(kernelized, mode=Mode.INFERENCE, device="cpu")
     for layer in kernelized.model.layers:
-        assert layer.attention.forward.__func__.__module__.startswith("_memlm_kernels_cpu_")
+        assert layer.attention.forward.__func__.__module__.startswith(f"_memlm_kernels_{backend}_")
     input_ids = torch.randint(0, 256, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(kernelized(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
@@ -255,7 +272,7 @@ def test_feedback_training_gradients_equal(repository, dtype):
     _assert_same_gradients(kernelized, model)
 
 
-def test_repr_names_the_kernel_that_runs(repository, tmp_path):
+def test_repr_names_the_kernel_that_runs(repository, backend, tmp_path):
     """A layer's repr says which repository's forward runs, and whether the installed memlm generated it (the
     variant's id ends in a digest of the generated package; an older memlm's has another)."""
     import json
@@ -268,25 +285,26 @@ def test_repr_names_the_kernel_that_runs(repository, tmp_path):
     # `kernels` package imports a variant under its id, which the content decides).
     text = repr(kernelized.model.recurrence)
     prefix, suffix = (
-        "FeedbackRecurrence(hub_kernel=memlm-kernels version 1 (cpu) from ",
+        f"FeedbackRecurrence(hub_kernel=memlm-kernels version 1 ({backend}) from ",
         ", generated from the installed memlm)",
     )
     assert text.startswith(prefix) and text.endswith(suffix), text
     folder = Path(text.removeprefix(prefix).removesuffix(suffix))
-    assert folder.parts[-2:] == ("build", "torch-cpu")
+    assert folder.parts[-2:] == ("build", f"torch-{backend}")
     assert (folder / "memlm_kernels" / "layers_feedback_transformer.py").read_text() == (
-        repository / "build" / "torch-cpu" / "memlm_kernels" / "layers_feedback_transformer.py"
+        repository / "build" / f"torch-{backend}" / "memlm_kernels" / "layers_feedback_transformer.py"
     ).read_text()
     older = tmp_path / "older"
     shutil.copytree(repository, older)
-    metadata_path = older / "build" / "torch-cpu" / "metadata.json"
+    metadata_path = older / "build" / f"torch-{backend}" / "metadata.json"
     metadata = json.loads(metadata_path.read_text())
     metadata["id"] = metadata["id"].rpartition("_")[0] + "_0123456789"
     metadata_path.write_text(json.dumps(metadata))
     deltanet = _kernelized(DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()), older, Mode.INFERENCE)
     text = repr(deltanet.model.layers[0].attention).splitlines()[1]
     assert text.endswith(
-        f"hub_kernel=memlm-kernels version 1 (cpu) from {older / 'build' / 'torch-cpu'}, generated from another "
+        f"hub_kernel=memlm-kernels version 1 ({backend}) from {older / 'build' / f'torch-{backend}'}, generated from "
+        "another "
         "memlm (python -m memlm.kernel_repository build refreshes it)"
     )
 
@@ -320,7 +338,7 @@ def test_modules_carry_their_hub_names():
 
 
 @pytest.mark.parametrize("family", ["deltanet", "expire_span", "feedback"])
-def test_use_kernels(repository, tmp_path, family):
+def test_use_kernels(repository, backend, tmp_path, family):
     """Where the installed 🤗 refuses the installed `kernels` for use_kernels=True (5.24 with kernels 0.17), memlm says
     in one line which versions it needs; where 🤗 accepts it (5.21 with 0.17), `from_pretrained(..., use_kernels=True)`
     swaps in the repository's layers under memlm's mapping, and the logits and gradients stay the same."""
@@ -343,7 +361,7 @@ def test_use_kernels(repository, tmp_path, family):
         assert model.use_kernels
         assert hub_modules(model)
         for module in hub_modules(model):
-            assert module.forward.__func__.__module__.startswith("_memlm_kernels_cpu_")
+            assert module.forward.__func__.__module__.startswith(f"_memlm_kernels_{backend}_")
         input_ids = torch.randint(0, 256, (2, 9))
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids).logits, plain(input_ids).logits, rtol=0, atol=0)
@@ -361,7 +379,7 @@ def test_use_kernels(repository, tmp_path, family):
     assert "kernels.kernelize" in message
 
 
-def test_register_mapping_serves_every_later_kernelize_and_trust_reaches_the_repositories(repository):
+def test_register_mapping_serves_every_later_kernelize_and_trust_reaches_the_repositories(repository, backend):
     """`register_mapping` (in a subprocess: it changes the process's global mapping) makes a plain `kernelize` swap
     memlm's layers; `trust_remote_code` is passed to every Hub repository of the mapping."""
     from kernels import LayerRepository
@@ -380,7 +398,7 @@ print(model.model.layers[0].attention.forward.__func__.__module__)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1].startswith("_memlm_kernels_cpu_")
+    assert result.stdout.strip().splitlines()[-1].startswith(f"_memlm_kernels_{backend}_")
     for trust in (False, True):
         mapping = kernel_mapping("someone/memlm-kernels", trust_remote_code=trust)
         assert mapping["FeedbackRecurrence"]["cuda"] == LayerRepository(
