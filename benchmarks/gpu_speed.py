@@ -62,7 +62,6 @@ SMOKE = {
     "training_shapes": {"deltanet": (2, 16), "expire_span": (2, 16), "feedback": (2, 8)},
     "decode_steps": 3,
 }
-IMPLEMENTATIONS = {"memlm": "memlm", "fla": "flash-linear-attention", "sdpa": "causal SDPA"}
 
 
 # --- Timing ---------------------------------------------------------------------------------------------------------
@@ -410,6 +409,8 @@ def run_part(part: str, results_path: str | None, seconds: float | None, smoke: 
             found = [{**description, **({"pass": None} if part == "kernels" else {}),
                       "error": (message[0] if message else type(error).__name__)[:500]}]  # fmt: skip
             traceback.print_exc()
+        if device.type == "cuda":  # what a failed measurement held
+            torch.cuda.empty_cache()
         for record in found:
             records.append(record)
             print(json.dumps(record), flush=True)
@@ -423,7 +424,6 @@ def run_part(part: str, results_path: str | None, seconds: float | None, smoke: 
 
 REPORT_SECTION = "gpu_check"
 REPORT_COMMAND = "python benchmarks/gpu_speed.py --report benchmarks/results/gpu_check.json"
-REPORT_FILE = os.path.join(report.RESULTS_FOLDER, "gpu_check.json")
 NOT_MEASURED = (
     "Not measured yet: no report of `make gpu-check` on a GPU is kept (`benchmarks/results/gpu_check.json`), so this "
     "page has no GPU figure."

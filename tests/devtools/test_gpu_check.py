@@ -227,5 +227,5 @@ def test_the_test_stage_uses_xdist_and_timeouts_only_where_installed(installed, 
     command = gpu_check.test_command("python3")
     assert command[:5] == ["python3", "-m", "pytest", "-m", "gpu"] and command[-2:] == list(GPU_TEST_PATHS)
     assert ["-p", "devtools.pytest_results"] == command[5:7]
-    assert ("-n" in command and command[command.index("-n") + 1] == "4") is ("xdist" in installed)
+    assert ("-n" in command and command[command.index("-n") + 1] == "8") is ("xdist" in installed)
     assert ("--timeout=150" in command) is ("pytest_timeout" in installed)
