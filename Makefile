@@ -7,6 +7,13 @@
 #   make constraints     record the packages of .venv (after make test passed with them) in constraints/tested.txt
 #   make test-slow   the tests marked slow: every GPU-compile scenario, pipelining checks, long exports
 #   make wheel-check   the wheel installed alone (CPU torch, no Triton, no dev extras) and used from an empty folder
+# A GPU machine without network, in two steps (docs/development.md, "The GPU check"):
+#   make gpu-wheels    here: download into build/gpu-wheels the wheels such a machine lacks (CPython 3.12, x86-64), with
+#                      a manifest; the folder travels with the working tree (64 MiB together at most)
+#   make gpu-check     there, with build/gpu-wheels beside the tree: install them and memlm, run the tests marked gpu,
+#                      time the kernels and the models; writes gpu_check.json and gpu_check.log into $OUT (or
+#                      build/gpu-check) within 8 minutes; refuses in one line without CUDA. It uses the machine's python3
+#                      (PYTHON), never .venv
 # torch==2.13.0 is installed first and alone: an unpinned torch would pull a multi-GB CUDA build. .venv gets the
 # versions of constraints/tested.txt, so that both commands work whatever the registry published since.
 
@@ -15,7 +22,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: main test docs test-slow test-releases wheel-check constraints benchmark papers clean
+.PHONY: main test docs test-slow test-releases wheel-check constraints benchmark papers gpu-wheels gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +69,12 @@ papers: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/paper_deltanet.py
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/paper_expire_span.py
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/paper_feedback.py
+
+gpu-wheels: $(STAMP)
+	$(BIN)/python devtools/gpu_wheels.py --folder build/gpu-wheels
+
+gpu-check:
+	$(PYTHON) devtools/gpu_check.py --wheels build/gpu-wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

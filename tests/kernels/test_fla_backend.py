@@ -50,6 +50,7 @@ needs_fla = pytest.mark.skipif(
 )
 FLOAT16_TOLERANCE = 3e-3
 FLOAT32_TOLERANCE = 1e-5
+BFLOAT16_TOLERANCE = 1e-2  # on a GPU, as memlm's own kernels (tests/kernels/test_triton_delta_rule_chunk.py)
 
 
 def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
@@ -244,8 +245,8 @@ def _run(tensors, state, backend, **options):
     state = None if state is None else state.detach().clone().requires_grad_()
     output, final = delta_rule(*tensors, initial_state=state, output_final_state=True, backend=backend, **options)
     generator = torch.Generator().manual_seed(1)
-    loss = (output.float() * torch.randn(output.shape, generator=generator)).sum()
-    loss = loss + (final * torch.randn(final.shape, generator=generator)).sum()
+    loss = (output.float() * torch.randn(output.shape, generator=generator).to(output.device)).sum()
+    loss = loss + (final * torch.randn(final.shape, generator=generator).to(final.device)).sum()
     loss.backward()
     gradients = [tensor.grad for tensor in tensors] + ([] if state is None else [state.grad])
     return output, final, gradients
@@ -276,6 +277,19 @@ def test_chunk_delta_rule_equals_the_reference_with_gradients(fla_kernels, with_
         query, key, value, beta, scale=1.0, initial_state=state, output_final_state=True
     )
     assert torch.equal(output, expected_output.transpose(1, 2)) and torch.equal(final, expected_final)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("length", "with_state"), [(1000, False), (1000, True), (1, True)])
+def test_fla_on_cuda_in_bfloat16_equals_the_reference_with_gradients(fla_kernels, length, with_state):
+    """What the interpreter cannot check (the module docstring): FLA's kernels in bfloat16, at a training shape
+    (chunk_delta_rule) and for one decoding token (fused_recurrent_delta_rule), output, final state and every
+    gradient against the float32 reference; bfloat16's rounding is 3.9e-3."""
+    tensors, state = _inputs(length, torch.bfloat16, num_heads=4, key_dim=128, value_dim=128,
+                             states=2 if with_state else None)  # fmt: skip
+    tensors = [tensor.cuda() for tensor in tensors]
+    _check_against_reference(tensors, None if state is None else state.cuda(), BFLOAT16_TOLERANCE)
 
 
 def test_chunk_delta_rule_with_packed_sequences_and_an_empty_one(fla_kernels):

@@ -115,6 +115,49 @@ def _backend_of(repository) -> str:
     return str(loaded.metadata.backend.backend_type).rpartition(".")[2].lower()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["deltanet", "expire_span", "feedback"])
+def test_cuda_kernelizes_with_the_cuda_variant_and_equals_the_plain_model(repository, family, monkeypatch):
+    """On a GPU the `kernels` package resolves the torch-cuda variant, whose layers run the repository's copy of the
+    Triton kernels (MEMLM_KERNELS=triton, as the plain model): logits, greedy tokens and gradients as memlm's own
+    model gives them on the same GPU (float32; autotuning may pick other tiles for the copy, hence the tolerance)."""
+    monkeypatch.setenv("MEMLM_KERNELS", "triton")
+    assert Path(get_local_kernel(repository).__file__).parent.parent.name == "torch-cuda"
+    model = {
+        "deltanet": lambda: DeltaNetForCausalLM(DELTANET_VARIANTS["fla_gated"]()),
+        "expire_span": _expire_span_model,
+        "feedback": feedback_model,
+    }[family]().cuda()
+    input_ids = torch.randint(0, 256, (2, 40), device="cuda")
+    kernelized = {}
+    for mode in (Mode.INFERENCE, Mode.TRAINING):
+        kernelized[mode] = copy.deepcopy(model)
+        with use_kernel_mapping(kernel_mapping(repository)):
+            kernelize(kernelized[mode], mode=mode, device="cuda")
+        assert hub_modules(kernelized[mode])
+        for module in hub_modules(kernelized[mode]):
+            assert module.forward.__func__.__module__.startswith("_memlm_kernels_cuda_"), module
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        logits = kernelized[Mode.INFERENCE].eval()(input_ids).logits
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-5
+    expected_tokens = model.generate(input_ids[:1, :9], max_new_tokens=8, do_sample=False, pad_token_id=257)
+    tokens = kernelized[Mode.INFERENCE].generate(
+        input_ids[:1, :9], max_new_tokens=8, do_sample=False, pad_token_id=257
+    )
+    assert torch.equal(tokens, expected_tokens)
+    for candidate in (model.train(), kernelized[Mode.TRAINING].train()):
+        torch.manual_seed(1)
+        candidate(input_ids, labels=input_ids).loss.backward()
+    gradients = dict(kernelized[Mode.TRAINING].named_parameters())
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and gradients[name].grad is not None, name
+        difference = (gradients[name].grad - parameter.grad).norm()
+        assert difference <= 1e-5 * parameter.grad.norm() + 1e-12, name
+
+
 def hub_modules(model) -> list:
     """memlm's modules that carry a hub name (🤗's own hub layers, e.g. its SiLU, are not memlm's)."""
     return [
