@@ -1,4 +1,4 @@
-"""The one place that knows which 🤗 Transformers release is installed.
+"""The one place that knows which 🤗 Transformers (and torch) release is installed.
 
 memlm runs on every release `setup.cfg` allows. Where those releases differ, the difference is handled here and
 nowhere else; the model files ask this module.
@@ -10,6 +10,8 @@ nowhere else; the model files ask this module.
   spelling works everywhere.
 - 🤗 5.23 named activation checkpointing `activation_checkpointing_enable` / `_disable` / `is_activation_checkpointing`
   (the older `gradient_checkpointing_*` names warn from 5.24); 5.21 and 5.22 know only the older names.
+- torch before 2.13: Dynamo answers `torch.compiler.is_exporting()` with True under `torch.compile` too, so code that
+  refuses to be exported refused to be compiled; `is_exporting` here reads the flag torch.export sets, on every torch.
 """
 
 import functools
@@ -17,6 +19,7 @@ import inspect
 import warnings
 from dataclasses import dataclass
 
+import torch
 from transformers import GenerationMixin, modeling_outputs
 
 # The name the installed 🤗 gives the memory in `forward`, `generate` and the outputs: read from what 🤗 declares,
@@ -141,3 +144,12 @@ def is_activation_checkpointing(model) -> bool:
     if hasattr(model, "is_activation_checkpointing"):
         return model.is_activation_checkpointing
     return model.is_gradient_checkpointing
+
+
+def is_exporting() -> bool:
+    """Whether torch.export is capturing the call (strict or not); False under `torch.compile` on every torch setup.cfg
+    allows, where Dynamo before torch 2.13 folds `torch.compiler.is_exporting()` to True in any trace (seen on 2.11).
+    The flag is the one that function returns; Dynamo reads a module's global with a guard on its value."""
+    if hasattr(torch.compiler, "_is_exporting_flag"):
+        return torch.compiler._is_exporting_flag
+    return torch.compiler.is_exporting()

@@ -22,7 +22,14 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import logging
 
-from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
+from ..compat import (
+    CACHE_NAMES,
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    is_exporting,
+    resolve_cache_argument,
+    with_cache,
+)
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels.expire_attention import expire_span_attention
@@ -434,7 +441,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         output_spans: also return, per layer, the span e_t predicted for each input token.
         """
         check_extra_kwargs(kwargs, type(self).__name__)
-        if torch.compiler.is_exporting():
+        if is_exporting():
             # Expired memories are deleted, so the memory's width is data: an exported graph would fix the widths of
             # the example it was traced with and give other inputs a different answer, without an error.
             raise ValueError(
