@@ -155,3 +155,13 @@ def _no_deprecation_logged_by_transformers():
     yield
     library_logger.removeHandler(records)
     assert not records.deprecations, f"🤗 Transformers logged a deprecation of memlm's: {records.deprecations}"
+
+
+KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test of tests/kernels is marked `kernels`: `make test-releases` runs them under other torch builds."""
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(KERNEL_TESTS):
+            item.add_marker(pytest.mark.kernels)

@@ -12,12 +12,24 @@ safetensors; users install the newest the range allows on the day they install. 
 - `prerelease`: the newest pre-release of transformers, only when the registry has one newer than its newest
   release. It is reported and does not fail the run: a pre-release may be broken itself, and the two above decide.
 
-a fresh virtual environment is made (torch==2.13.0 first, alone: an unpinned torch pulls a multi-GB CUDA build), memlm
-is installed in it (editable, with the `dev` extra) and the tests marked `huggingface` run: the model contract,
-generation, the caches, remote code, Trainer, PEFT, lm-eval and the CLI. The newest environment also saves
-checkpoints under its release and loads them under the oldest one and back (MEMLM_OTHER_RELEASE_PYTHON). The
-environments are kept for the next run (the oldest is rebuilt when its constraints or setup.cfg change; the newest is
-upgraded every run). Prints the versions each one ran with; exits non-zero when `newest` or `oldest` fails.
+a fresh virtual environment is made with the torch of its kind, memlm is installed in it (editable, with the `dev`
+extra) and the tests marked `huggingface` run (the model contract, generation, the caches, remote code, Trainer, PEFT,
+lm-eval, serving and the CLI); in `newest`, also those marked `kernels` (every kernel test: the Triton interpreter,
+FLA, the hub kernel variants a CUDA build resolves). torch differs between the environments as between users:
+
+- `newest` takes torch as `pip install memlm` gives it on a Linux machine today: the newest release, a CUDA build
+  (multi-GB, NVIDIA's libraries included, with its Triton), which runs on a CPU too. Its pip ignores this machine's
+  pip configuration (PIP_CONFIG_FILE=/dev/null), which caps torch at the releases on its disk;
+- `oldest` takes setup.cfg's lower bound from constraints/oldest.txt (torch 2.11, a CUDA build with Triton 3.6: the
+  torch of the GPU machines memlm is checked on), and NumPy below 2.4: Triton 3.6's interpreter, which runs the
+  kernels on a CPU, converts one-element arrays to Python integers, which NumPy 2.4 refuses (Triton 3.8 fixed it).
+  Its kernel tests are not run (CI's time), only the 🤗-facing ones, some of which run kernels in the interpreter;
+- `prerelease` takes the local CPU build (torch==2.13.0, seconds to install).
+
+The newest environment also saves checkpoints under its release and loads them under the oldest one and back
+(MEMLM_OTHER_RELEASE_PYTHON). The environments are kept for the next run (the oldest is rebuilt when its
+constraints or setup.cfg change; the newest is upgraded every run). Prints the versions each one ran with; exits
+non-zero when `newest` or `oldest` fails.
 """
 
 import argparse
@@ -31,10 +43,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCH = "torch==2.13.0"
+# The local CPU build (what `make test` runs): the prerelease environment's torch.
+LOCAL_TORCH = "torch==2.13.0"
+# Triton 3.6's interpreter (torch 2.11's) fails with NumPy 2.4 and later (see above).
+OLDEST_NUMPY = "numpy<2.4"
+# What each environment runs: the 🤗-facing tests, and in `newest` the kernels' (whose results may depend on the
+# torch build).
+MARKERS = {"newest": "(huggingface or kernels) and not slow", "oldest": "huggingface and not slow"}
 # The 🤗 packages whose range setup.cfg declares, as they are named on the registry.
 HUGGING_FACE = ("transformers", "accelerate", "datasets", "tokenizers", "huggingface_hub", "safetensors")
-SHOWN = (*HUGGING_FACE, "torch", "peft", "lm_eval", "kernels")
+SHOWN = (*HUGGING_FACE, "torch", "triton", "peft", "lm_eval", "kernels")
 
 
 def run(command: list, *, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -42,8 +60,11 @@ def run(command: list, *, env: dict | None = None, check: bool = True) -> subpro
     return subprocess.run([str(part) for part in command], cwd=ROOT, env=env, check=check, stdin=subprocess.DEVNULL)
 
 
-def pip(python: Path, *arguments) -> None:
-    run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *arguments])
+def pip(python: Path, *arguments, public: bool = False) -> None:
+    """pip install into `python`'s environment; `public`: from the public registry alone, ignoring this machine's pip
+    configuration (which caps torch at the builds on its disk), as a user's machine installs."""
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull} if public else None
+    run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *arguments], env=env)
 
 
 def newest_prerelease(python: Path, package: str) -> str | None:
@@ -64,17 +85,26 @@ def fingerprint(*paths: Path) -> str:
     return digest.hexdigest()
 
 
-def environment(name: str, work: Path, base_python: str, requirements: list[str], marker: str) -> Path:
-    """The virtual environment `name` with torch, then memlm[dev] and `requirements`; rebuilt when `marker` changes."""
+def environment(
+    name: str,
+    work: Path,
+    base_python: str,
+    torch: list[str],
+    requirements: list[str],
+    marker: str,
+    public: bool = False,
+) -> Path:
+    """The virtual environment `name` with `torch` installed first, then memlm[dev] and `requirements`; rebuilt when
+    `marker` changes."""  # fmt: skip
     folder = work / name
     python = folder / "bin" / "python"
     stamp = folder / ".memlm-stamp"
     if not (python.exists() and stamp.exists() and stamp.read_text() == marker):
         shutil.rmtree(folder, ignore_errors=True)
         run([base_python, "-m", "venv", folder])
-        pip(python, "--upgrade", "pip")
-        pip(python, TORCH)
-    pip(python, "-e", f"{ROOT}[dev]", *requirements)
+        pip(python, "--upgrade", "pip", public=public)
+    pip(python, *torch, public=public)
+    pip(python, "-e", f"{ROOT}[dev]", *requirements, public=public)
     stamp.write_text(marker)
     return python
 
@@ -90,11 +120,11 @@ def versions(python: Path) -> str:
     return subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def tests(python: Path, other_python: Path | None) -> bool:
+def tests(python: Path, markers: str, other_python: Path | None) -> bool:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if other_python is not None:
         env["MEMLM_OTHER_RELEASE_PYTHON"] = str(other_python)
-    command = [python, "-m", "pytest", "-q", "-m", "huggingface and not slow", "-p", "no:cacheprovider"]
+    command = [python, "-m", "pytest", "-q", "-m", markers, "-p", "no:cacheprovider"]
     return run(command, env=env, check=False).returncode == 0
 
 
@@ -108,17 +138,19 @@ def main(argv=None) -> int:
     started = time.monotonic()
 
     marker = fingerprint(oldest_constraints, ROOT / "setup.cfg", ROOT / "pyproject.toml")
-    pythons = {"oldest": environment("oldest", arguments.work, arguments.python, ["-c", str(oldest_constraints)],
-                                     marker)}  # fmt: skip
-    upgrade = ["--upgrade", "--upgrade-strategy", "eager", *HUGGING_FACE, TORCH]
-    pythons["newest"] = environment("newest", arguments.work, arguments.python, upgrade, "newest")
+    oldest = ["-c", str(oldest_constraints)]
+    pythons = {"oldest": environment("oldest", arguments.work, arguments.python, [*oldest, "torch"],
+                                     [*oldest, OLDEST_NUMPY], marker)}  # fmt: skip
+    upgrade = ["--upgrade", "--upgrade-strategy", "eager", *HUGGING_FACE, "torch"]
+    pythons["newest"] = environment("newest", arguments.work, arguments.python, ["--upgrade", "torch"], upgrade,
+                                    "newest", public=True)  # fmt: skip
     prerelease = newest_prerelease(pythons["newest"], "transformers")
     if prerelease is None:
         print("prerelease: the registry has no transformers pre-release newer than its newest release.")
     else:
         try:
-            pythons["prerelease"] = environment("prerelease", arguments.work, arguments.python,
-                                                [f"transformers=={prerelease}", TORCH], prerelease)  # fmt: skip
+            pythons["prerelease"] = environment("prerelease", arguments.work, arguments.python, [LOCAL_TORCH],
+                                                [f"transformers=={prerelease}", LOCAL_TORCH], prerelease)  # fmt: skip
         except subprocess.CalledProcessError:
             print(f"prerelease: transformers {prerelease} does not install with memlm (outside setup.cfg's range?); "
                   "reported, not fatal.")  # fmt: skip
@@ -127,7 +159,7 @@ def main(argv=None) -> int:
     for name, python in pythons.items():
         other = pythons.get("oldest") if name == "newest" else None
         print(f"\n=== {name}: {versions(python)}", flush=True)
-        results[name] = tests(python, other)
+        results[name] = tests(python, MARKERS.get(name, MARKERS["oldest"]), other)
     print(f"\nReleases checked in {time.monotonic() - started:.0f} s:")
     for name, passed in results.items():
         verdict = "passed" if passed else ("FAILED" if name != "prerelease" else "failed (reported, not fatal)")
