@@ -131,13 +131,16 @@ def describe(path: str, broken: list[str] | None = None) -> list[str]:
 
 
 def versions() -> str:
-    """The versions of memlm and of the packages it runs on, as installed here."""
+    """The versions of memlm and of the packages it runs on, as installed here; torch's with its build (2.11.0+cu130:
+    a CUDA build; the registry's metadata says only 2.11.0)."""
     from importlib.metadata import PackageNotFoundError, version
+
+    import torch
 
     installed = []
     for package in ("memlm", "transformers", "accelerate", "torch", "triton", "kernels"):
         try:
-            installed.append(f"{package} {version(package)}")
+            installed.append(f"{package} {torch.__version__ if package == 'torch' else version(package)}")
         except PackageNotFoundError:
             installed.append(f"{package} not installed")
     return ", ".join(installed)
