@@ -507,7 +507,7 @@ class CountsOwnPositions(CacheNameGeneration):
         cache = model_kwargs.get(CACHE_NAME)
         reason = cache.not_compileable_reason if isinstance(cache, MemoryCache) else None
         if reason is not None and not generation_config.disable_compile:
-            logger.warning_once(f"{type(self).__name__} decodes without compiling the step: {reason}")
+            logger.warning(f"{type(self).__name__} decodes without compiling the step: {reason}")
         compiles = super()._valid_auto_compile_criteria(model_kwargs, generation_config)
         if compiles and isinstance(cache, MemoryCache):
             cache.prepare_compiled_decoding()
