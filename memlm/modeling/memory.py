@@ -153,9 +153,7 @@ def past_length_to_check(cache: "MemoryCache | None") -> int | None:
     return None if torch.compiler.is_compiling() else cache.get_seq_length()
 
 
-def current_padding_mask(
-    attention_mask, batch_size: int, length: int, past_length: int | None
-) -> torch.Tensor | None:
+def current_padding_mask(attention_mask, batch_size: int, length: int, past_length: int | None) -> torch.Tensor | None:
     """The (B, T) boolean part of a 2-D padding mask that covers the current tokens (None without a mask). With
     `past_length` None (unknown: `past_length_to_check`), a mask of any width from T on."""
     if attention_mask is None:

@@ -120,7 +120,9 @@ class RecordingBackend:
         self.backend = backend
 
     def aten_ops(self) -> set[str]:
-        return {str(node.target) for graph in self.aten_graphs for node in graph.graph.nodes if node.op == "call_function"}
+        return {
+            str(node.target) for graph in self.aten_graphs for node in graph.graph.nodes if node.op == "call_function"
+        }
 
 
 def compile_config(backend) -> CompileConfig:
@@ -189,7 +191,9 @@ def test_expire_span_decodes_eagerly_and_says_why(monkeypatch, caplog):
     prompt = torch.randint(3, 256, (2, 4), generator=torch.Generator().manual_seed(0))
     backend = RecordingBackend()
     with caplog.at_level("WARNING"):
-        compiled = model.generate(prompt, compile_config=compile_config(backend.backend), max_new_tokens=4, do_sample=False)
+        compiled = model.generate(
+            prompt, compile_config=compile_config(backend.backend), max_new_tokens=4, do_sample=False
+        )
     assert "ExpireSpanForCausalLM decodes without compiling the step: An Expire-Span memory changes size" in (
         caplog.text
     )
