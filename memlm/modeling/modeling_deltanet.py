@@ -348,7 +348,8 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
 class DeltaNetDecoderLayer(GradientCheckpointingLayer):
     """x = x + attention(norm(x)); x = x + mlp(norm(x)) (pre-norm), or x = norm(x + attention(x));
     x = norm(x + mlp(x)) (post-norm, the official code's default). The memory enters and leaves as tensors (not
-    through the cache object), so gradient checkpointing recomputes the layer from the same state."""
+    through the cache object), so gradient checkpointing recomputes the layer from the same state, and `torch.compile`
+    compiles the layer once for all layers (`nested_compile_region`: the layers differ only in their weights)."""
 
     def __init__(self, config: DeltaNetConfig, layer_idx: int):
         super().__init__()
@@ -359,6 +360,7 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         self.mlp = make_mlp(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
+    @torch.compiler.nested_compile_region
     def forward(
         self,
         hidden_states: torch.Tensor,

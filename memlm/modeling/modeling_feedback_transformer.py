@@ -680,7 +680,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer", kwargs)
         order, padding_steps = None, 0
         given_embeds = inputs_embeds
-        if attention_mask is not None and (torch.compiler.is_compiling() or not bool(valid.all())):
+        # One token per row (a decoding step) needs no reordering (and a compiled step then no sort).
+        if length > 1 and attention_mask is not None and (torch.compiler.is_compiling() or not bool(valid.all())):
             # Padding first, real tokens after it in their order: steps then count memories as positions do.
             order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices
             inputs_embeds = inputs_embeds.gather(1, order[..., None].expand_as(inputs_embeds))
@@ -690,7 +691,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         fresh = cache.next_positions is None
         if fresh:
             cache.next_positions = mark_static(torch.zeros(batch_size, dtype=torch.long, device=device))
-        positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
+        counted = valid.long().cumsum(1) if length > 1 else valid.long()  # (a compiled step: no cumsum)
+        positions = cache.next_positions[:, None] + counted - 1
         positions = positions.masked_fill(~valid, -1)
         self.read_windows = None
         if self.trims_adaptive_span:
