@@ -270,7 +270,7 @@ class StaticMemoryCacheLayer(MemoryCacheLayer):
     record_past = False
 
     def __init__(self):
-        self.token_count = torch.zeros((), dtype=torch.long)
+        self.token_count = mark_static(torch.zeros((), dtype=torch.long))  # moves to the first state's device
         super().__init__()
 
     @property
@@ -289,10 +289,16 @@ class StaticMemoryCacheLayer(MemoryCacheLayer):
 
     @seen_tokens.setter
     def seen_tokens(self, value: int):
-        self.token_count.fill_(value)
+        if writes_in_place(self.token_count, self.token_count):
+            self.token_count.fill_(value)
+        else:
+            self.token_count = torch.full_like(self.token_count, value)
 
     def count_tokens(self, count: int):
-        self.token_count.add_(count)
+        if writes_in_place(self.token_count, self.token_count):
+            self.token_count.add_(count)
+        else:
+            self.token_count = self.token_count + count
 
     def store(self, name: str, new: torch.Tensor | None):
         """The state `name` becomes `new`: copied into the tensor already there where it can be (`writes_in_place`),
