@@ -372,7 +372,11 @@ class MemoryCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
         if self.next_positions is not None:
-            self.next_positions = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
+            reordered = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
+            if writes_in_place(self.next_positions, reordered):
+                self.next_positions.copy_(reordered)  # at the same address, for a compiled step
+            else:
+                self.next_positions = reordered
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)

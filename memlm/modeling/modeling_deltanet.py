@@ -468,7 +468,8 @@ class DeltaNetPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel)
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeltaNetDecoderLayer"]
     _skip_keys_device_placement = list(CACHE_NAMES)
-    # A decoding step compiles to one graph over a memory of fixed size (tests/modeling/test_compile.py).
+    # A decoding step compiles to one graph over a memory of fixed size (with the PyTorch kernels, which CPUs run:
+    # tests/modeling/test_compile.py).
     _can_compile_fullgraph = True
     _supports_sdpa = False
     _supports_flash_attn = False

@@ -307,7 +307,8 @@ class FeedbackTransformerPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTr
     # than through each layer's forward: the whole stack is one unit for FSDP wrapping and device maps.
     _no_split_modules = ["FeedbackTransformerModel"]
     _skip_keys_device_placement = list(CACHE_NAMES)
-    # A decoding step compiles to one graph over the ring of τ slots (tests/modeling/test_compile.py).
+    # A decoding step compiles to one graph over the ring of τ slots (with the PyTorch kernels, which CPUs run:
+    # tests/modeling/test_compile.py).
     _can_compile_fullgraph = True
     # The ring buffer overwrites its oldest memories, so assisted decoding (which rolls back) is refused.
     _is_stateful = True
@@ -716,13 +717,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             padding_steps,
             output_hidden_states,
         )
+        following = cache.next_positions + valid.sum(1)  # each row's next position after this call
         if window is not None:
             # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
             # training forward takes it as its prefix, inference lays it out as a ring. With `memory_carry=
             # "hidden_states"` their hidden states too, from which the next forward recomputes keys and values.
             keys, values, slot_positions, slot_valid, *hidden = window
             hidden = hidden[0] if hidden else None
-            following = cache.next_positions + valid.sum(1)
             reach = config.memory_span
             if self.read_windows is not None and not torch.is_grad_enabled():
                 # Without gradients the weights stay as they are: keep only the memories some layer still reads.
@@ -737,7 +738,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
                 layer.hidden = hidden.detach().clone() if hidden is not None else None
-        following = cache.next_positions + valid.sum(1)
         if writes_in_place(cache.next_positions, following):
             cache.next_positions.copy_(following)  # at the same address, for a compiled step
         else:
