@@ -171,12 +171,12 @@ def test_decoding_writes_the_memory_where_it_is(name):
     cache.prepare_compiled_decoding()
     with torch.no_grad():
         model(prompt, cache=cache, use_cache=True)
-        tensors = [getattr(layer, name) for layer in cache.layers for name in layer.tensor_names]
+        tensors = [getattr(layer, attribute) for layer in cache.layers for attribute in layer.tensor_names]
         addresses = [tensor.data_ptr() for tensor in tensors if tensor is not None]
         for token in prompt.T:  # more steps than the Feedback ring has slots: it wraps around
             model(token[:, None], cache=cache, use_cache=True)
             model(token[:, None], cache=cache, use_cache=True)
-    tensors = [getattr(layer, name) for layer in cache.layers for name in layer.tensor_names]
+    tensors = [getattr(layer, attribute) for layer in cache.layers for attribute in layer.tensor_names]
     assert [tensor.data_ptr() for tensor in tensors if tensor is not None] == addresses
     assert len(addresses) >= 3 and cache.get_seq_length() == 9
     if name == "feedback":
