@@ -6,8 +6,11 @@ from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.utils import logging
 
-from ..compat import CacheNameGeneration
+from ..compat import CACHE_NAME, CacheNameGeneration
+
+logger = logging.get_logger(__name__)
 
 # Keyword arguments that 🤗 `generate`, `Trainer` and the loss pass to `forward`; anything else is a mistake worth an
 # error rather than an option silently swallowed.
@@ -145,22 +148,29 @@ def zero_padding(inputs_embeds: torch.Tensor, valid: torch.Tensor | None) -> tor
     return inputs_embeds.masked_fill(~valid[..., None], 0.0)
 
 
-def current_padding_mask(attention_mask, batch_size: int, length: int, past_length: int) -> torch.Tensor | None:
-    """The (B, T) boolean part of a 2-D padding mask that covers the current tokens (None without a mask)."""
+def past_length_to_check(cache: "MemoryCache | None") -> int | None:
+    """The tokens `cache` has seen, for a forward's checks of its inputs; None while `torch.compile` traces it: a
+    compileable memory counts its tokens in a tensor (`StaticMemoryCacheLayer`), which a compiled step does not read
+    back."""
+    if cache is None:
+        return 0
+    return None if torch.compiler.is_compiling() else cache.get_seq_length()
+
+
+def current_padding_mask(attention_mask, batch_size: int, length: int, past_length: int | None) -> torch.Tensor | None:
+    """The (B, T) boolean part of a 2-D padding mask that covers the current tokens (None without a mask). With
+    `past_length` None (unknown: `past_length_to_check`), a mask of any width from T on."""
     if attention_mask is None:
         return None
-    if (
-        attention_mask.dim() != 2
-        or attention_mask.shape[0] != batch_size
-        or attention_mask.shape[1]
-        not in (
-            length,
-            past_length + length,
-        )
-    ):
+    if past_length is None:
+        fits = attention_mask.dim() == 2 and attention_mask.shape[1] >= length
+    else:
+        fits = attention_mask.dim() == 2 and attention_mask.shape[1] in (length, past_length + length)
+    if not fits or attention_mask.shape[0] != batch_size:
+        longer = f"past + {length}" if past_length is None else f"past + length={past_length + length}"
         raise ValueError(
             f"attention_mask must be a 2-D padding mask of shape (batch={batch_size}, length={length}) or "
-            f"(batch={batch_size}, past + length={past_length + length}); got {tuple(attention_mask.shape)}."
+            f"(batch={batch_size}, {longer}); got {tuple(attention_mask.shape)}."
         )
     return attention_mask[:, -length:].bool()
 
@@ -220,6 +230,111 @@ class MemoryCacheLayer:
     def get_seq_length(self) -> int:
         return self.seen_tokens
 
+    def count_tokens(self, count: int):
+        """Add `count` tokens (padding included) to the tokens the memory has consumed."""
+        self.seen_tokens += count
+
+    @property
+    def not_compileable_reason(self) -> str | None:
+        """Why `generate` cannot compile a decoding step over this memory (None where it can)."""
+        return None if self.is_compileable else "This memory cannot be compiled."
+
+
+def writes_in_place(current: torch.Tensor | None, new: torch.Tensor) -> bool:
+    """Whether `new` can be copied into `current` (same shape, dtype and device) rather than replace it: only without
+    autograd, since a gradient-checkpointed layer recomputes its forward from the state it was given, and not into an
+    inference tensor outside `torch.inference_mode`, which torch forbids (and `torch.compile` does not trace)."""
+    return (
+        current is not None
+        and not torch.is_grad_enabled()
+        and current.shape == new.shape
+        and current.dtype == new.dtype
+        and current.device == new.device
+        and (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not current.is_inference())
+    )
+
+
+def mark_static(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """Mark `tensor` as one that keeps its address from one compiled call to the next (CUDA graphs read it there,
+    without a copy), as 🤗's static caches do; not while tracing, where torch does not allow it."""
+    if tensor is not None and not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
+class StaticMemoryCacheLayer(MemoryCacheLayer):
+    """Base of a memory whose size does not grow with the context, fixed (DeltaNet's fast weights) or bounded (the
+    Feedback Transformer's ring of τ slots), which a compiled decoding step can capture as 🤗's `StaticLayer` and
+    `LinearAttentionLayer` are: allocated once at the first write, marked with `torch._dynamo.mark_static_address`
+    and then written in place (`store`), so every step reads and writes the same tensors. The number of tokens seen
+    is such a tensor too (`token_count`): a Python int would be a constant of the compiled graph, which would then
+    compile anew at every step. As 🤗's rule has it, a memory that keeps its past for a rollback (`record_past`) is
+    not compileable."""
+
+    record_past = False
+
+    def __init__(self):
+        self.token_count = mark_static(torch.zeros((), dtype=torch.long))  # moves to the first state's device
+        super().__init__()
+
+    @property
+    def is_compileable(self) -> bool:
+        return not self.record_past
+
+    @property
+    def not_compileable_reason(self) -> str | None:
+        if self.is_compileable:
+            return None
+        return "The memory keeps its past for a rollback (record_past), so its tensors grow and move."
+
+    @property
+    def seen_tokens(self) -> int:
+        return int(self.token_count)
+
+    @seen_tokens.setter
+    def seen_tokens(self, value: int):
+        if writes_in_place(self.token_count, self.token_count):
+            self.token_count.fill_(value)
+        else:
+            self.token_count = torch.full_like(self.token_count, value)
+
+    def count_tokens(self, count: int):
+        if writes_in_place(self.token_count, self.token_count):
+            self.token_count.add_(count)
+        else:
+            self.token_count = self.token_count + count
+
+    def store(self, name: str, new: torch.Tensor | None):
+        """The state `name` becomes `new`: copied into the tensor already there where it can be (`writes_in_place`),
+        else a contiguous copy of it (a slice of a larger tensor would keep all of it alive), at a static address
+        unless gradients flow through it. The first state also moves the token count to its device, where a compiled
+        step adds to it."""
+        current = getattr(self, name)
+        if new is not None and not self.record_past and writes_in_place(current, new):
+            current.copy_(new)
+            return
+        if new is not None:
+            new = new.clone(memory_format=torch.contiguous_format)
+            if not new.requires_grad:
+                mark_static(new)
+            if self.token_count.device != new.device:
+                self.token_count = mark_static(self.token_count.to(new.device))
+        setattr(self, name, new)
+
+    def map(self, function):
+        super().map(lambda tensor: mark_static(function(tensor)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        """Beam search keeps the batch size: the rows are reordered in place, at the same addresses."""
+        for name in self.tensor_names:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                reordered = tensor.index_select(0, beam_idx.to(tensor.device))
+                if writes_in_place(tensor, reordered):
+                    tensor.copy_(reordered)
+                else:
+                    setattr(self, name, reordered)
+
 
 class MemoryCache(Cache):
     """Base of memlm's caches (the `cache` argument of the models): one `MemoryCacheLayer` per model layer, written by
@@ -261,7 +376,11 @@ class MemoryCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
         if self.next_positions is not None:
-            self.next_positions = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
+            reordered = self.next_positions.index_select(0, beam_idx.to(self.next_positions.device))
+            if writes_in_place(self.next_positions, reordered):
+                self.next_positions.copy_(reordered)  # at the same address, for a compiled step
+            else:
+                self.next_positions = reordered
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
@@ -276,6 +395,19 @@ class MemoryCache(Cache):
     def reset(self):
         super().reset()
         self.next_positions = None
+
+    @property
+    def not_compileable_reason(self) -> str | None:
+        """Why `generate` cannot compile a decoding step over this memory (None where it can)."""
+        for layer in self.layers:
+            if layer.not_compileable_reason is not None:
+                return layer.not_compileable_reason
+        return None
+
+    def prepare_compiled_decoding(self):
+        """Make the memory ready for decoding steps compiled by `torch.compile`, before the prompt runs: `generate`
+        calls it when it compiles (`compile_config`); call it yourself when you compile a model's decoding step.
+        Most memories have nothing to do (the Feedback Transformer's ring takes its full size at once)."""
 
     def check_against(self, config, batch_size: int):
         """Raise a ValueError when this cache cannot continue a forward of `batch_size` rows of the model `config`."""
@@ -378,6 +510,41 @@ class CountsOwnPositions(DeclinesContinuousBatching, CacheNameGeneration):
     does it pass on what it keeps for itself (`GENERATE_OWN_KWARGS`), and continuous batching is declined
     (`DeclinesContinuousBatching`)."""
 
+    # The model's cache class, which `generate` builds before the prompt runs when it may compile the decoding step.
+    cache_class: type[MemoryCache]
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        # The models build their own cache at the first forward; `generate` decides whether to compile the decoding
+        # step before it, from the cache it holds, so with a `compile_config` the cache is built here.
+        if (
+            model_kwargs.get(CACHE_NAME) is None
+            and generation_config.use_cache
+            and generation_config.compile_config is not None
+        ):
+            model_kwargs[CACHE_NAME] = self.cache_class(self.config)
+
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+        """🤗's rule for compiling the decoding step (a compileable cache, on a GPU or with `_compile_all_devices`),
+        applied only when `compile_config` asks for it: 🤗 compiles a static cache on a GPU unasked, but a memlm cache is
+        always there and a first compile takes tens of seconds. A memory that cannot be compiled says why."""
+        if generation_config.compile_config is None:
+            return False
+        cache = model_kwargs.get(CACHE_NAME)
+        reason = cache.not_compileable_reason if isinstance(cache, MemoryCache) else None
+        if reason is not None and not generation_config.disable_compile:
+            logger.warning(f"{type(self).__name__} decodes without compiling the step: {reason}")
+        compiles = super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+        if compiles and isinstance(cache, MemoryCache):
+            cache.prepare_compiled_decoding()
+        return compiles
+
+    @staticmethod
+    def create_masks_for_generate(attention_mask=None, **kwargs):
+        """What `generate` passes as the mask with a compileable cache: 🤗 would build a 4-D causal mask over a
+        static cache's slots; memlm's models read the 2-D padding mask as it is."""
+        return attention_mask
+
     # The signature is 🤗's, spelled out (`generate` reads it, e.g. to allow inputs_embeds), except the memory: it
     # passes through `kwargs` under the name the installed 🤗 gives it (`cache`, or `past_key_values` before 5.24).
     def prepare_inputs_for_generation(
@@ -396,4 +563,11 @@ class CountsOwnPositions(DeclinesContinuousBatching, CacheNameGeneration):
         model_inputs.pop("position_ids", None)
         for name in GENERATE_OWN_KWARGS:
             model_inputs.pop(name, None)
+        # The models read only the current tokens' columns of the mask (their memory holds the past): passed alone,
+        # the mask keeps one shape from step to step, which a compiled step needs (a growing one would recompile).
+        mask = model_inputs.get("attention_mask")
+        tokens = model_inputs.get("input_ids")
+        tokens = tokens if tokens is not None else model_inputs.get("inputs_embeds")
+        if mask is not None and mask.dim() == 2 and tokens is not None and mask.shape[1] > tokens.shape[1]:
+            model_inputs["attention_mask"] = mask[:, -tokens.shape[1] :].clone(memory_format=torch.contiguous_format)
         return model_inputs

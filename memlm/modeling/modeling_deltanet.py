@@ -34,13 +34,14 @@ from .layers import RMSNorm, add_sublayer_output, make_mlp, make_norm, sublayer_
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
-    MemoryCacheLayer,
+    StaticMemoryCacheLayer,
     causal_lm_loss,
     check_extra_kwargs,
     check_fits_in_memory,
     current_padding_mask,
     document_starts,
     embed_inputs,
+    past_length_to_check,
     zero_padding,
 )
 
@@ -347,7 +348,8 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
 class DeltaNetDecoderLayer(GradientCheckpointingLayer):
     """x = x + attention(norm(x)); x = x + mlp(norm(x)) (pre-norm), or x = norm(x + attention(x));
     x = norm(x + mlp(x)) (post-norm, the official code's default). The memory enters and leaves as tensors (not
-    through the cache object), so gradient checkpointing recomputes the layer from the same state."""
+    through the cache object), so gradient checkpointing recomputes the layer from the same state, and `torch.compile`
+    compiles the layer once for all layers (`nested_compile_region`: the layers differ only in their weights)."""
 
     def __init__(self, config: DeltaNetConfig, layer_idx: int):
         super().__init__()
@@ -358,6 +360,7 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         self.mlp = make_mlp(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
+    @torch.compiler.nested_compile_region
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -419,9 +422,10 @@ class AdaptiveLogSoftmaxHead(nn.Module):
         return torch.cat(parts, dim=-1).to(hidden_states.dtype)
 
 
-class DeltaNetCacheLayer(MemoryCacheLayer):
+class DeltaNetCacheLayer(StaticMemoryCacheLayer):
     """The memory of one layer: fast weights S (B, H, d_k, d_v) in float32, the short convolution's last inputs
-    (B, kernel-1, C), the delta rule's attention normaliser z (B, H, d_k), and the number of tokens seen."""
+    (B, kernel-1, C), the delta rule's attention normaliser z (B, H, d_k), and the number of tokens seen. Its size is
+    fixed, so a compiled decoding step captures it (`StaticMemoryCacheLayer`)."""
 
     tensor_names = ("fast_weights", "convolution_tail", "key_sum")
     rollback_message = "A DeltaNet memory cannot be rolled back: its fast weights keep no per-token history."
@@ -441,12 +445,12 @@ class DeltaNetCacheLayer(MemoryCacheLayer):
         num_tokens: int,
         key_sum: torch.Tensor | None = None,
     ):
-        # Tensors are replaced, never written in place, so a gradient-checkpointed layer recomputes from old ones.
-        self.fast_weights = fast_weights
-        self.key_sum = key_sum
-        # The tail is a slice of the whole input's projection: a copy, so the cache does not keep all of it alive.
-        self.convolution_tail = None if convolution_tail is None else convolution_tail.clone()
-        self.seen_tokens += num_tokens
+        # Written in place without autograd; with it replaced (a gradient-checkpointed layer recomputes from the
+        # states it was given). The tail, a slice of the whole input's projection, is stored as a copy either way.
+        self.store("fast_weights", fast_weights)
+        self.store("key_sum", key_sum)
+        self.store("convolution_tail", convolution_tail)
+        self.count_tokens(num_tokens)
 
 
 class DeltaNetCache(MemoryCache):
@@ -464,7 +468,9 @@ class DeltaNetPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel)
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeltaNetDecoderLayer"]
     _skip_keys_device_placement = list(CACHE_NAMES)
-    _can_compile_fullgraph = False
+    # A decoding step compiles to one graph over a memory of fixed size (with the PyTorch kernels, which CPUs run:
+    # tests/modeling/test_compile.py).
+    _can_compile_fullgraph = True
     _supports_sdpa = False
     _supports_flash_attn = False
     # The memory cannot be rolled back, so assisted decoding (which needs rollback) is refused by `generate`.
@@ -521,9 +527,10 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
     def packs_padding(self, attention_mask: torch.Tensor) -> bool:
         """Whether a padded batch runs packed (`cu_seqlens`): with the delta rule on the Triton or FLA backend, and when
         some token is real. The PyTorch backend masks instead, keeping all rows in one batched call (its packed path runs
-        the sequences one at a time)."""
+        the sequences one at a time), and so does any backend under `torch.compile`: the packed layout's size is data."""
         return (
             self.config.update_rule == "delta"
+            and not torch.compiler.is_compiling()
             and resolve_backend(None, attention_mask.device, operation="delta_rule") in ("triton", "fla")
             and bool(attention_mask.any())
         )
@@ -573,17 +580,15 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             )
         if use_cache and cache is None:
             cache = DeltaNetCache(self.config)
-        past_length = 0
         if cache is not None:
             cache.check_against(self.config, batch_size)
-            past_length = cache.get_seq_length()
-        attention_mask = current_padding_mask(attention_mask, batch_size, length, past_length)
+        attention_mask = current_padding_mask(attention_mask, batch_size, length, past_length_to_check(cache))
         starts = document_starts(position_ids, attention_mask, batch_size, length, kwargs)
-        if starts is not None and past_length > 0:
+        if starts is not None and cache is not None and cache.get_seq_length() > 0:
             raise ValueError(
                 "A row holds packed documents (position_ids restarting at 0, seq_idx or cu_seq_lens), which each "
                 "start from an empty memory; they "
-                f"cannot continue a cache that has seen {past_length} tokens. Pass them without a cache."
+                f"cannot continue a cache that has seen {cache.get_seq_length()} tokens. Pass them without a cache."
             )
         padding = None
         # Whether a mask holds padding reads it, which torch.compile cannot trace: compiled, any mask runs the padded
@@ -646,6 +651,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
 
 
 class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, GenerationMixin):
+    cache_class = DeltaNetCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: DeltaNetConfig):

@@ -325,6 +325,10 @@ class ExpireSpanCacheLayer(MemoryCacheLayer):
 
     tensor_names = ("memory",)
     rollback_message = "An Expire-Span memory cannot be rolled back: expired memories are deleted."
+    not_compileable_reason = (
+        "An Expire-Span memory changes size as memories expire and are deleted (its width is data), so a compiled "
+        "step would meet new shapes at almost every token; Expire-Span decodes eagerly."
+    )
 
     def __repr__(self):
         return f"ExpireSpanCacheLayer(entries={self.num_entries()}, seen_tokens={self.seen_tokens})"
@@ -367,6 +371,7 @@ class ExpireSpanPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedMode
     supports_gradient_checkpointing = True
     _no_split_modules = ["ExpireSpanDecoderLayer"]
     _skip_keys_device_placement = list(CACHE_NAMES)
+    # Its memory's width is data (expired memories are deleted): the graph breaks where they are compacted.
     _can_compile_fullgraph = False
     _supports_sdpa = True
     # Expired memories are deleted and cannot be brought back, so assisted decoding (which rolls back) is refused.
@@ -584,6 +589,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
 
 
 class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, GenerationMixin):
+    cache_class = ExpireSpanCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: ExpireSpanConfig):

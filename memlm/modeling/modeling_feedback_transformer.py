@@ -41,13 +41,16 @@ from .layers import GatedMLP, RMSNorm, RotaryEmbedding, make_mlp, make_norm
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
-    MemoryCacheLayer,
+    StaticMemoryCacheLayer,
     causal_lm_loss,
     check_extra_kwargs,
     check_fits_in_memory,
     current_padding_mask,
     embed_inputs,
+    mark_static,
+    past_length_to_check,
     refuse_packed_documents,
+    writes_in_place,
     zero_padding,
 )
 
@@ -211,11 +214,12 @@ class FeedbackRecurrence(HubLayerMixin, nn.Module):
                                    padding_steps=padding_steps, keep_states=keep_states)  # fmt: skip
 
 
-class FeedbackCacheLayer(MemoryCacheLayer):
+class FeedbackCacheLayer(StaticMemoryCacheLayer):
     """One key/value set of the feedback memory: up to τ slots per row (slot = position mod τ), with each slot's
     position and whether it holds a memory. The ring grows with the context (doubling, capped at τ): while it holds
     fewer than τ slots no position has reached its end, so slot = position mod τ = position and growing keeps every
-    slot where it is."""
+    slot where it is. With `full_ring` (compiled decoding, `FeedbackCache.prepare_compiled_decoding`) it holds τ slots
+    from the start, so its shapes never change; its size is bounded either way (`StaticMemoryCacheLayer`)."""
 
     # `hidden`: with `memory_carry="hidden_states"`, the memories' hidden states (B, W, D), from which each forward
     # recomputes the keys and values (`keys` and `values` then hold those of the last forward).
@@ -231,6 +235,7 @@ class FeedbackCacheLayer(MemoryCacheLayer):
         # True: τ slots with slot = position mod τ (written in place by inference). False: a window of memories in any
         # order (what a training forward or the reference loop leaves), turned into a ring when inference needs one.
         self.ring = False
+        self.full_ring = False
 
     def allocate_ring(
         self, batch_size: int, config: FeedbackTransformerConfig, dtype, device, slots: int | None = None
@@ -239,10 +244,12 @@ class FeedbackCacheLayer(MemoryCacheLayer):
         self.ring = True
         slots = config.memory_span if slots is None else slots
         shape = (batch_size, config.num_attention_heads, slots, config.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.positions = torch.zeros(batch_size, slots, dtype=torch.long, device=device)
-        self.valid = torch.zeros(batch_size, slots, dtype=torch.bool, device=device)
+        self.keys = mark_static(torch.zeros(shape, dtype=dtype, device=device))
+        self.values = mark_static(torch.zeros(shape, dtype=dtype, device=device))
+        self.positions = mark_static(torch.zeros(batch_size, slots, dtype=torch.long, device=device))
+        self.valid = mark_static(torch.zeros(batch_size, slots, dtype=torch.bool, device=device))
+        if self.token_count.device != self.keys.device:
+            self.token_count = mark_static(self.token_count.to(device))
 
     def grow_ring(self, slots: int):
         """Widen the ring to `slots` slots per row, its memories in the same slots (see the class docstring)."""
@@ -253,7 +260,7 @@ class FeedbackCacheLayer(MemoryCacheLayer):
             shape[2 if old.dim() == 4 else 1] = slots
             new = old.new_zeros(shape)
             new.narrow(2 if old.dim() == 4 else 1, 0, size).copy_(old)
-            setattr(self, name, new)
+            setattr(self, name, mark_static(new))
 
 
 class FeedbackCache(MemoryCache):
@@ -263,9 +270,22 @@ class FeedbackCache(MemoryCache):
 
     layer_class = FeedbackCacheLayer
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.memory_span = config.memory_span
+
     @staticmethod
     def layer_count(config) -> int:
         return config.memory_groups  # one key/value set for all layers when shared
+
+    def prepare_compiled_decoding(self):
+        """The ring takes its τ slots at once (and a ring already allocated grows to them): a compiled step then
+        sees the same shapes at every token. It reads all τ slots, filled or not (masked), where eager decoding reads
+        only the filled ones."""
+        for layer in self.layers:
+            layer.full_ring = True
+            if layer.ring and layer.keys.shape[2] < self.memory_span:
+                layer.grow_ring(self.memory_span)
 
     def memory_bytes(self) -> int:
         """Bytes of the cached keys and values (and of the hidden states, with `memory_carry="hidden_states"`: one
@@ -287,7 +307,9 @@ class FeedbackTransformerPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTr
     # than through each layer's forward: the whole stack is one unit for FSDP wrapping and device maps.
     _no_split_modules = ["FeedbackTransformerModel"]
     _skip_keys_device_placement = list(CACHE_NAMES)
-    _can_compile_fullgraph = False
+    # A decoding step compiles to one graph over the ring of τ slots (with the PyTorch kernels, which CPUs run:
+    # tests/modeling/test_compile.py).
+    _can_compile_fullgraph = True
     # The ring buffer overwrites its oldest memories, so assisted decoding (which rolls back) is refused.
     _is_stateful = True
     hub_card_template = "feedback_transformer.md"
@@ -594,8 +616,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         """Whether `step` runs compiled (`config.compile_step`): without autograd (inference, and the training
         forward of the hand-written backward), without active dropout, and only for the model's plain modules without
         hooks (`through_time.covers`), where a compiler is present; otherwise the eager step runs."""
-        if not self.config.compile_step or torch.is_grad_enabled():
-            return False
+        if not self.config.compile_step or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False  # (while the whole step is being compiled, its pieces are not compiled apart)
         if self.training and any(
             layer.dropout.p > 0 or layer.attention.dropout.p > 0 for layer in self.layers
         ):  # fmt: skip
@@ -650,8 +672,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             )
         cache = cache if cache is not None else FeedbackCache(config)
         cache.check_against(config, batch_size)
-        past_length = cache.get_seq_length()
-        valid = current_padding_mask(attention_mask, batch_size, length, past_length)
+        valid = current_padding_mask(attention_mask, batch_size, length, past_length_to_check(cache))
         if valid is None:
             valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         else:
@@ -660,7 +681,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer", kwargs)
         order, padding_steps = None, 0
         given_embeds = inputs_embeds
-        if attention_mask is not None and (torch.compiler.is_compiling() or not bool(valid.all())):
+        # One token per row (a decoding step) needs no reordering (and a compiled step then no sort).
+        if length > 1 and attention_mask is not None and (torch.compiler.is_compiling() or not bool(valid.all())):
             # Padding first, real tokens after it in their order: steps then count memories as positions do.
             order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices
             inputs_embeds = inputs_embeds.gather(1, order[..., None].expand_as(inputs_embeds))
@@ -669,8 +691,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 padding_steps = int((~valid).sum(1).max())
         fresh = cache.next_positions is None
         if fresh:
-            cache.next_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
-        positions = cache.next_positions[:, None] + valid.long().cumsum(1) - 1
+            cache.next_positions = mark_static(torch.zeros(batch_size, dtype=torch.long, device=device))
+        counted = valid.long().cumsum(1) if length > 1 else valid.long()  # (a compiled step: no cumsum)
+        positions = cache.next_positions[:, None] + counted - 1
         positions = positions.masked_fill(~valid, -1)
         self.read_windows = None
         if self.trims_adaptive_span:
@@ -694,13 +717,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             padding_steps,
             output_hidden_states,
         )
+        following = cache.next_positions + valid.sum(1)  # each row's next position after this call
         if window is not None:
             # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
             # training forward takes it as its prefix, inference lays it out as a ring. With `memory_carry=
             # "hidden_states"` their hidden states too, from which the next forward recomputes keys and values.
             keys, values, slot_positions, slot_valid, *hidden = window
             hidden = hidden[0] if hidden else None
-            following = cache.next_positions + valid.sum(1)
             reach = config.memory_span
             if self.read_windows is not None and not torch.is_grad_enabled():
                 # Without gradients the weights stay as they are: keep only the memories some layer still reads.
@@ -715,9 +738,12 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
                 layer.hidden = hidden.detach().clone() if hidden is not None else None
-        cache.next_positions = cache.next_positions + valid.sum(1)
+        if writes_in_place(cache.next_positions, following):
+            cache.next_positions.copy_(following)  # at the same address, for a compiled step
+        else:
+            cache.next_positions = following
         for layer in cache.layers:
-            layer.seen_tokens += length
+            layer.count_tokens(length)
 
         def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order
             if order is None:
@@ -790,6 +816,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
 
 
 class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsOwnPositions, GenerationMixin):
+    cache_class = FeedbackCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: FeedbackTransformerConfig):

@@ -142,3 +142,21 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
             assert official > 0 and default > 0
             assert abs(row[f"{kind}_official_over_default"] - official / default) < 1e-9
         assert row["default_cache_megabytes"] > 0 and row["official_cache_megabytes"] > 0
+
+
+def test_compiled_decoding_compares_eager_and_compiled_and_times_first_compiles(tmp_path):
+    """benchmarks/compiled_decoding.py --quick (Dynamo only, in one process): both ways of decoding for the three
+    models, and the first compiles of each family, Expire-Span's decoding step left out (generate decodes it eagerly)."""
+    results = run_script("compiled_decoding.py", "--quick", output=tmp_path / "results.json")
+    assert results["settings"]["backend"] == "eager" and results["settings"]["quick"]
+    assert [row["model"] for row in results["decoding"]] == ["deltanet", "feedback", "llama"]
+    for row in results["decoding"]:
+        ratio = row["compiled_tokens_per_s"] / row["eager_tokens_per_s"]
+        assert abs(row["compiled_over_eager"] - ratio) < 1e-9
+    rows = {row["family"]: row for row in results["first_compile"]}
+    assert list(rows) == ["deltanet", "expire_span", "feedback", "llama"]
+    assert rows["expire_span"]["step_seconds"] is None and rows["expire_span"]["forward_over_step"] is None
+    for family in ("deltanet", "feedback", "llama"):
+        row = rows[family]
+        assert row["step_seconds"] > 0 and row["forward_seconds"] > 0  # Dynamo's tracing, at least
+        assert abs(row["forward_over_step"] - row["forward_seconds"] / row["step_seconds"]) < 1e-9

@@ -1,9 +1,13 @@
 """torch.compile and torch.export: the models' forward and one decoding step trace without graph breaks where the
-recurrence allows (on the PyTorch kernel backend, MEMLM_KERNELS=torch), and the clear errors for bad input stay."""
+recurrence allows (on the PyTorch kernel backend, MEMLM_KERNELS=torch), `generate(compile_config=...)` compiles the
+decoding step of the memories of bounded size once, and the clear errors for bad input stay."""
 
 import pytest
 import torch
 import torch._dynamo
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from transformers import CompileConfig
 
 from tests.modeling.test_common import _model
 
@@ -89,3 +93,109 @@ def test_export_of_expire_span_is_refused_in_words(use_cache, monkeypatch):
         torch.export.export(model, (input_ids,), kwargs={"use_cache": use_cache})
     with torch.no_grad():  # eager runs as before
         assert model(input_ids, use_cache=use_cache).logits.shape == (2, 9, 258)
+
+
+class RecordingBackend:
+    """A `torch.compile` backend (`backend`) that runs the graphs as they are (no code generation: fast) and records
+    them: every graph Dynamo captures (one per compilation), its ATen graph, and how often the compiled code ran."""
+
+    def __init__(self):
+        self.graphs, self.aten_graphs, self.calls = [], [], 0
+
+        # A function, not a method: `CompileConfig.to_dict()` deep-copies the backend, which keeps a function as it is.
+        def backend(graph, example_inputs):
+            self.graphs.append(graph)
+            compiled = aot_autograd(fw_compiler=record_aten)(graph, example_inputs)
+
+            def run(*args):
+                self.calls += 1
+                return compiled(*args)
+
+            return run
+
+        def record_aten(graph, example_inputs):
+            self.aten_graphs.append(graph)
+            return boxed_nop(graph, example_inputs)
+
+        self.backend = backend
+
+    def aten_ops(self) -> set[str]:
+        return {
+            str(node.target) for graph in self.aten_graphs for node in graph.graph.nodes if node.op == "call_function"
+        }
+
+
+def compile_config(backend) -> CompileConfig:
+    config = CompileConfig(backend=backend, fullgraph=True, mode=None)
+    config._compile_all_devices = True  # 🤗 compiles on GPUs only, unless told
+    return config
+
+
+# Left padding of different lengths, and (with 24 new tokens) a Feedback ring of 6 slots that wraps around.
+PROMPT_MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1]])
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("name", ["deltanet", "feedback"])
+def test_generate_compiles_the_decoding_step_once_and_decodes_as_eager(name, monkeypatch):
+    """The decoding step compiles to one graph (fullgraph) the first time and runs that graph at every later step
+    (no recompilation: the memory keeps its shapes and addresses, its token count is a tensor), with no read of a
+    tensor's value on the host (Dynamo told to capture `.item()` and data-dependent shapes, none is in the graph),
+    and gives the eager logits and tokens."""
+    monkeypatch.setenv("MEMLM_KERNELS", "torch")
+    model = _model(name)
+    prompt = torch.randint(3, 256, PROMPT_MASK.shape, generator=torch.Generator().manual_seed(0))
+    options = {"attention_mask": PROMPT_MASK, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS,
+               "do_sample": False, "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
+    eager = model.generate(prompt, **options)
+    backend = RecordingBackend()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        compiled = model.generate(prompt, compile_config=compile_config(backend.backend), **options)
+    torch._dynamo.reset()
+    assert len(backend.graphs) == 1 and len(backend.aten_graphs) == 1
+    assert backend.calls == NEW_TOKENS - 1  # every step after the prompt ran the one compiled graph
+    host_reads = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default"}
+    assert not backend.aten_ops() & host_reads
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=1e-5, rtol=1e-5)
+    assert torch.equal(compiled.sequences, eager.sequences)
+
+
+@pytest.mark.parametrize("name", ["deltanet", "feedback"])
+def test_decoding_writes_the_memory_where_it_is(name):
+    """After the prompt, decoding steps write the memory's tensors in place: the compiled step reads and writes
+    them at the same addresses (`torch._dynamo.mark_static_address`). The Feedback ring takes its τ slots at once."""
+    model = _model(name)
+    prompt = torch.randint(3, 256, (2, 3), generator=torch.Generator().manual_seed(0))
+    cache = model.cache_class(model.config)
+    cache.prepare_compiled_decoding()
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+        tensors = [getattr(layer, attribute) for layer in cache.layers for attribute in layer.tensor_names]
+        addresses = [tensor.data_ptr() for tensor in tensors if tensor is not None]
+        for token in prompt.T:  # more steps than the Feedback ring has slots: it wraps around
+            model(token[:, None], cache=cache, use_cache=True)
+            model(token[:, None], cache=cache, use_cache=True)
+    tensors = [getattr(layer, attribute) for layer in cache.layers for attribute in layer.tensor_names]
+    assert [tensor.data_ptr() for tensor in tensors if tensor is not None] == addresses
+    assert len(addresses) >= 3 and cache.get_seq_length() == 9
+    if name == "feedback":
+        assert cache.layers[0].keys.shape[2] == model.config.memory_span
+
+
+def test_expire_span_decodes_eagerly_and_says_why(monkeypatch, caplog):
+    """Expire-Span's memory changes size as memories expire: asked to compile, `generate` says so and decodes
+    eagerly (the same tokens)."""
+    monkeypatch.setenv("MEMLM_KERNELS", "torch")
+    model = _model("expire_span")
+    prompt = torch.randint(3, 256, (2, 4), generator=torch.Generator().manual_seed(0))
+    backend = RecordingBackend()
+    with caplog.at_level("WARNING"):
+        compiled = model.generate(
+            prompt, compile_config=compile_config(backend.backend), max_new_tokens=4, do_sample=False
+        )
+    assert "ExpireSpanForCausalLM decodes without compiling the step: An Expire-Span memory changes size" in (
+        caplog.text
+    )
+    assert backend.graphs == []
+    assert torch.equal(compiled, model.generate(prompt, max_new_tokens=4, do_sample=False))

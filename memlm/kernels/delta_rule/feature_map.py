@@ -138,6 +138,11 @@ def dpfp(hidden_states: torch.Tensor, nu: int = 1, normalization: str = "none", 
         raise ValueError(f"normalization={normalization!r} is not one of {NORMALIZATIONS}")
     if not 1 <= nu < 2 * hidden_states.shape[-1]:
         raise ValueError(f"nu={nu} must be between 1 and 2·d − 1 = {2 * hidden_states.shape[-1] - 1}")
+    if torch.compiler.is_compiling():
+        # torch.compile fuses the reference's ops into a few loops (and cannot trace the writes into slices `out=`);
+        # in float32 or wider, as `_features` computes.
+        wide = hidden_states.to(_compute_dtype(hidden_states))
+        return dpfp_reference(wide, nu, normalization, eps).to(hidden_states.dtype)
     if not (torch.is_grad_enabled() and hidden_states.requires_grad):  # nothing to save (decoding, prefill)
         return _features(hidden_states, nu, normalization, eps)[1].to(hidden_states.dtype)
     return DPFPFunction.apply(hidden_states, nu, normalization, eps)

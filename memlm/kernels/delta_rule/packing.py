@@ -50,7 +50,9 @@ class PaddingPacker:
             self.attention_mask = None
             self.cu_seqlens_cpu = self.cu_seqlens.tolist()  # read back once for all layers, not once per layer
         else:
-            self.order = torch.sort((~attention_mask).to(torch.uint8), dim=1, stable=True).indices
+            # One token per row (a decoding step) is where it belongs: no reordering (and no sort in a compiled step).
+            single = self.shape[1] == 1
+            self.order = None if single else torch.sort((~attention_mask).to(torch.uint8), dim=1, stable=True).indices
             self.attention_mask = torch.arange(self.shape[1], device=attention_mask.device) < self.lengths[:, None]
             self.cu_seqlens = self.cu_seqlens_cpu = None
 
@@ -64,6 +66,8 @@ class PaddingPacker:
         """(B, T, D) in the caller's order → the layout the layers run on: (1, N, D) packed, else (B, T, D)."""
         if self.cu_seqlens is not None:
             return hidden_states.flatten(0, 1)[self.indices][None]
+        if self.order is None:
+            return hidden_states
         return hidden_states.gather(1, self.order[..., None].expand_as(hidden_states))
 
     def scatter(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -72,6 +76,8 @@ class PaddingPacker:
             width = hidden_states.shape[-1]
             restored = hidden_states.new_zeros(self.shape.numel(), width).index_copy(0, self.indices, hidden_states[0])
             return restored.view(*self.shape, width)
+        if self.order is None:
+            return hidden_states
         return hidden_states.new_empty(hidden_states.shape).scatter(
             1, self.order[..., None].expand_as(hidden_states), hidden_states
         )

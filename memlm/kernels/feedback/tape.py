@@ -41,14 +41,16 @@ class _RingStore:
         self._blind_bias = self._blind = None  # the last bias `read` saw, and its rows that see no memory
         # Slots at or beyond `filled` hold nothing yet (slot = position mod τ and positions start at 0): skip them.
         # Counting them reads tensors, which torch.compile cannot trace: compiled, the ring has τ slots from the start
-        # and every slot is read (empty ones are masked out, so the output is the same).
+        # and every slot is read (empty ones are masked out, so the output is the same). A `full_ring` (compiled
+        # decoding after an eager prompt) has τ slots from its first allocation on.
         compiling = torch.compiler.is_compiling()
         self.filled = config.memory_span
         needed = config.memory_span
         if not compiling:
             self.filled = min(config.memory_span, int(next_positions.max()) if next_positions.numel() else 0)
             last = int(positions.max()) + 1 if positions is not None and positions.numel() else 0
-            needed = min(config.memory_span, max(self.filled, last, 1))
+            if not cache_layers[0].full_ring:
+                needed = min(config.memory_span, max(self.filled, last, 1))
         window = None
         if not cache_layers[0].ring:
             # An empty cache, or the window a training forward left: lay it out as a ring.
