@@ -201,7 +201,11 @@ def running_key_sums(
     sums = sums - before[:, :, sequence]
     if initial is not None:
         sums = sums + initial.transpose(0, 1)[None, :, sequence].to(sums.dtype)
-    return sums, sums[0, :, cu_seqlens[1:].long() - 1].transpose(0, 1)
+    last = sums[0, :, (cu_seqlens[1:].long() - 1).clamp_min(0)].transpose(0, 1)
+    # A sequence without tokens (a row all padding) keeps its z_0, not the sum of the sequence before it.
+    empty = (lengths == 0)[:, None, None]
+    kept = initial.to(sums.dtype) if initial is not None else torch.zeros((), dtype=sums.dtype, device=sums.device)
+    return sums, torch.where(empty, kept, last)
 
 
 @use_kernel_forward_from_hub("DeltaNetAttention")
