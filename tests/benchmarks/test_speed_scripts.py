@@ -142,3 +142,18 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
             assert official > 0 and default > 0
             assert abs(row[f"{kind}_official_over_default"] - official / default) < 1e-9
         assert row["default_cache_megabytes"] > 0 and row["official_cache_megabytes"] > 0
+
+
+def test_speculative_decoding_table_times_three_ways_for_each_model_and_keeps_the_tokens(tmp_path):
+    """benchmarks/speculative_decoding.py --quick: every model decodes plainly, with prompt lookup and with an
+    assistant, the speculative ways give plain decoding's tokens, and the ratios and acceptance shares are the run's."""
+    results = run_script("speculative_decoding.py", "--quick", "--threads", "1", output=tmp_path / "results.json")
+    assert [row["model"] for row in results["rows"]] == ["DeltaNet", "Expire-Span", "Feedback", "🤗 Llama"]
+    new_tokens = results["settings"]["new_tokens"]
+    for row in results["rows"]:
+        assert row["plain_forwards"] == new_tokens  # one forward per token
+        for mode in ("lookup", "assistant"):
+            assert row[f"{mode}_identical"] is True
+            assert abs(row[f"{mode}_over_plain"] - row[f"{mode}_tokens_per_s"] / row["plain_tokens_per_s"]) < 1e-9
+            assert 1 <= row[f"{mode}_forwards"] <= new_tokens
+            assert row[f"{mode}_acceptance"] is None or 0 <= row[f"{mode}_acceptance"] <= 1
