@@ -215,6 +215,20 @@ class FeedbackRecurrence(HubLayerMixin, nn.Module):
                                    carry_from=carry_from)  # fmt: skip
 
 
+class FeedbackRecord(NamedTuple):
+    """What a forward into a recording `FeedbackCache` keeps, per key/value set, to be undone. When it wrote the ring in
+    place: the ring's width before it (None: no ring yet) and per step what the step's write overwrote. When it left a
+    window (the official layouts' step loop): the layer's tensors before it (keys, values, positions, valid, hidden,
+    ring) and every memory its first token saw (`window`: keys, values, positions, valid, hidden), within `reach`."""
+
+    ring_width: int | None
+    undo_steps: list | None
+    memory_span: int
+    before: tuple | None
+    window: tuple | None
+    reach: int
+
+
 class FeedbackCacheLayer(MemoryCacheLayer):
     """One key/value set of the feedback memory: up to τ slots per row (slot = position mod τ), with each slot's
     position and whether it holds a memory. The ring grows with the context (doubling, capped at τ): while it holds
@@ -314,20 +328,6 @@ class FeedbackCacheLayer(MemoryCacheLayer):
         if width is not None and width < self.keys.shape[2]:
             self.keys, self.values = self.keys[:, :, :width].clone(), self.values[:, :, :width].clone()
             self.positions, self.valid = self.positions[:, :width].clone(), self.valid[:, :width].clone()
-
-
-class FeedbackRecord(NamedTuple):
-    """What a forward into a recording `FeedbackCache` keeps, per key/value set, to be undone. When it wrote the ring in
-    place: the ring's width before it (None: no ring yet) and per step what the step's write overwrote. When it left a
-    window (the official layouts' step loop): the layer's tensors before it (keys, values, positions, valid, hidden,
-    ring) and every memory its first token saw (`window`: keys, values, positions, valid, hidden), within `reach`."""
-
-    ring_width: int | None
-    undo_steps: list | None
-    memory_span: int
-    before: tuple | None
-    window: tuple | None
-    reach: int
 
 
 class FeedbackCache(MemoryCache):
@@ -798,9 +798,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             # "hidden_states"` their hidden states too, from which the next forward recomputes keys and values.
             keys, values, slot_positions, slot_valid, *hidden = window
             hidden = hidden[0] if hidden else None
-            if recording:
-                window = [(keys[group], values[group], slot_positions, slot_valid, hidden)
-                          for group in range(len(cache.layers))]  # fmt: skip
+            if recording:  # every memory this forward's first token sees, per key/value set
+                seen_windows = [(keys[group], values[group], slot_positions, slot_valid, hidden)
+                                for group in range(len(cache.layers))]  # fmt: skip
             following = cache.next_positions + valid.sum(1)
             slot_valid = slot_valid & (following[:, None] - slot_positions <= reach)
             if reach < config.memory_span or recording:  # (a recording forward's window reaches further back)
@@ -819,7 +819,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                         ring_widths[group], layer.undo_steps, config.memory_span, None, None, reach
                     )
                 else:
-                    record = FeedbackRecord(None, None, config.memory_span, before[group], window[group], reach)
+                    record = FeedbackRecord(None, None, config.memory_span, before[group], seen_windows[group], reach)
                 layer.recorded.append(record)
                 layer.undo_steps = None
         cache.next_positions = cache.next_positions + valid.sum(1)
