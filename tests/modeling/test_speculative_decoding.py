@@ -22,6 +22,7 @@ from transformers import GenerationConfig
 import memlm
 from memlm.compat import output_cache
 from tests.conftest import DELTANET_VARIANTS
+from tests.modeling.test_deltanet_padding import TRITON_RUNS
 
 # 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
 pytestmark = pytest.mark.huggingface
@@ -231,6 +232,29 @@ def test_a_crop_into_the_prefill_and_back_to_nothing(name):
     assert all(tensor is None for _, tensor in _memory_tensors(emptied))
     fresh = model.cache_class(model.config)
     torch.testing.assert_close(_read(model, emptied, sequence, mask), _read(model, fresh, sequence, mask))
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs Triton (a GPU, or its interpreter)")
+@pytest.mark.parametrize("name", ["deltanet", "deltanet_lmtool_fwp"])
+def test_a_crop_into_a_packed_forward(name, monkeypatch):
+    """On the Triton and FLA backends a padded DeltaNet forward runs packed (the rows' real tokens back to back):
+    the writes it keeps are laid out as rows again, and a crop inside it equals a packed forward of the kept tokens,
+    a row all padding among them included."""
+    monkeypatch.setenv("MEMLM_KERNELS", "triton")
+    model = _model(name)
+    sequence = _tokens(2, 12, seed=10)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[0, 2] = 0
+    assert model.model.packs_padding(mask.bool())
+    for kept in (3, 9):
+        cache = model.cache_class(model.config)
+        cache.activate_past_recording()
+        _read(model, cache, sequence, mask)
+        cache.crop(kept - 12)
+        reference = model.cache_class(model.config)
+        _read(model, reference, sequence[:, :kept], mask[:, :kept])
+        assert_same_cache(cache, reference)
 
 
 def test_what_a_crop_refuses_and_what_recording_keeps():
