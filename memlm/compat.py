@@ -8,6 +8,10 @@ nowhere else; the model files ask this module.
   take `cache` and still take `past_key_values` on every release; their outputs carry the memory in the field the
   installed 🤗 reads (`cache` from 5.24, `past_key_values` before) and answer to `.cache` on every release, so one
   spelling works everywhere.
+- Assisted and prompt-lookup decoding drive the cache the same way from 5.21 to 5.24 (`activate_past_recording`
+  before the prefill, `crop(-n)` after each verification, the assistant's cache cropped by its candidate generator);
+  5.24 also asks `cache.is_croppable` after the prefill. The cache sits in `generate`'s model kwargs under the
+  release's name (`CACHE_NAME`), where memlm puts its own before the prefill.
 - 🤗 5.23 named activation checkpointing `activation_checkpointing_enable` / `_disable` / `is_activation_checkpointing`
   (the older `gradient_checkpointing_*` names warn from 5.24); 5.21 and 5.22 know only the older names.
 - torch before 2.13: Dynamo answers `torch.compiler.is_exporting()` with True under `torch.compile` too, so code that

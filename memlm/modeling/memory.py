@@ -1,14 +1,18 @@
 """What memlm's models share around their memories: checking the inputs, the padding mask, and the base of the
 cache classes that carry each model's memory (`cache`, SPEC §4)."""
 
+import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import GenerationMixin
 from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 
-from ..compat import CACHE_NAME, CacheNameGeneration
+from ..compat import CACHE_NAME, CacheNameGeneration, output_cache
 
 logger = logging.get_logger(__name__)
 
@@ -175,21 +179,62 @@ def current_padding_mask(attention_mask, batch_size: int, length: int, past_leng
     return attention_mask[:, -length:].bool()
 
 
+@dataclass
+class RecordedForward:
+    """One forward read into a cache that records its past (`activate_past_recording`): its length, its padding mask
+    (B, T) in the caller's order (None: every token real), and each row's next position before it (None: a fresh
+    cache, or a model that counts no positions)."""
+
+    length: int
+    valid: torch.Tensor | None
+    next_positions: torch.Tensor | None
+
+    def real_tokens(self, first: int) -> torch.Tensor | None:
+        """(B,) how many of the forward's first `first` tokens are real in each row (None: all of them)."""
+        return None if self.valid is None else self.valid[:, :first].sum(1)
+
+
+@dataclass
+class Rollback:
+    """Where `crop` puts a recording cache back to: the recorded forwards since recording started or since the last
+    crop (`forwards`), the one the cut falls in (`forward`; `len(forwards)` when nothing is removed) and how many of
+    its tokens stay (`kept`, fewer than its length), and each row's next position after the cut (None for models that
+    count no positions, or when the cut leaves the cache as fresh as it was)."""
+
+    forwards: list[RecordedForward]
+    forward: int
+    kept: int
+    next_positions: torch.Tensor | None
+
+    @property
+    def removes_tokens(self) -> bool:
+        return self.forward < len(self.forwards)
+
+
 class MemoryCacheLayer:
     """Base of a layer's memory in a memlm cache: its tensors all have the batch as first dimension, and it counts
-    the tokens it consumed. Subclasses list their tensor attributes in `tensor_names`."""
+    the tokens it consumed. Subclasses list their tensor attributes in `tensor_names`.
+
+    Rolling back (speculative decoding, 🤗's protocol): after `activate_past_recording`, every forward keeps in
+    `recorded` what undoes it (each model keeps its own kind of entry, one per forward); `crop(-n)` puts the memory
+    back to what the tokens read before the last n gave (`roll_back`), `crop(0)` keeps everything, and both drop
+    what was recorded. Without recording nothing is kept. Each model's layer defines `roll_back(rollback)`, which puts
+    the memory back to what it held after the tokens a `Rollback` keeps (called by every crop, also one that removes
+    nothing, with what the layer recorded since the last one)."""
 
     is_compileable = False
-    is_croppable = False
+    # Whether `crop` can put this memory back once recording is on (every memlm memory can).
+    is_croppable = True
     is_sliding = False
     supports_early_init = False
     tensor_names: tuple[str, ...] = ()
-    rollback_message = "This memory cannot be rolled back."
 
     def __init__(self):
         for name in self.tensor_names:
             setattr(self, name, None)
         self.seen_tokens = 0
+        self.record_past = False
+        self.recorded: list = []
 
     @property
     def is_initialized(self) -> bool:
@@ -214,9 +259,14 @@ class MemoryCacheLayer:
     def reset(self):
         self.__init__()
 
-    def crop(self, tokens_to_remove: int):
-        if tokens_to_remove != 0:
-            raise ValueError(self.rollback_message)
+    def activate_past_recording(self):
+        """Keep, from now on, what each forward needs to be undone by `crop` (🤗's name)."""
+        self.record_past = True
+
+    def stop_past_recording(self):
+        """Stop recording and drop whatever was recorded (generate's end: no recording outlives it)."""
+        self.record_past = False
+        self.recorded = []
 
     def offload(self):
         self.map(lambda tensor: tensor.to("cpu", non_blocking=True))
@@ -347,6 +397,8 @@ class MemoryCache(Cache):
         super().__init__(layers=[self.layer_class() for _ in range(self.layer_count(config))])
         # (B,) position of each row's next real token, for models that count positions past the padding.
         self.next_positions: torch.Tensor | None = None
+        # The forwards read since recording started or since the last crop (see `MemoryCacheLayer`).
+        self.recorded_forwards: list[RecordedForward] = []
 
     @staticmethod
     def layer_count(config) -> int:
@@ -395,6 +447,80 @@ class MemoryCache(Cache):
     def reset(self):
         super().reset()
         self.next_positions = None
+        self.recorded_forwards = []
+
+    @property
+    def recording(self) -> bool:
+        """Whether the forwards keep what `crop` needs to undo them (`activate_past_recording`)."""
+        return bool(self.layers) and all(layer.record_past for layer in self.layers)
+
+    def record_forward(self, length: int, valid: torch.Tensor | None):
+        """Called by the model at the start of a forward into a recording cache, before it moves `next_positions`:
+        `valid` (B, T) is the forward's padding mask in the caller's order (None: every token real)."""
+        self.recorded_forwards.append(RecordedForward(length, valid, self.next_positions))
+
+    def stop_past_recording(self):
+        """Stop recording and drop whatever was recorded (generate does this as it returns the cache)."""
+        for layer in self.layers:
+            layer.stop_past_recording()
+        self.recorded_forwards = []
+
+    def crop(self, tokens_to_remove: int):
+        """Remove the last `-tokens_to_remove` tokens (🤗's convention: `crop(-n)`): the memory becomes what the tokens
+        before them gave, as if they had never been read; `crop(0)` keeps every token. Both end what was recorded for
+        rolling back, so a later `crop` can remove only tokens read after this one. Needs `activate_past_recording`
+        before the forwards of the tokens to remove (🤗's `generate` calls it for assisted decoding)."""
+        name = type(self).__name__
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(
+                f"{name}.crop takes minus the number of tokens to remove: crop(-n) removes the last n, crop(0) keeps "
+                f"them all; got crop({tokens_to_remove!r})."
+            )
+        count = -tokens_to_remove
+        if not self.recording:
+            if count:
+                raise ValueError(
+                    f"This {name} records no past, so its last {count} tokens cannot be removed: call "
+                    "activate_past_recording() before the forwards to roll back (🤗's generate does it for assisted "
+                    "and prompt-lookup decoding)."
+                )
+            return
+        total = sum(forward.length for forward in self.recorded_forwards)
+        if count > total:
+            raise ValueError(
+                f"This {name} can remove at most the {total} tokens read since recording started or since the last "
+                f"crop; got crop({tokens_to_remove})."
+            )
+        rollback = self._rollback(total - count)
+        for layer in self.layers:
+            if layer.recorded:
+                layer.roll_back(rollback)
+            layer.seen_tokens -= count
+            layer.recorded = []
+            if layer.seen_tokens == 0:  # everything the cache had read is gone: as fresh as a new cache
+                layer.reset()
+                layer.record_past = True
+        if rollback.removes_tokens:
+            self.next_positions = rollback.next_positions
+        self.recorded_forwards = []
+
+    def _rollback(self, kept_total: int) -> Rollback:
+        """Where the first `kept_total` of the recorded tokens end: the forward the cut falls in, its kept tokens and
+        each row's next position after them."""
+        forwards = self.recorded_forwards
+        before = 0
+        for index, forward in enumerate(forwards):
+            if before + forward.length > kept_total:
+                kept = kept_total - before
+                next_positions = forward.next_positions
+                real = forward.real_tokens(kept)
+                if kept and next_positions is None and self.next_positions is not None:
+                    next_positions = torch.zeros_like(self.next_positions)  # the cache was fresh before it
+                if kept and next_positions is not None:
+                    next_positions = next_positions + (kept if real is None else real.to(next_positions.device))
+                return Rollback(forwards, index, kept, next_positions)
+            before += forward.length
+        return Rollback(forwards, len(forwards), 0, self.next_positions)
 
     @property
     def not_compileable_reason(self) -> str | None:
@@ -508,21 +634,50 @@ class CountsOwnPositions(DeclinesContinuousBatching, CacheNameGeneration):
     positions from the attention mask and their cache; 🤗's position_ids for the tokens after a right-padded prompt
     repeat the prompt's positions. (`generate(cache=...)` works on every 🤗 release: `CacheNameGeneration`.) Nor
     does it pass on what it keeps for itself (`GENERATE_OWN_KWARGS`), and continuous batching is declined
-    (`DeclinesContinuousBatching`)."""
+    (`DeclinesContinuousBatching`).
 
-    # The model's cache class, which `generate` builds before the prompt runs when it may compile the decoding step.
-    cache_class: type[MemoryCache]
+    Speculative decoding (`assistant_model=`, `prompt_lookup_num_tokens=`): 🤗 verifies the drafted tokens in one
+    forward and crops the cache back to the last accepted one, so it needs the cache before the first forward, where
+    memlm's models otherwise make their own (`cache_class`). No recording outlives `generate`. Compiled decoding
+    (`compile_config=`) needs it before the first forward too: `generate` decides whether to compile from the cache."""
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        # The models build their own cache at the first forward; `generate` decides whether to compile the decoding
-        # step before it, from the cache it holds, so with a `compile_config` the cache is built here.
+    # The model's cache (a `MemoryCache`); set by each model.
+    cache_class: type[MemoryCache] = MemoryCache
+
+    def draft_verification_problem(self) -> str | None:
+        """Why this model cannot verify drafted tokens exactly (one forward over several tokens gives other logits than
+        reading them one by one), or None when it can."""
+        return None
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            problem = self.draft_verification_problem()
+            if problem is not None:
+                raise ValueError(problem)
+        return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        speculative = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+        compiled = generation_config.compile_config is not None
         if (
-            model_kwargs.get(CACHE_NAME) is None
-            and generation_config.use_cache
-            and generation_config.compile_config is not None
+            (speculative or compiled)
+            and generation_config.use_cache is not False
+            and model_kwargs.get(CACHE_NAME) is None
         ):
             model_kwargs[CACHE_NAME] = self.cache_class(self.config)
+            if generation_config.is_assistant:  # the drafting model's cache is cropped by its candidate generator
+                model_kwargs[CACHE_NAME].activate_past_recording()
+
+    @functools.wraps(GenerationMixin.generate)
+    def generate(self, *args, **kwargs):
+        output = super().generate(*args, **kwargs)
+        generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+        if not getattr(generation_config, "is_assistant", False):  # an assistant's cache lives on between its calls
+            for cache in (kwargs.get("cache"), kwargs.get("past_key_values"), output_cache(output)):
+                if isinstance(cache, MemoryCache):
+                    cache.stop_past_recording()
+        return output
 
     def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
         """🤗's rule for compiling the decoding step (a compileable cache, on a GPU or with `_compile_all_devices`),

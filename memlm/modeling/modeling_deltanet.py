@@ -10,7 +10,9 @@ The file reads top to bottom: small blocks (short convolution, feature map; norm
 → the decoder layer → the cache (`cache`) → PreTrainedModel → DeltaNetModel → DeltaNetForCausalLM.
 """
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,7 @@ from .layers import RMSNorm, add_sublayer_output, make_mlp, make_norm, sublayer_
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
+    Rollback,
     StaticMemoryCacheLayer,
     causal_lm_loss,
     check_extra_kwargs,
@@ -199,7 +202,11 @@ def running_key_sums(
     sums = sums - before[:, :, sequence]
     if initial is not None:
         sums = sums + initial.transpose(0, 1)[None, :, sequence].to(sums.dtype)
-    return sums, sums[0, :, cu_seqlens[1:].long() - 1].transpose(0, 1)
+    last = sums[0, :, (cu_seqlens[1:].long() - 1).clamp_min(0)].transpose(0, 1)
+    # A sequence without tokens (a row all padding) keeps its z_0, not the sum of the sequence before it.
+    empty = (lengths == 0)[:, None, None]
+    kept = initial.to(sums.dtype) if initial is not None else torch.zeros((), dtype=sums.dtype, device=sums.device)
+    return sums, torch.where(empty, kept, last)
 
 
 @use_kernel_forward_from_hub("DeltaNetAttention")
@@ -254,13 +261,16 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cu_seqlens_cpu: list[int] | None = None,
         key_sum: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        return_writes: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, tuple | None]:
         """hidden_states (B, T, D); attention_mask (B, T), 1 for each row's real tokens, which come first, and 0 for
         the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32,
         convolution_tail (B, kernel-1, C) and key_sum (B, H, d_k), the delta rule's attention normaliser z, carried
         from earlier tokens; returns the output and the three states after the input. With cu_seqlens (S + 1 offsets),
         hidden_states (1, N, D) hold S sequences back to back (`PaddingPacker`) and nothing is padded; cu_seqlens_cpu
-        is the same offsets on the host, so that the kernels read nothing back from the device."""
+        is the same offsets on the host, so that the kernels read nothing back from the device. `return_writes`
+        (a cache recording its past): also return what the input wrote, the short convolution's inputs and the keys,
+        values and β as the rule took them (see `DeltaNetWrites`); else None in its place."""
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
         projections = (self.q_proj, self.k_proj, self.v_proj)
@@ -279,6 +289,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             keep = attention_mask[:, :, None].bool()
             lengths = attention_mask.sum(1)
             projected = projected.masked_fill(~keep, 0.0)  # padding enters neither the convolution nor the memory
+        convolution_inputs = projected if self.convolution is not None else None
         new_tail = None
         if self.convolution is not None:
             projected, new_tail = self.convolution(projected, convolution_tail, lengths, cu_seqlens)
@@ -310,6 +321,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
 
         new_key_sum = None
         if self.config.update_rule == "delta":
+            writes = (convolution_inputs, key, value, beta) if return_writes else None
             output, new_state = delta_rule(
                 query, key, value, beta, initial_state=fast_weights, output_final_state=return_state,
                 chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -326,6 +338,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             if self.config.attention_normalizer:
                 # Appending a constant 1 to the values makes the last column of S the normaliser z_t = Σ k_τ.
                 value = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
+            writes = (convolution_inputs, key, value, None) if return_writes else None
             output, new_state = sum_rule(
                 query, key, value, initial_state=fast_weights, output_final_state=return_state,
                 chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -342,7 +355,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         if self.config.scale_output:
             output = output * self.key_head_dim**-0.5  # the official code's `self.scale`
         output = self.o_proj(output.reshape(batch_size, length, -1))
-        return output, new_state, new_tail, new_key_sum
+        return output, new_state, new_tail, new_key_sum, writes
 
 
 class DeltaNetDecoderLayer(GradientCheckpointingLayer):
@@ -371,10 +384,11 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         cu_seqlens: torch.Tensor | None = None,
         cu_seqlens_cpu: list[int] | None = None,
         key_sum: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        mixed, fast_weights, convolution_tail, key_sum = self.attention(
+        return_writes: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, tuple | None]:
+        mixed, fast_weights, convolution_tail, key_sum, writes = self.attention(
             sublayer_input(hidden_states, self.input_layernorm, self.norm_position), attention_mask, fast_weights,
-            convolution_tail, return_state, cu_seqlens, cu_seqlens_cpu, key_sum,
+            convolution_tail, return_state, cu_seqlens, cu_seqlens_cpu, key_sum, return_writes,
         )  # fmt: skip
         hidden_states = add_sublayer_output(
             hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
@@ -383,7 +397,7 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         hidden_states = add_sublayer_output(
             hidden_states, self.dropout(mlp_output), self.post_attention_layernorm, self.norm_position
         )
-        return hidden_states, fast_weights, convolution_tail, key_sum
+        return hidden_states, fast_weights, convolution_tail, key_sum, writes
 
 
 class AdaptiveLogSoftmaxHead(nn.Module):
@@ -422,13 +436,74 @@ class AdaptiveLogSoftmaxHead(nn.Module):
         return torch.cat(parts, dim=-1).to(hidden_states.dtype)
 
 
+@dataclass
+class DeltaNetWrites:
+    """What one forward wrote into a layer's memory, kept while its cache records its past (speculative decoding), so
+    that `crop` rebuilds the memory after any prefix of the forward's tokens without the model: the short convolution's
+    inputs (B, T, C) (None without it), and the keys (B, H, T, d_k), values (B, H, T, d_v) and β (B, H, T) (None: β = 1)
+    as the rule took them, each row's real tokens first and its padding (zero keys, which write nothing) after them.
+    T·(2·d_k + d_v) numbers per head instead of a d_k × d_v state per token; a cut inside the forward replays only the
+    kept tokens, with the kernel the forward ran."""
+
+    inputs: torch.Tensor | None
+    key: torch.Tensor
+    value: torch.Tensor
+    beta: torch.Tensor | None
+    update_rule: str
+    chunk_size: int
+    sums_keys: bool  # the delta rule's attention normaliser z is carried too
+    convolution_width: int  # how many inputs the convolution's tail keeps (kernel − 1)
+    hub_kernel: object = None
+
+    def in_rows(self, padding: PaddingPacker | None) -> "DeltaNetWrites":
+        """The writes of a packed forward (one row of sequences back to back) as rows, real tokens first."""
+        if padding is None or padding.cu_seqlens is None:
+            return self
+        key, value = padding.as_rows(self.key, 2), padding.as_rows(self.value, 2)
+        beta = None if self.beta is None else padding.as_rows(self.beta, 2)
+        inputs = None if self.inputs is None else padding.as_rows(self.inputs, 1)
+        return dataclasses.replace(self, inputs=inputs, key=key, value=value, beta=beta)
+
+    def states_after(self, kept: int, real: torch.Tensor | None, fast_weights, convolution_tail, key_sum):
+        """The fast weights, convolution tail and key sum after the forward's first `kept` tokens (in the caller's
+        order), of which `real` (B,) are real in each row (None: all), from those before the forward."""
+        key, value = self.key[:, :, :kept], self.value[:, :, :kept]
+        beta = None if self.beta is None else self.beta[:, :, :kept]
+        if real is not None:  # a row's tokens past its kept real ones are rolled back: they write nothing
+            written = torch.arange(kept, device=key.device) < real.to(key.device)[:, None]
+            key = torch.where(written[:, None, :, None], key, torch.zeros((), dtype=key.dtype, device=key.device))
+        if self.update_rule == "delta":
+            _, fast_weights = delta_rule(
+                key, key, value, beta, initial_state=fast_weights, output_final_state=True,
+                chunk_size=self.chunk_size, hub_kernel=self.hub_kernel,
+            )  # fmt: skip
+        else:
+            _, fast_weights = sum_rule(
+                key, key, value, initial_state=fast_weights, output_final_state=True, chunk_size=self.chunk_size
+            )
+        if self.sums_keys:
+            _, key_sum = running_key_sums(key, key_sum, None)
+        if self.inputs is not None:  # the tail ends at each row's last kept real input, as the convolution's does
+            inputs = self.inputs[:, :kept]
+            batch_size, _, channels = inputs.shape
+            width = self.convolution_width
+            if convolution_tail is None:
+                convolution_tail = inputs.new_zeros(batch_size, width, channels)
+            window = torch.cat([convolution_tail.to(inputs.dtype), inputs], dim=1)
+            ends = torch.full((batch_size,), kept, device=inputs.device) if real is None else real.to(inputs.device)
+            positions = ends[:, None] + torch.arange(width, device=inputs.device)
+            convolution_tail = window.gather(1, positions[..., None].expand(-1, -1, channels))
+        return fast_weights, convolution_tail, key_sum
+
+
 class DeltaNetCacheLayer(StaticMemoryCacheLayer):
     """The memory of one layer: fast weights S (B, H, d_k, d_v) in float32, the short convolution's last inputs
     (B, kernel-1, C), the delta rule's attention normaliser z (B, H, d_k), and the number of tokens seen. Its size is
-    fixed, so a compiled decoding step captures it (`StaticMemoryCacheLayer`)."""
+    fixed, so a compiled decoding step captures it (`StaticMemoryCacheLayer`). While the cache records its past, each
+    forward keeps the states before it (then replaced, never written in place) and its writes (`DeltaNetWrites`), from
+    which `roll_back` replays the kept tokens."""
 
     tensor_names = ("fast_weights", "convolution_tail", "key_sum")
-    rollback_message = "A DeltaNet memory cannot be rolled back: its fast weights keep no per-token history."
 
     def __repr__(self):
         shape = None if self.fast_weights is None else tuple(self.fast_weights.shape)
@@ -444,13 +519,29 @@ class DeltaNetCacheLayer(StaticMemoryCacheLayer):
         convolution_tail: torch.Tensor | None,
         num_tokens: int,
         key_sum: torch.Tensor | None = None,
+        writes: DeltaNetWrites | None = None,
     ):
-        # Written in place without autograd; with it replaced (a gradient-checkpointed layer recomputes from the
-        # states it was given). The tail, a slice of the whole input's projection, is stored as a copy either way.
+        if self.record_past:
+            self.recorded.append((self.fast_weights, self.convolution_tail, self.key_sum, writes))
+        # Written in place without autograd and without a recording; else replaced (a gradient-checkpointed layer
+        # recomputes from the states it was given, a recording keeps the states before each forward). The tail, a slice
+        # of the whole input's projection, is stored as a copy either way (`store`).
         self.store("fast_weights", fast_weights)
         self.store("key_sum", key_sum)
         self.store("convolution_tail", convolution_tail)
         self.count_tokens(num_tokens)
+
+    def roll_back(self, rollback: Rollback):
+        """The states before the forward the cut falls in, then its kept tokens replayed (none at a forward's start)."""
+        if not rollback.removes_tokens:
+            return
+        fast_weights, convolution_tail, key_sum, writes = self.recorded[rollback.forward]
+        if rollback.kept:
+            real = rollback.forwards[rollback.forward].real_tokens(rollback.kept)
+            fast_weights, convolution_tail, key_sum = writes.states_after(
+                rollback.kept, real, fast_weights, convolution_tail, key_sum
+            )
+        self.fast_weights, self.convolution_tail, self.key_sum = fast_weights, convolution_tail, key_sum
 
 
 class DeltaNetCache(MemoryCache):
@@ -473,8 +564,8 @@ class DeltaNetPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel)
     _can_compile_fullgraph = True
     _supports_sdpa = False
     _supports_flash_attn = False
-    # The memory cannot be rolled back, so assisted decoding (which needs rollback) is refused by `generate`.
-    _is_stateful = True
+    # The memory rolls back (`DeltaNetCache.crop`), so 🤗's assisted and prompt-lookup decoding run.
+    _is_stateful = False
     hub_card_template = "deltanet.md"
 
     @classmethod
@@ -523,6 +614,15 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         positions = torch.arange(length - 1, -1, -1.0, dtype=torch.float64)
         angles = torch.outer(positions, inverse_frequencies)
         return torch.cat([angles.sin(), angles.cos()], dim=-1).to(device=like.device, dtype=like.dtype)
+
+    def recorded_writes(self, attention: DeltaNetAttention, writes: tuple, padding) -> DeltaNetWrites:
+        """A layer's writes (`DeltaNetAttention.forward(return_writes=True)`) as a recording cache keeps them."""
+        config = self.config
+        return DeltaNetWrites(
+            *writes, update_rule=config.update_rule, chunk_size=config.chunk_size,
+            sums_keys=config.update_rule == "delta" and config.attention_normalizer,
+            convolution_width=config.convolution_size - 1, hub_kernel=swapped_kernel(attention),
+        ).in_rows(padding)  # fmt: skip
 
     def packs_padding(self, attention_mask: torch.Tensor) -> bool:
         """Whether a padded batch runs packed (`cu_seqlens`): with the delta rule on the Triton or FLA backend, and when
@@ -590,6 +690,14 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                 "start from an empty memory; they "
                 f"cannot continue a cache that has seen {cache.get_seq_length()} tokens. Pass them without a cache."
             )
+        recording = cache is not None and cache.recording
+        if recording:
+            if starts is not None:
+                raise ValueError(
+                    "A row holds packed documents (position_ids restarting at 0, seq_idx or cu_seq_lens); a cache that "
+                    "records its past for rolling back (activate_past_recording) takes one sequence per row."
+                )
+            cache.record_forward(length, attention_mask)
         padding = None
         # Whether a mask holds padding reads it, which torch.compile cannot trace: compiled, any mask runs the padded
         # path (with no padding it reorders nothing and masks nothing).
@@ -611,7 +719,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         all_hidden_states = (inputs_embeds,) if output_hidden_states else None
         for layer_idx, decoder_layer in enumerate(self.layers):
             cache_layer = cache.layers[layer_idx] if cache is not None else None
-            hidden_states, fast_weights, convolution_tail, key_sum = decoder_layer(
+            hidden_states, fast_weights, convolution_tail, key_sum, writes = decoder_layer(
                 hidden_states,
                 attention_mask=None if padding is None else padding.attention_mask,
                 fast_weights=cache_layer.fast_weights if cache_layer is not None else None,
@@ -620,6 +728,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                 cu_seqlens=None if padding is None else padding.cu_seqlens,
                 cu_seqlens_cpu=None if padding is None else padding.cu_seqlens_cpu,
                 key_sum=cache_layer.key_sum if cache_layer is not None else None,
+                return_writes=recording,
             )
             if cache_layer is not None:
                 if padding is not None:  # packed documents: a row keeps its last document's memory
@@ -628,7 +737,9 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                         padding.row_states(convolution_tail),
                         padding.row_states(key_sum),
                     )
-                cache_layer.update(fast_weights, convolution_tail, length, key_sum)
+                if writes is not None:
+                    writes = self.recorded_writes(decoder_layer.attention, writes, padding)
+                cache_layer.update(fast_weights, convolution_tail, length, key_sum, writes)
             if output_hidden_states:
                 if padding is not None:
                     # The next layer runs on this very tensor (gathered back), so it lies on the path to the loss.
@@ -653,6 +764,17 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
 class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, GenerationMixin):
     cache_class = DeltaNetCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    cache_class = DeltaNetCache
+
+    def draft_verification_problem(self) -> str | None:
+        if self.config.position_encoding == "sinusoidal":
+            return (
+                "This DeltaNet has position_encoding='sinusoidal', whose positions count down within each forward "
+                "call: verifying several drafted tokens in one forward gives other logits than decoding them one by "
+                "one, so assisted and prompt-lookup decoding would not give plain decoding's tokens. Decode without "
+                "assistant_model / prompt_lookup_num_tokens (such a model may still draft for another one)."
+            )
+        return None
 
     def __init__(self, config: DeltaNetConfig):
         super().__init__(config)

@@ -11,6 +11,7 @@ PreTrainedModel → ExpireSpanModel → ExpireSpanForCausalLM. The machinery aro
 the block-parallel forward (`blocks.py`).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,15 @@ from ..compat import (
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels.expire_attention import expire_span_attention
-from ..kernels.expire_attention.blocks import compact_memories, run_layer_over_blocks, split_into_blocks
+from ..kernels.expire_attention.blocks import (
+    compact_memories,
+    first_queries,
+    run_layer_over_blocks,
+    split_into_blocks,
+)
 from ..kernels.expire_attention.memory import (
     ExpireSpanMemory,
+    MemorySnapshot,
     decoding_slack,
     expired_memories,
     memory_counts,
@@ -55,6 +62,7 @@ from .memory import (
     CountsOwnPositions,
     MemoryCache,
     MemoryCacheLayer,
+    Rollback,
     causal_lm_loss,
     check_extra_kwargs,
     check_fits_in_memory,
@@ -297,19 +305,27 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
                 first_positions=None, delete_expired=True, counted_positions=False, relative_positions=None,
-                rotary_embedding=None, span_limit=None):  # fmt: skip
+                rotary_embedding=None, span_limit=None, recording=None):  # fmt: skip
         """Returns the new hidden states, the memories after this block (the earlier ones pruned for each row's first
-        query `first_positions`, then this block's), this block's spans, the span-loss sum and the memories read."""
+        query `first_positions`, then this block's), this block's spans, the span-loss sum and the memories read.
+        `recording` (a list; a cache recording its past): gets the memories as the block found them (before pruning)
+        and the block's own, from which a rollback rebuilds the memories after any of the block's tokens."""
         recompute = self.attention.config.recompute_memory
+        if memory is not None and recompute and memory.hidden_states is not None:
+            memory = self.recompute(memory, rotary_embedding)
+        found = MemorySnapshot.of(memory) if recording is not None else None
         if memory is not None:
-            if recompute and memory.hidden_states is not None:
-                memory = self.recompute(memory, rotary_embedding)
             memory = self.prune(memory, first_positions, delete_expired)
         mixed, memory, spans, span_loss_sum, read = self.attention(
             sublayer_input(hidden_states, self.input_layernorm, self.norm_position), positions, token_valid, cos, sin,
             memory, max_distance, counted_positions, relative_positions, hidden_states if recompute else None,
             span_limit,
         )  # fmt: skip
+        if recording is not None:  # the block's memories are the last slots, as the block made them
+            length = positions.shape[1]
+            own = dataclasses.replace(memory.slots(memory.width - length, length), positions=positions,
+                                      valid=token_valid)  # fmt: skip
+            recording.append((found, own))
         hidden_states = add_sublayer_output(
             hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
         )
@@ -321,10 +337,12 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
 
 class ExpireSpanCacheLayer(MemoryCacheLayer):
-    """The memories of one layer (an `ExpireSpanMemory`, or None before the first token) and the tokens seen."""
+    """The memories of one layer (an `ExpireSpanMemory`, or None before the first token) and the tokens seen. While the
+    cache records its past, each forward keeps the memories as it found them and, per block, as the block found them
+    with the block's own: a rollback restores the block the cut falls in, deletes what expired for its kept tokens'
+    first query and appends their memories, as a forward over the kept tokens alone would have."""
 
     tensor_names = ("memory",)
-    rollback_message = "An Expire-Span memory cannot be rolled back: expired memories are deleted."
     not_compileable_reason = (
         "An Expire-Span memory changes size as memories expire and are deleted (its width is data), so a compiled "
         "step would meet new shapes at almost every token; Expire-Span decodes eagerly."
@@ -345,6 +363,28 @@ class ExpireSpanCacheLayer(MemoryCacheLayer):
     def map(self, function):
         if self.memory is not None:
             self.memory = self.memory.map(function)
+
+    def roll_back(self, rollback: Rollback):
+        if not rollback.removes_tokens:
+            return
+        before, blocks, block_size, keep_span_inputs, expiry = self.recorded[rollback.forward]
+        if rollback.kept == 0:
+            self.memory = before.restore()
+            return
+        block, last = divmod(rollback.kept - 1, block_size)  # the block of the last kept token, its place there
+        found, own = blocks[block]
+        memory = found.restore()
+        kept = own.slots(0, last + 1)
+        if memory is not None:  # what expired for the kept tokens' first query (the block's may lie past the cut)
+            expire_memories, ramp, max_span, delete_expired = expiry
+            first = first_queries(kept.positions, kept.valid)
+
+            def dead(memory=memory):  # as `ExpireSpanDecoderLayer.prune` decides it without gradients
+                spans = memory.spans if expire_memories else None
+                return expired_memories(memory.positions, spans, first, ramp, max_span)
+
+            memory = memory.prune(dead if delete_expired else None)
+        self.memory = (kept if memory is None else memory.append(kept)).detached(keep_span_inputs)
 
 
 class ExpireSpanCache(MemoryCache):
@@ -374,8 +414,8 @@ class ExpireSpanPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedMode
     # Its memory's width is data (expired memories are deleted): the graph breaks where they are compacted.
     _can_compile_fullgraph = False
     _supports_sdpa = True
-    # Expired memories are deleted and cannot be brought back, so assisted decoding (which rolls back) is refused.
-    _is_stateful = True
+    # The memories roll back (`ExpireSpanCache.crop`), so 🤗's assisted and prompt-lookup decoding run.
+    _is_stateful = False
     hub_card_template = "expire_span.md"
 
     @classmethod
@@ -480,6 +520,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             cache.check_against(config, batch_size)
             past_length = cache.get_seq_length()
         token_valid = current_padding_mask(attention_mask, batch_size, length, past_length)
+        recording = cache is not None and cache.recording
+        if recording:
+            cache.record_forward(length, token_valid)
         if token_valid is None:
             token_valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         else:
@@ -526,7 +569,12 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         all_spans = []
         span_loss_sum = inputs_embeds.new_zeros((), dtype=torch.float32)
         read_count = torch.zeros((), dtype=torch.long, device=device)
+        # A recording cache keeps, per layer, the memories before the forward and what each block found and made.
+        before = [MemorySnapshot.of(cache.layers[index].memory) for index in range(len(memories))] if recording else []
+        block_records = [[] for _ in before]
         for index, decoder_layer in enumerate(self.layers):
+            if recording:
+                options["recording"] = block_records[index]
             layer_output, memories[index], layer_spans, layer_span_loss, layer_read = run_layer_over_blocks(
                 decoder_layer, hidden_states, blocks, memories[index], keep_span_inputs, max_distance=max_distance,
                 delete_expired=self.prune_expired_memories, counted_positions=position_ids is None, **options,
@@ -562,6 +610,10 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
 
         if cache is not None:
             for index, layer in enumerate(cache.layers):
+                if recording:
+                    expiry = (config.expire_memories, config.ramp, config.max_span, self.prune_expired_memories)
+                    layer.recorded.append((before[index], block_records[index], config.block_size, keep_span_inputs,
+                                           expiry))  # fmt: skip
                 layer.memory = memories[index]
                 layer.seen_tokens += length
             cache.next_positions = start_positions + token_valid.sum(1)
@@ -591,6 +643,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
 class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, GenerationMixin):
     cache_class = ExpireSpanCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    cache_class = ExpireSpanCache
 
     def __init__(self, config: ExpireSpanConfig):
         super().__init__(config)

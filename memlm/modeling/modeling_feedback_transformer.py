@@ -21,6 +21,7 @@ FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerFor
 import math
 import types
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +36,14 @@ from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.compiled import compiled as compiled_function
 from ..kernels.feedback.compiled import compiler_available, warn_no_compiler
+from ..kernels.feedback.tape import ring_slots
 from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, make_mlp, make_norm
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
+    Rollback,
     StaticMemoryCacheLayer,
     causal_lm_loss,
     check_extra_kwargs,
@@ -209,9 +212,24 @@ class FeedbackRecurrence(HubLayerMixin, nn.Module):
     loop (`kernels.kernelize`) while the weights stay the model's."""
 
     def forward(self, model, inputs_embeds, positions, valid, cache_layers, next_positions, padding_steps=0,
-                keep_states=False):  # fmt: skip
+                keep_states=False, carry_from=None):  # fmt: skip
         return feedback_recurrence(model, inputs_embeds, positions, valid, cache_layers, next_positions,
-                                   padding_steps=padding_steps, keep_states=keep_states)  # fmt: skip
+                                   padding_steps=padding_steps, keep_states=keep_states,
+                                   carry_from=carry_from)  # fmt: skip
+
+
+class FeedbackRecord(NamedTuple):
+    """What a forward into a recording `FeedbackCache` keeps, per key/value set, to be undone. When it wrote the ring in
+    place: the ring's width before it (None: no ring yet) and per step what the step's write overwrote. When it left a
+    window (the official layouts' step loop): the layer's tensors before it (keys, values, positions, valid, hidden,
+    ring) and every memory its first token saw (`window`: keys, values, positions, valid, hidden), within `reach`."""
+
+    ring_width: int | None
+    undo_steps: list | None
+    memory_span: int
+    before: tuple | None
+    window: tuple | None
+    reach: int
 
 
 class FeedbackCacheLayer(StaticMemoryCacheLayer):
@@ -219,12 +237,16 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
     position and whether it holds a memory. The ring grows with the context (doubling, capped at τ): while it holds
     fewer than τ slots no position has reached its end, so slot = position mod τ = position and growing keeps every
     slot where it is. With `full_ring` (compiled decoding, `FeedbackCache.prepare_compiled_decoding`) it holds τ slots
-    from the start, so its shapes never change; its size is bounded either way (`StaticMemoryCacheLayer`)."""
+    from the start, so its shapes never change; its size is bounded either way (`StaticMemoryCacheLayer`).
+
+    While the cache records its past (`FeedbackRecord`), a forward that writes the ring in place keeps, per step, what
+    the step overwrote (`undo_steps`, filled by the ring), and a rollback writes it back, newest first; a forward that
+    leaves a window (the official layouts' step loop) also gets back every memory its first token sees, from which a
+    rollback keeps those the token after the cut sees, as a forward over the kept tokens alone would have."""
 
     # `hidden`: with `memory_carry="hidden_states"`, the memories' hidden states (B, W, D), from which each forward
     # recomputes the keys and values (`keys` and `values` then hold those of the last forward).
     tensor_names = ("keys", "values", "positions", "valid", "hidden")
-    rollback_message = "A Feedback memory cannot be rolled back: its ring buffer overwrites the oldest memories."
 
     def __repr__(self):
         shape = None if self.keys is None else tuple(self.keys.shape)
@@ -236,6 +258,8 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
         # order (what a training forward or the reference loop leaves), turned into a ring when inference needs one.
         self.ring = False
         self.full_ring = False
+        # A list while a recording forward runs: what each step's write into the ring overwrote.
+        self.undo_steps = None
 
     def allocate_ring(
         self, batch_size: int, config: FeedbackTransformerConfig, dtype, device, slots: int | None = None
@@ -261,6 +285,56 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
             new = old.new_zeros(shape)
             new.narrow(2 if old.dim() == 4 else 1, 0, size).copy_(old)
             setattr(self, name, mark_static(new))
+
+    def roll_back(self, rollback: Rollback):
+        if not rollback.removes_tokens:
+            return
+        record = self.recorded[rollback.forward]
+        if record.window is None:
+            self._undo_ring_writes(rollback)
+        elif rollback.kept == 0:
+            self.keys, self.values, self.positions, self.valid, self.hidden, self.ring = record.before
+        else:
+            self._keep_window(record.window, rollback.next_positions, record.reach)
+
+    def _keep_window(self, window: tuple, following: torch.Tensor, reach: int):
+        """From the memories a forward's first token saw (`window`), those the next tokens (`following`, per row) see
+        within `reach` steps back, as a forward over the kept tokens would have carried them."""
+        keys, values, positions, valid, hidden = window
+        distance = following[:, None] - positions
+        valid = valid & (distance >= 1) & (distance <= reach)
+        kept = valid.any(0).nonzero()[:, 0]
+        self.keys, self.values = keys[:, :, kept], values[:, :, kept]
+        self.positions, self.valid = positions[:, kept], valid[:, kept]
+        self.hidden = None if hidden is None else hidden[:, kept]
+
+    def _undo_ring_writes(self, rollback: Rollback):
+        """Write back what the removed tokens' steps overwrote, newest first, then give the ring the slots a forward
+        over the kept tokens would have left (it may have grown for the removed ones)."""
+        rows = torch.arange(self.keys.shape[0], device=self.keys.device)
+        for index in range(len(self.recorded) - 1, rollback.forward - 1, -1):
+            forward, steps = rollback.forwards[index], self.recorded[index].undo_steps
+            removed = forward.length
+            if index == rollback.forward:  # a row's removed real tokens are its last steps (padding runs first)
+                real = forward.valid[:, rollback.kept :].sum(1) if forward.valid is not None else None
+                removed = forward.length - rollback.kept if real is None else real.to(rows.device)
+            for step in range(len(steps) - 1, -1, -1):
+                undone = torch.as_tensor(step >= len(steps) - removed, device=rows.device).expand(rows.shape[0])
+                if not bool(undone.any()):
+                    break
+                slots, keys, values, positions, valid = steps[step]
+                self.keys[rows, :, slots] = torch.where(undone[:, None, None], keys, self.keys[rows, :, slots])
+                self.values[rows, :, slots] = torch.where(undone[:, None, None], values, self.values[rows, :, slots])
+                self.positions[rows, slots] = torch.where(undone, positions, self.positions[rows, slots])
+                self.valid[rows, slots] = torch.where(undone, valid, self.valid[rows, slots])
+        record = self.recorded[rollback.forward]
+        width = record.ring_width
+        if rollback.kept:
+            needed = min(record.memory_span, max(int(rollback.next_positions.max()), 1))
+            width = ring_slots(width, needed, record.memory_span)
+        if width is not None and width < self.keys.shape[2]:
+            self.keys, self.values = self.keys[:, :, :width].clone(), self.values[:, :, :width].clone()
+            self.positions, self.valid = self.positions[:, :width].clone(), self.valid[:, :width].clone()
 
 
 class FeedbackCache(MemoryCache):
@@ -310,8 +384,8 @@ class FeedbackTransformerPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTr
     # A decoding step compiles to one graph over the ring of τ slots (with the PyTorch kernels, which CPUs run:
     # tests/modeling/test_compile.py).
     _can_compile_fullgraph = True
-    # The ring buffer overwrites its oldest memories, so assisted decoding (which rolls back) is refused.
-    _is_stateful = True
+    # The memory rolls back (`FeedbackCache.crop`), so 🤗's assisted and prompt-lookup decoding run.
+    _is_stateful = False
     hub_card_template = "feedback_transformer.md"
 
     @classmethod
@@ -673,6 +747,15 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         cache = cache if cache is not None else FeedbackCache(config)
         cache.check_against(config, batch_size)
         valid = current_padding_mask(attention_mask, batch_size, length, past_length_to_check(cache))
+        recording = cache.recording
+        if recording:
+            if torch.is_grad_enabled() and not self.needs_reference_loop:
+                raise ValueError(
+                    "This FeedbackCache records its past for rolling back (activate_past_recording, as generate does "
+                    "for assisted decoding), which it can do for forwards without gradients: run the model under "
+                    "torch.no_grad()."
+                )
+            cache.record_forward(length, valid)
         if valid is None:
             valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         else:
@@ -705,6 +788,16 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         memory_layers = cache.layers
         if self.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds)
+        carry_from = before = None
+        if recording:
+            # The ring logs what its writes overwrite; a window comes back with every memory this forward's first token
+            # sees, from which a rollback into the forward keeps what its next token sees.
+            carry_from = cache.next_positions
+            before = [(layer.keys, layer.values, layer.positions, layer.valid, layer.hidden, layer.ring)
+                      for layer in cache.layers]  # fmt: skip
+            ring_widths = [layer.keys.shape[2] if layer.ring else None for layer in cache.layers]
+            for layer in cache.layers:
+                layer.undo_steps = []
 
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
         top, all_states, window = self.recurrence(
@@ -716,20 +809,24 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             cache.next_positions,
             padding_steps,
             output_hidden_states,
+            carry_from=carry_from,
         )
         following = cache.next_positions + valid.sum(1)  # each row's next position after this call
+        reach = config.memory_span
+        if self.read_windows is not None and not torch.is_grad_enabled():
+            # Without gradients the weights stay as they are: keep only the memories some layer still reads.
+            reach = max(self.read_windows)
         if window is not None:
             # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
             # training forward takes it as its prefix, inference lays it out as a ring. With `memory_carry=
             # "hidden_states"` their hidden states too, from which the next forward recomputes keys and values.
             keys, values, slot_positions, slot_valid, *hidden = window
             hidden = hidden[0] if hidden else None
-            reach = config.memory_span
-            if self.read_windows is not None and not torch.is_grad_enabled():
-                # Without gradients the weights stay as they are: keep only the memories some layer still reads.
-                reach = max(self.read_windows)
+            if recording:  # every memory this forward's first token sees, per key/value set
+                seen_windows = [(keys[group], values[group], slot_positions, slot_valid, hidden)
+                                for group in range(len(cache.layers))]  # fmt: skip
             slot_valid = slot_valid & (following[:, None] - slot_positions <= reach)
-            if reach < config.memory_span:
+            if reach < config.memory_span or recording:  # (a recording forward's window reaches further back)
                 kept = slot_valid.any(0).nonzero()[:, 0]
                 keys, values = keys[:, :, :, kept], values[:, :, :, kept]
                 slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
@@ -738,8 +835,19 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
                 layer.hidden = hidden.detach().clone() if hidden is not None else None
-        if writes_in_place(cache.next_positions, following):
-            cache.next_positions.copy_(following)  # at the same address, for a compiled step
+        if recording:
+            for group, layer in enumerate(cache.layers):
+                if window is None:
+                    record = FeedbackRecord(
+                        ring_widths[group], layer.undo_steps, config.memory_span, None, None, reach
+                    )
+                else:
+                    record = FeedbackRecord(None, None, config.memory_span, before[group], seen_windows[group], reach)
+                layer.recorded.append(record)
+                layer.undo_steps = None
+        # In place for a compiled step (the same address); replaced while recording, whose record keeps the old one.
+        if not recording and writes_in_place(cache.next_positions, following):
+            cache.next_positions.copy_(following)
         else:
             cache.next_positions = following
         for layer in cache.layers:
@@ -818,6 +926,18 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
 class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsOwnPositions, GenerationMixin):
     cache_class = FeedbackCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    cache_class = FeedbackCache
+
+    def draft_verification_problem(self) -> str | None:
+        if self.config.carry_first_layer_norm:
+            return (
+                "This Feedback Transformer has carry_first_layer_norm=True: memories carried from an earlier forward "
+                "call pass the first layer's norm once more than those made within a call, so verifying several "
+                "drafted tokens in one forward gives other logits than decoding them one by one, and assisted and "
+                "prompt-lookup decoding would not give plain decoding's tokens. Decode without assistant_model / "
+                "prompt_lookup_num_tokens (such a model may still draft for another one)."
+            )
+        return None
 
     def __init__(self, config: FeedbackTransformerConfig):
         super().__init__(config)

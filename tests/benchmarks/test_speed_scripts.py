@@ -160,3 +160,18 @@ def test_compiled_decoding_compares_eager_and_compiled_and_times_first_compiles(
         row = rows[family]
         assert row["step_seconds"] > 0 and row["forward_seconds"] > 0  # Dynamo's tracing, at least
         assert abs(row["forward_over_step"] - row["forward_seconds"] / row["step_seconds"]) < 1e-9
+
+
+def test_speculative_decoding_table_times_three_ways_for_each_model_and_keeps_the_tokens(tmp_path):
+    """benchmarks/speculative_decoding.py --quick: every model decodes plainly, with prompt lookup and with an
+    assistant, the speculative ways give plain decoding's tokens, and the ratios and acceptance shares are the run's."""
+    results = run_script("speculative_decoding.py", "--quick", "--threads", "1", output=tmp_path / "results.json")
+    assert [row["model"] for row in results["rows"]] == ["DeltaNet", "Expire-Span", "Feedback", "🤗 Llama"]
+    new_tokens = results["settings"]["new_tokens"]
+    for row in results["rows"]:
+        assert row["plain_forwards"] == new_tokens  # one forward per token
+        for mode in ("lookup", "assistant"):
+            assert row[f"{mode}_identical"] is True
+            assert abs(row[f"{mode}_over_plain"] - row[f"{mode}_tokens_per_s"] / row["plain_tokens_per_s"]) < 1e-9
+            assert 1 <= row[f"{mode}_forwards"] <= new_tokens
+            assert row[f"{mode}_acceptance"] is None or 0 <= row[f"{mode}_acceptance"] <= 1

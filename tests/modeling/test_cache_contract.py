@@ -269,34 +269,60 @@ def test_len_is_the_number_of_memory_layers(family, model):
 # ---- rolling back, compiling, resetting ----
 
 
-def test_a_memory_cannot_be_cropped(family, model):
-    """`crop(0)` (what `generate` calls while it may still roll back) changes nothing; removing tokens is refused
-    with a message, and leaves the memory as it was."""
+def test_crop_rolls_back_the_last_tokens_of_a_recording_memory(family, model):
+    """After `activate_past_recording` (what `generate` calls for assisted decoding), `crop(-n)` makes the memory what
+    the tokens before the last n left; `crop(0)` keeps them all. Both end the recording's history: the next crop can
+    remove only what came after."""
+    input_ids, attention_mask = padded_batch()
+    decoded = following_tokens(ROWS, 3)
+    cache = family.cache_class(model.config)
+    assert cache.is_croppable is True
+    cache.activate_past_recording()
+    forward(model, cache, input_ids, attention_mask)
+    cache.crop(0)
+    for step in range(3):
+        forward(model, cache, decoded[:, step : step + 1])
+    cache.crop(-2)
+    reference = build_cache(family, model, input_ids, attention_mask, decoded[:, :1])
+    assert_same_memory(model, cache, reference, following_tokens(ROWS, 1, seed=2))  # both read one more token
+    assert cache.get_seq_length() == PROMPT_LENGTH + 2
+    cache.crop(0)
+    with pytest.raises(ValueError, match="can remove at most the 0 tokens read since"):
+        cache.crop(-1)
+
+
+def test_crop_without_recording_removes_nothing_and_refuses_to(family, model):
+    """Without recording a memory keeps no history: `crop(0)` changes nothing, removing tokens is refused with a
+    message naming `activate_past_recording`, and a positive count (🤗's old absolute length) is refused too."""
     input_ids, attention_mask = padded_batch()
     cache = build_cache(family, model, input_ids, attention_mask, following_tokens(ROWS, 1))
-    assert cache.is_croppable is False
     before = copy.deepcopy(cache)
     cache.crop(0)
-    for tokens_to_remove in (-1, 1):
-        with pytest.raises(ValueError, match="cannot be rolled back"):
-            cache.crop(tokens_to_remove)
+    with pytest.raises(ValueError, match="records no past.*activate_past_recording"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match=r"crop takes minus the number of tokens to remove.*crop\(1\)"):
+        cache.crop(1)
+    assert cache.recorded_forwards == [] and all(layer.recorded == [] for layer in cache.layers)
     assert_same_memory(model, cache, before, following_tokens(ROWS, 1, seed=2))
 
 
-def test_activate_past_recording_changes_nothing(family, model):
-    """A memory keeps no per-token history to record: the call leaves it as it was and not recording."""
+def test_activate_past_recording_changes_nothing_in_the_memory(family, model):
+    """Recording starts for every layer (`is_recording_past`) and leaves the memory as it was."""
     input_ids, attention_mask = padded_batch()
     cache = build_cache(family, model, input_ids, attention_mask, following_tokens(ROWS, 1))
     before = copy.deepcopy(cache)
     cache.activate_past_recording()
-    assert [cache.is_recording_past(layer) for layer in range(len(cache))] == [False] * len(cache)
-    assert cache.is_croppable is False
+    assert [cache.is_recording_past(layer) for layer in range(len(cache))] == [True] * len(cache)
     assert_same_memory(model, cache, before, following_tokens(ROWS, 1, seed=2))
+    cache.stop_past_recording()
+    assert [cache.is_recording_past(layer) for layer in range(len(cache))] == [False] * len(cache)
+    assert cache.recorded_forwards == [] and all(layer.recorded == [] for layer in cache.layers)
 
 
 def test_only_memories_of_bounded_size_are_compileable(family, model):
     """`generate` compiles the decoding step only over a compileable cache: DeltaNet's fast weights and the Feedback
-    ring keep their size (written in place), Expire-Span's memory changes size as its memories expire, and says so."""
+    ring keep their size (written in place), Expire-Span's memory changes size as its memories expire, and says so; a
+    recording memory (🤗's rule for its own layers: a cache recording its past is not compileable) keeps lists."""
     compileable = family.model_class is not memlm.ExpireSpanForCausalLM
     cache = family.cache_class(model.config)
     assert cache.is_compileable is compileable
@@ -307,6 +333,9 @@ def test_only_memories_of_bounded_size_are_compileable(family, model):
         assert cache.not_compileable_reason is None
     else:
         assert "changes size as memories expire" in cache.not_compileable_reason
+    cache.activate_past_recording()
+    assert cache.is_compileable is False
+    assert cache.not_compileable_reason is not None
 
 
 def test_reset_empties_the_cache(family, model):

@@ -291,3 +291,17 @@ def test_packed_offsets_are_read_back_once_per_forward_not_per_layer(backend, mo
             model(input_ids, attention_mask=mask, position_ids=position_ids)
         reads.append(counted.count)
     assert reads[0] == reads[1], reads
+
+
+def test_a_packed_sequence_without_tokens_keeps_its_key_sum():
+    """The attention normaliser z of a row that is all padding in a packed call (a sequence of length 0) stays its
+    z_0, not the sum of the sequence packed before it."""
+    from memlm.modeling.modeling_deltanet import running_key_sums
+
+    keys = torch.rand(1, 2, 3, 4)  # three tokens, all of the first sequence
+    initial = torch.rand(2, 2, 4)
+    _, last = running_key_sums(keys, initial, torch.tensor([0, 3, 3]))
+    torch.testing.assert_close(last[0], initial[0] + keys[0].sum(1))
+    torch.testing.assert_close(last[1], initial[1])
+    _, last = running_key_sums(keys, None, torch.tensor([0, 3, 3]))
+    assert torch.equal(last[1], torch.zeros(2, 4))

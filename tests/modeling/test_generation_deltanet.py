@@ -122,7 +122,11 @@ def test_text_generation_pipeline_with_a_saved_tokenizer(tmp_path, tokenizer):
     assert [row[0]["generated_text"][:3] for row in batched] == ["One", "Two"]
 
 
-def test_assisted_generation_is_refused():
-    model = _model()
-    with pytest.raises(ValueError, match="stateful"):
-        model.generate(torch.randint(0, 256, (1, 4)), assistant_model=_model(), max_new_tokens=3)
+def test_assisted_generation_is_refused_with_positions_counted_within_each_call():
+    """Sinusoidal positions count down within each forward call, so verifying drafts in one call would not give the
+    tokens of plain decoding (assisted decoding itself: tests/modeling/test_speculative_decoding.py)."""
+    model = _model(position_encoding="sinusoidal")
+    prompt = torch.randint(0, 256, (1, 4))
+    for speculation in ({"assistant_model": _model()}, {"prompt_lookup_num_tokens": 2}):
+        with pytest.raises(ValueError, match="position_encoding='sinusoidal'.*verifying several drafted tokens"):
+            model.generate(prompt, max_new_tokens=3, do_sample=False, **speculation)

@@ -8,8 +8,8 @@ model. The settings are the ones 🤗 gives its own recurrent models (Mamba, RWK
 
 - `has_attentions = False`: no `output_attentions` (the memory is not an attention matrix), so the attention checks
   are skipped, as for Mamba;
-- the cache is the model's own (`_is_stateful = True`): no `DynamicCache` format or static-cache checks, and no
-  assisted or prompt-lookup decoding, which 🤗 refuses for stateful models (it must crop the cache);
+- the cache is the model's own: no `DynamicCache` format or static-cache checks; it rolls back (`crop`), so assisted
+  and prompt-lookup decoding run (`_is_stateful = False`, unlike 🤗's Mamba and RWKV);
 - no sequence-classification or question-answering heads, so `test_problem_types` and the head checks do not apply.
 
 To run 🤗's own mixins instead: download transformers' source distribution of the installed version (`pip download
@@ -672,8 +672,18 @@ class TransformersContract:
         with pytest.raises(AttributeError, match="init_continuous_batching"):
             model.generate_batch(inputs["input_ids"].tolist(), generation_config=GenerationConfig(max_new_tokens=2))
 
-    def test_assisted_decoding(self):
-        pytest.skip("_is_stateful: 🤗 refuses assisted and prompt-lookup decoding for stateful models (Mamba, RWKV)")
+    def test_assisted_decoding_matches_greedy_search(self):
+        """🤗's check: assisted decoding with the model as its own assistant, and prompt-lookup decoding, give greedy
+        search's tokens and scores (batch 1, as 🤗 allows; the row's padding anywhere, as the testers draw it)."""
+        model, inputs = self._generation_model()
+        prompt, mask = inputs["input_ids"][:1], inputs["attention_mask"][:1]
+        settings = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True,
+                    "output_scores": True}  # fmt: skip
+        greedy = model.generate(prompt, **settings)
+        for speculation in ({"assistant_model": model}, {"prompt_lookup_num_tokens": 2}):
+            assisted = model.generate(prompt, **settings, **speculation)
+            assert torch.equal(assisted.sequences, greedy.sequences)
+            _outputs_close(assisted.scores, greedy.scores)
 
     def test_past_key_values_format(self):
         pytest.skip("the model's own recurrent cache, not a DynamicCache of keys and values (as 🤗's Mamba)")

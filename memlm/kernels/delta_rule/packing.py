@@ -70,6 +70,19 @@ class PaddingPacker:
             return hidden_states
         return hidden_states.gather(1, self.order[..., None].expand_as(hidden_states))
 
+    def as_rows(self, packed: torch.Tensor, dim: int) -> torch.Tensor:
+        """A packed tensor (batch 1, the N real tokens along `dim`, one sequence per row) → (B, ..., T, ...): each
+        row's real tokens first, in order, and zeros after them, the layout of the reordered (unpacked) runs."""
+        batch_size, length = self.shape
+        steps = torch.arange(length, device=packed.device)
+        real = steps < self.lengths.to(packed.device)[:, None]  # (B, T)
+        index = torch.where(real, self.cu_seqlens[:-1, None].to(packed.device).long() + steps, 0)
+        rows = packed[0].index_select(dim - 1, index.flatten())  # N → B·T along dim − 1
+        rows = rows.unflatten(dim - 1, (batch_size, length)).movedim(dim - 1, 0)
+        shape = [batch_size] + [1] * (rows.dim() - 1)
+        shape[dim] = length
+        return torch.where(real.view(shape), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
     def scatter(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The inverse of `gather`: back to (B, T, D) in the caller's order."""
         if self.cu_seqlens is not None:

@@ -13,7 +13,7 @@ import torch
 
 from .memory import ExpireSpanMemory
 
-__all__ = ["Block", "compact_memories", "run_layer_over_blocks", "split_into_blocks"]
+__all__ = ["Block", "compact_memories", "first_queries", "run_layer_over_blocks", "split_into_blocks"]
 
 
 class Block(NamedTuple):
@@ -27,6 +27,12 @@ class Block(NamedTuple):
     first_positions: torch.Tensor  # (B,) each row's first real query, -1 when the row has none (deletes nothing)
 
 
+def first_queries(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B,) each row's first real query among `positions` (B, T), -1 for a row with none (which deletes nothing)."""
+    first = torch.where(valid, positions, torch.iinfo(torch.long).max).amin(1)
+    return first.masked_fill(~valid.any(1), -1)
+
+
 def split_into_blocks(positions, token_valid, block_size: int, rotary_embedding) -> list[Block]:
     """The blocks of `block_size` tokens of an input with `positions` and `token_valid` (B, T); `rotary_embedding`
     gives each block's cos and sin (None: no rotation)."""
@@ -34,8 +40,7 @@ def split_into_blocks(positions, token_valid, block_size: int, rotary_embedding)
     for start in range(0, positions.shape[1], block_size):
         tokens = slice(start, start + block_size)
         block_positions, block_valid = positions[:, tokens], token_valid[:, tokens]
-        first_positions = torch.where(block_valid, block_positions, torch.iinfo(torch.long).max).amin(1)
-        first_positions = first_positions.masked_fill(~block_valid.any(1), -1)
+        first_positions = first_queries(block_positions, block_valid)
         rotation = rotary_embedding(block_positions) if rotary_embedding is not None else (None, None)
         blocks.append(Block(tokens, block_positions, block_valid, *rotation, first_positions))
     return blocks

@@ -26,6 +26,7 @@ from .reference import expire_span_mask, memory_statistics, visible_keys
 __all__ = [
     "COMPACT_FRACTION",
     "ExpireSpanMemory",
+    "MemorySnapshot",
     "check_interval",
     "decoding_slack",
     "expired_memories",
@@ -159,6 +160,15 @@ class ExpireSpanMemory:
         views.update({name: buffer.tensors[name].narrow(_SLOT_DIMENSION[name], 0, total) for name in names})
         return ExpireSpanMemory(**views, buffer=buffer)
 
+    def slots(self, start: int, count: int) -> "ExpireSpanMemory":
+        """The `count` slots from `start` on, as views, without the buffer (appending them copies them)."""
+        return ExpireSpanMemory(
+            **{
+                name: None if tensor is None else tensor.narrow(_SLOT_DIMENSION[name], start, count)
+                for name, tensor in self.tensors().items()
+            }
+        )
+
     def detached(self, keep_span_inputs: bool) -> "ExpireSpanMemory":
         """The memories as later blocks read them: without gradient to the hidden states that made them, and without
         span inputs unless kept (training, so that spans follow the current parameters)."""
@@ -199,6 +209,39 @@ class ExpireSpanMemory:
             return self.select(keep, width)  # a new memory: its slack is computed again at the next step
         self.expiry_slack = None  # recomputed at the next step: without the dead memories it may have grown
         return self
+
+
+@dataclass
+class MemorySnapshot:
+    """A layer's memories as they stood before a block, to come back to (a cache rolling back speculative tokens) after
+    later blocks changed the buffer they share in place: appends write past the snapshot's width, which it does not
+    see, but lazy pruning marks memories dead in its slots, so the validity is copied, with the buffer's counters."""
+
+    memory: ExpireSpanMemory | None
+    valid: torch.Tensor | None = None
+    used: int | None = None
+    next_check: int | None = None
+    expiry_slack: float | None = None
+
+    @classmethod
+    def of(cls, memory: ExpireSpanMemory | None) -> "MemorySnapshot":
+        if memory is None:
+            return cls(None)
+        buffer = memory.buffer
+        return cls(memory, memory.valid.clone(), buffer and buffer.used, buffer and buffer.next_check,
+                   memory.expiry_slack)  # fmt: skip
+
+    def restore(self) -> ExpireSpanMemory | None:
+        """The memory as it was: its validity written back (in place: the buffer's later views are dropped) and the
+        buffer's counters, so that the next append writes where the snapshot ends."""
+        memory = self.memory
+        if memory is None:
+            return None
+        memory.valid.copy_(self.valid)
+        if memory.buffer is not None:
+            memory.buffer.used, memory.buffer.next_check = self.used, self.next_check
+        memory.expiry_slack = self.expiry_slack
+        return memory
 
 
 def decoding_slack(

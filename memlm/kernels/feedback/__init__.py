@@ -71,6 +71,7 @@ def feedback_recurrence(
     padding_steps: int = 0,
     keep_states: bool = False,
     backend: str | None = None,
+    carry_from: torch.Tensor | None = None,
 ):
     """Run ``model.step`` over the T positions of a batch, with the memory carried in ``cache_layers``.
 
@@ -88,6 +89,9 @@ def feedback_recurrence(
         keep_states: also return every layer's output at every step (for ``output_hidden_states``).
         backend: ``"torch"``, ``"triton"``, ``"fla"`` (the last two run as ``"torch"``) or ``"reference"``; ``None``
             reads ``$MEMLM_KERNELS``.
+        carry_from: (B,) where the memory returned as a window must stay visible from (default: each row's next real
+            token after this call): a cache that may roll tokens back (speculative decoding) carries what its
+            earliest next token sees. The ring is written in place whatever it says.
 
     Returns:
         The top layer's outputs (B, T, D); the list of every step's layer outputs (empty unless ``keep_states``, or
@@ -101,7 +105,7 @@ def feedback_recurrence(
     # the attention weights) run through the reference only: autograd through every step.
     if backend == "reference" or getattr(model, "needs_reference_loop", False):
         return feedback_recurrence_reference(model.step, inputs_embeds, positions, valid, cache_layers,
-                                             next_positions, config.memory_span)  # fmt: skip
+                                             next_positions, config.memory_span, carry_from)  # fmt: skip
     training = torch.is_grad_enabled() and (
         inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in model.parameters())
     )

@@ -95,7 +95,8 @@ class ListMemory:
         return window
 
 
-def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_layers, next_positions, memory_span):
+def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_layers, next_positions, memory_span,
+                                  carry_from=None):  # fmt: skip
     """Run `step` over the T positions with a `ListMemory`.
 
     Args:
@@ -105,6 +106,8 @@ def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_l
         cache_layers: the key/value sets entering the sequence (`keys` None: empty).
         next_positions: (B,) the position of each row's next real token before this call.
         memory_span: τ.
+        carry_from: (B,) positions from which the carried memories must stay visible (default: each row's next real
+            token after this call); a cache that may roll tokens back carries those its earliest next token sees.
 
     Returns:
         The top layer's outputs (B, T, D), the list of every step's layer outputs, and the memory to carry: keys and
@@ -120,7 +123,7 @@ def feedback_recurrence_reference(step, inputs_embeds, positions, valid, cache_l
         outputs.append(hidden_states)
         states.append(layer_states)
     _, _, memory_positions, memory_valid = memory.window(0, len(outputs))
-    following = next_positions + valid.sum(1)
+    following = next_positions + valid.sum(1) if carry_from is None else carry_from
     carried = (memory_valid & (following[:, None] - memory_positions <= memory_span)).any(0).nonzero()[:, 0].tolist()
     window = memory.carried(carried)
     return torch.stack(outputs, dim=1), states, window

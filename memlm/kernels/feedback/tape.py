@@ -8,12 +8,29 @@
 
 A store answers the step function's three calls: `window` (positions and validity of the slots a step may read),
 `read` (attention of the step's queries over them) and `write` (the step's new memory).
+
+A cache layer whose `undo_steps` is a list (a cache recording its past, for speculative decoding) gets from the ring,
+per step, what the step's write overwrote, from which the cache rolls the ring back.
 """
 
 import types
 
 import torch
 import torch.nn.functional as F
+
+# A growing ring gets at least this many slots (decoding from a short prompt would otherwise double it often).
+LEAST_RING_SLOTS = 16
+
+
+def ring_slots(current: int | None, needed: int, memory_span: int) -> int:
+    """How many slots a ring holds after a call that needs `needed` of them: a new ring (`current` None) exactly as
+    many; a ring of `current` slots keeps them when they suffice, else doubles (at least `LEAST_RING_SLOTS`), up to
+    τ = `memory_span`."""
+    if current is None:
+        return needed
+    if current >= needed:
+        return current
+    return min(memory_span, max(needed, 2 * current, LEAST_RING_SLOTS))
 
 
 def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -30,9 +47,6 @@ class _RingStore:
     """The memory when no gradient is needed: up to τ slots per row, slot = position mod τ, written in place. The
     cache's own buffers, so decoding a token costs O(τ) whatever the context length, with no copying; the ring holds
     the slots the context needs and doubles (capped at τ) when a call needs more (`FeedbackCacheLayer.grow_ring`)."""
-
-    # A growing ring gets at least this many slots (decoding from a short prompt would otherwise double it often).
-    least_slots = 16
 
     def __init__(self, cache_layers: list, next_positions: torch.Tensor, config, like, positions=None):
         """`positions` (B, T): the positions this call writes (−1 for padding); the ring grows to hold them."""
@@ -52,16 +66,17 @@ class _RingStore:
             if not cache_layers[0].full_ring:
                 needed = min(config.memory_span, max(self.filled, last, 1))
         window = None
+        self.undo = [None] * len(cache_layers)  # the window's layout below is no step of this call: nothing to undo
         if not cache_layers[0].ring:
             # An empty cache, or the window a training forward left: lay it out as a ring.
             if cache_layers[0].keys is not None:
                 window = [(layer.keys, layer.values) for layer in cache_layers]
                 window_positions, window_valid = cache_layers[0].positions, cache_layers[0].valid
             for layer in cache_layers:
-                layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device, needed)
+                layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device,
+                                    ring_slots(None, needed, config.memory_span))  # fmt: skip
         elif cache_layers[0].keys.shape[2] < needed:  # a longer context: double the ring (at most τ slots)
-            size = cache_layers[0].keys.shape[2]
-            slots = min(config.memory_span, max(needed, 2 * size, self.least_slots))
+            slots = ring_slots(cache_layers[0].keys.shape[2], needed, config.memory_span)
             for layer in cache_layers:
                 layer.grow_ring(slots)
         if window is not None:
@@ -70,6 +85,7 @@ class _RingStore:
             for index in range(keys.shape[3]):
                 self.write(index, keys[:, :, :, index], values[:, :, :, index], window_positions[:, index],
                            window_valid[:, index])  # fmt: skip
+        self.undo = [getattr(layer, "undo_steps", None) for layer in cache_layers]
 
     def window(self, group: int, step: int):
         layer = self.layers[group]
@@ -102,6 +118,10 @@ class _RingStore:
         span = self.memory_span  # a ring of fewer slots holds no position ≥ its size, so `slots` fits it
         rows = torch.arange(positions.shape[0], device=positions.device)
         slots = positions.clamp_min(0) % span
+        for layer, undo in zip(self.layers, self.undo):
+            if undo is not None:  # what this write overwrites (indexing copies), for rolling back
+                undo.append((slots, layer.keys[rows, :, slots], layer.values[rows, :, slots],
+                             layer.positions[rows, slots], layer.valid[rows, slots]))  # fmt: skip
         if not torch.compiler.is_compiling():  # padding has position −1, so an all-padding step changes nothing
             self.filled = max(self.filled, min(span, int(positions.max()) + 1))
         if not torch.compiler.is_compiling() and bool(valid.all()):  # no padding (decoding): plain writes

@@ -1,0 +1,270 @@
+"""How much faster does speculative decoding make greedy decoding of real text, for each memlm model and 🤗 Llama?
+
+The text: a piece of a Python standard library module's source (``inspect.getsource``; the first 512 tokens of
+``textwrap`` by default), then the same piece again, as when a model rewrites code it was given; the prompt holds the
+piece and the first tokens of its copy, and the models continue the copy. That is where prompt lookup finds its drafts:
+the tokens that followed an earlier occurrence of the last few tokens. DeltaNet, Expire-Span, the Feedback Transformer
+and a 🤗 ``LlamaForCausalLM`` of about the same size (hidden 256, 4 layers, 4 heads, byte-level tokens) are each trained
+for a few dozen steps on that doubled piece, so that they continue it as a model that copies its input would. Each then
+continues the prompt greedily three ways, timed in turns in this one process: plain decoding (one forward per token),
+prompt-lookup decoding (``prompt_lookup_num_tokens``) and assisted decoding (``assistant_model``: a small DeltaNet,
+trained the same way, drafts the tokens; 🤗's defaults for how many). Printed per model: tokens/s of each way and its
+ratio to plain decoding, the share of drafted tokens the model accepted, the forwards it ran, and whether the tokens
+are plain decoding's (speculative decoding must not change them; the script fails when they differ).
+
+    python benchmarks/speculative_decoding.py [--json results.json]    # a few minutes on 2 quiet cores
+    python benchmarks/speculative_decoding.py --quick                  # tiny sizes: a smoke run
+    python benchmarks/speculative_decoding.py --write-docs --json benchmarks/results/speculative_decoding.json
+    python benchmarks/speculative_decoding.py --report benchmarks/results/speculative_decoding.json
+
+``--write-docs`` (after a full run) and ``--report RESULTS_JSON`` rewrite the "speculative decoding" section of
+docs/performance/speed.md from the results (see ``report.py``).
+"""
+
+import argparse
+import importlib
+import inspect
+import json
+
+import torch
+from tqdm.auto import tqdm
+
+try:  # run as a script (python benchmarks/speculative_decoding.py) or imported as benchmarks.speculative_decoding
+    import report
+except ImportError:
+    from benchmarks import report
+
+SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4}
+ASSISTANT_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+QUICK_SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+QUICK_ASSISTANT_SIZES = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1}
+MODELS = ("deltanet", "expire_span", "feedback", "llama")
+NAMES = {"deltanet": "DeltaNet", "expire_span": "Expire-Span", "feedback": "Feedback", "llama": "🤗 Llama"}
+MODES = ("plain", "lookup", "assistant")
+
+
+def build(name: str, sizes: dict, tokenizer):
+    """An untrained model of family `name` (or 🤗 Llama) at `sizes`, for the byte-level `tokenizer`."""
+    import memlm
+
+    common = {**sizes, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+    torch.manual_seed(0)
+    if name == "deltanet":
+        return memlm.DeltaNetForCausalLM(memlm.DeltaNetConfig.from_preset("fla", **common))
+    if name == "expire_span":
+        return memlm.ExpireSpanForCausalLM(memlm.ExpireSpanConfig(max_span=1024, ramp=32, block_size=128, **common))
+    if name == "feedback":
+        return memlm.FeedbackTransformerForCausalLM(memlm.FeedbackTransformerConfig(memory_span=256, **common))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    reference = memlm.DeltaNetConfig.from_preset("fla", **common)  # Llama gets DeltaNet's MLP width
+    return LlamaForCausalLM(
+        LlamaConfig(**common, intermediate_size=reference.intermediate_size, num_key_value_heads=sizes[
+            "num_attention_heads"], tie_word_embeddings=reference.tie_word_embeddings, attn_implementation="sdpa")
+    )  # fmt: skip
+
+
+def texts(tokenizer, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training sequence (the piece, a blank line, the piece again) and the prompt (it, but the copy's first
+    `lead` tokens only), as (1, T) token ids."""
+    source = tokenizer(inspect.getsource(importlib.import_module(args.module))).input_ids
+    if len(source) < args.piece_length or args.lead + args.new_tokens > args.piece_length:
+        raise SystemExit(
+            f"--piece-length {args.piece_length} must hold --lead {args.lead} and --new-tokens {args.new_tokens}, "
+            f"within the {len(source)} tokens of {args.module}'s source"
+        )
+    piece, gap = source[: args.piece_length], tokenizer("\n\n").input_ids
+    return torch.tensor([piece + gap + piece]), torch.tensor([piece + gap + piece[: args.lead]])
+
+
+def train(model, sequence: torch.Tensor, args) -> float:
+    """A few AdamW steps of the language-model loss on `sequence`, the rate warmed up over the first quarter; returns
+    the last step's loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    warmup = max(1, args.train_steps // 4)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    model.train()
+    loss = float("nan")
+    for _ in range(args.train_steps):
+        loss = model(sequence, labels=sequence).loss
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach().item()
+    model.eval()
+    return loss
+
+
+def decode(model, prompt: torch.Tensor, new_tokens: int, **speculation):
+    """One greedy continuation; returns a function that runs it, and (run once here) its tokens, forwards and the
+    tokens it drafted."""
+    settings = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, **speculation}
+
+    def run():
+        return model.generate(prompt, **settings)
+
+    lengths = []
+    hook = model.register_forward_pre_hook(
+        lambda module, inputs, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        tokens = run()
+    finally:
+        hook.remove()
+    # Every forward reads the tokens it verifies (the first: the prompt too) and one more: the rest were drafts.
+    drafted = lengths[0] - prompt.shape[1] + sum(length - 1 for length in lengths[1:])
+    return run, {"tokens": tokens, "forwards": len(lengths), "drafted": drafted}
+
+
+def measure(args) -> tuple[list[dict], dict]:
+    from transformers import GenerationConfig
+
+    import memlm  # noqa: F401  (registers memlm's classes)
+    from memlm.tokenization import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    sequence, prompt = texts(tokenizer, args)
+    sizes, assistant_sizes = (QUICK_SIZES, QUICK_ASSISTANT_SIZES) if args.quick else (SIZES, ASSISTANT_SIZES)
+    # No end of text: every way generates all its tokens.
+    generation = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+    assistant = build("deltanet", assistant_sizes, tokenizer)
+    assistant_loss = train(assistant, sequence, args)
+    assistant.generation_config = generation
+    info = {"module": args.module, "prompt_tokens": prompt.shape[1], "assistant_final_loss": assistant_loss,
+            "assistant_parameters": sum(p.numel() for p in assistant.parameters())}  # fmt: skip
+    rows = []
+    for name in tqdm(args.models, desc="models", leave=False):
+        model = build(name, sizes, tokenizer)
+        loss = train(model, sequence, args)
+        model.generation_config = generation
+        speculations = {
+            "plain": {},
+            "lookup": {"prompt_lookup_num_tokens": args.lookup_tokens},
+            "assistant": {"assistant_model": assistant},
+        }
+        with torch.no_grad():
+            runs = {mode: decode(model, prompt, args.new_tokens, **options) for mode, options in speculations.items()}
+        seconds = report.interleaved_median_times({mode: run for mode, (run, _) in runs.items()}, 1, args.repeats)
+        plain = runs["plain"][1]["tokens"]
+        row = {"model": NAMES[name], "parameters": sum(p.numel() for p in model.parameters()), "final_loss": loss}
+        for mode, (_, outcome) in runs.items():
+            row[f"{mode}_tokens_per_s"] = args.new_tokens / seconds[mode]
+            row[f"{mode}_forwards"] = outcome["forwards"]
+            row[f"{mode}_identical"] = bool(torch.equal(outcome["tokens"], plain))
+            if mode != "plain":
+                row[f"{mode}_over_plain"] = row[f"{mode}_tokens_per_s"] / row["plain_tokens_per_s"]
+                # Each forward gives one token beyond the drafts it accepted.
+                accepted = args.new_tokens - outcome["forwards"]
+                row[f"{mode}_acceptance"] = accepted / outcome["drafted"] if outcome["drafted"] else None
+        rows.append(row)
+    return rows, info
+
+
+COLUMNS = [
+    ("", "model", "s"),
+    ("parameters", "parameters_text", "s"),
+    ("loss after training", "final_loss", ".2f"),
+    ("plain tok/s", "plain_tokens_per_s", ".1f"),
+    ("prompt lookup tok/s", "lookup_tokens_per_s", ".1f"),
+    ("lookup / plain", "lookup_over_plain", ".2f"),
+    ("lookup: drafts accepted", "lookup_acceptance", ".0%"),
+    ("lookup: forwards", "lookup_forwards", "d"),
+    ("assistant tok/s", "assistant_tokens_per_s", ".1f"),
+    ("assistant / plain", "assistant_over_plain", ".2f"),
+    ("assistant: drafts accepted", "assistant_acceptance", ".0%"),
+    ("assistant: forwards", "assistant_forwards", "d"),
+    ("same tokens as plain", "identical", "s"),
+]
+
+
+def _shown(rows: list[dict]) -> list[dict]:
+    return [
+        {**row, "parameters_text": f"{row['parameters'] / 1e6:.2f}M",
+         "identical": "yes" if row["lookup_identical"] and row["assistant_identical"] else "NO"}
+        for row in rows
+    ]  # fmt: skip
+
+
+REPORT_SECTION = "speculative_decoding"
+REPORT_COMMAND = "python benchmarks/speculative_decoding.py --report benchmarks/results/speculative_decoding.json"
+
+
+def docs_section(results: dict) -> str:
+    """The "speculative decoding" section of docs/performance/speed.md, from one full run's results."""
+    settings, info = results["settings"], results["text"]
+    return "\n\n".join(
+        [
+            f"From `python benchmarks/speculative_decoding.py` (medians of {settings['repeats']} runs, the three ways "
+            f"timed in turns). {report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
+            f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, byte-level tokens; each model "
+            f"trained for {settings['train_steps']} steps on the first {settings['piece_length']} tokens of "
+            f"`{info['module']}`'s source followed by the same tokens again, then continuing the copy from its "
+            f"{settings['lead']}th token ({info['prompt_tokens']} tokens of prompt) with {settings['new_tokens']} greedy "
+            f"tokens, at batch 1. Prompt lookup drafts up to {settings['lookup_tokens']} tokens; the assistant is a "
+            "DeltaNet of "
+            f"{info['assistant_parameters'] / 1e6:.2f}M parameters trained the same way, drafting as 🤗's defaults "
+            "say. Drafts accepted: the share of drafted tokens the model kept; forwards: the model's own.",
+            report.markdown_table(COLUMNS, _shown(results["rows"])),
+        ]
+    )
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models to time")
+    parser.add_argument("--module", default="textwrap", help="the standard library module whose source is the text")
+    parser.add_argument("--piece-length", type=int, default=512, help="tokens of the source, written twice")
+    parser.add_argument("--lead", type=int, default=64, help="tokens of the copy that the prompt already holds")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated each way")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument("--train-steps", type=int, default=40)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="tiny models, short texts, one repeat: a smoke run")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--write-docs", action="store_true", help="rewrite the section of the speed page")
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON", help="rewrite the section from a saved run")
+    arguments = parser.parse_args(argv)
+    if arguments.quick:
+        arguments.piece_length, arguments.lead, arguments.new_tokens, arguments.lookup_tokens = 64, 16, 16, 4
+        arguments.train_steps, arguments.repeats = 2, 1
+    return arguments
+
+
+SETTINGS = ("module", "piece_length", "lead", "new_tokens", "lookup_tokens", "train_steps", "learning_rate",
+            "repeats")  # fmt: skip
+
+
+def main(argv=None) -> dict:
+    args = parse_arguments(argv)
+    if args.report:
+        with open(args.report) as file:
+            results = json.load(file)
+        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
+        print(f"wrote the speculative decoding section of {report.SPEED_PAGE}")
+        return results
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows, info = measure(args)
+    settings = {key: getattr(args, key) for key in SETTINGS}
+    results = {"settings": {**settings, "quick": args.quick, **report.machine()}, "text": info, "rows": rows}
+    report.print_table("Speculative decoding next to plain greedy decoding", COLUMNS, _shown(rows))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=2)
+    differing = [row["model"] for row in rows if not (row["lookup_identical"] and row["assistant_identical"])]
+    if differing:
+        raise SystemExit(f"speculative decoding changed the tokens of {', '.join(differing)}")
+    if args.write_docs:
+        if args.quick:
+            raise SystemExit("the docs quote a full run, not --quick")
+        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
+        print(f"wrote the speculative decoding section of {report.SPEED_PAGE}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
