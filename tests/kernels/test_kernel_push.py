@@ -17,7 +17,7 @@ import pytest
 from packaging.version import Version
 
 import memlm
-from memlm.kernel_repository import KERNEL_UPLOADS_HUB_VERSION, repository_files
+from memlm.kernel_repository import KERNEL_UPLOADS_HUB_VERSION, VARIANTS, repository_files
 from tests.training.hub_server import FakeHub, repository_key
 
 pytestmark = pytest.mark.huggingface
@@ -165,12 +165,16 @@ def test_the_kernels_package_loads_the_pushed_repository_from_the_hub(hub, pushe
     result = _run([sys.executable, "-c", LOAD, REPOSITORY], environment)
     assert result.returncode == 0, f"{result.stderr[-4000:]}\nfake Hub: {hub.unhandled}"
     loaded = json.loads(result.stdout.splitlines()[-1])
-    assert loaded["modules"] and all(name.startswith("_memlm_kernels_cpu_") for name in loaded["modules"])
-    # Downloaded into the cache at the commit v1 points at, the torch-cpu variant only.
+    # Downloaded into the cache at the commit v1 points at, the one variant this torch build resolves only (the
+    # `kernels` package's rule: torch-cpu for a CPU build, torch-cuda for a CUDA build, also without a GPU).
     commit = hub.branches[repository_key(REPOSITORY, "kernel")]["v1"]
     snapshot = tmp_path / "hub" / "kernels--someone--memlm-kernels" / "snapshots" / commit
-    assert all(Path(file).is_relative_to(snapshot / "build" / "torch-cpu") for file in loaded["files"])
-    assert not (snapshot / "build" / "torch-cuda").exists()
+    variant = Path(loaded["files"][0]).relative_to(snapshot / "build").parts[0]
+    assert loaded["modules"] and all(
+        name.startswith(f"_memlm_kernels_{VARIANTS[variant]}_") for name in loaded["modules"]
+    )
+    assert all(Path(file).is_relative_to(snapshot / "build" / variant) for file in loaded["files"])
+    assert [path.name for path in (snapshot / "build").iterdir()] == [variant]
     assert hub.unhandled == []
 
 
