@@ -62,9 +62,9 @@ def test_generate_and_info_describe_a_saved_model(trained):
 
 
 def test_bad_command_lines_give_clear_errors(tmp_path):
-    unknown = subprocess.run([sys.executable, "-m", "memlm.cli", "serve"], env=ENVIRONMENT, capture_output=True,
-                             text=True)  # fmt: skip
-    assert unknown.returncode != 0 and "unknown command 'serve'" in unknown.stderr
+    unknown = subprocess.run([sys.executable, "-m", "memlm.cli", "translate"], env=ENVIRONMENT, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert unknown.returncode != 0 and "unknown command 'translate'" in unknown.stderr
     missing = subprocess.run([sys.executable, "-m", "memlm.cli", "info", str(tmp_path)], env=ENVIRONMENT,
                              capture_output=True, text=True)  # fmt: skip
     assert missing.returncode != 0 and "holds no config.json" in missing.stderr
