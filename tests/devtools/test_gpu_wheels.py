@@ -56,7 +56,7 @@ def test_the_plan_carries_what_the_machine_lacks_and_meets_every_requirement():
     assert plan.wheels == {"transformers": "5.24.0", "flash-linear-attention": "0.6.0", "fla-core": "0.6.0",
                            "kernels": "0.17.2", "tomlkit": "0.15.2"}  # fmt: skip
     met = {item.requirement: item for item in plan.requirements}
-    assert met["torch>=2.4"].met_by == "machine" and met["transformers>=5.21,<6"].met_by == "wheel"
+    assert met["torch>=2.11"].met_by == "machine" and met["transformers>=5.21,<6"].met_by == "wheel"
     assert met["tokenizers>=0.23.1"].met_by == "machine" and met["regex>=2025.10.22"].met_by == "machine"
     assert met["pyyaml>=6"].met_by == "machine" and met["pytest"].met_by == "machine"
     assert [item.requirement for item in plan.requirements if item.met_by == "excused"] == ["sigstore>=4,<5"]
