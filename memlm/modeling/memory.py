@@ -452,7 +452,8 @@ class MemoryCache(Cache):
     @property
     def recording(self) -> bool:
         """Whether the forwards keep what `crop` needs to undo them (`activate_past_recording`)."""
-        return bool(self.layers) and all(layer.record_past for layer in self.layers)
+        # len(), not bool(): Dynamo in torch 2.11 cannot trace bool() of a list.
+        return len(self.layers) > 0 and all(layer.record_past for layer in self.layers)
 
     def record_forward(self, length: int, valid: torch.Tensor | None):
         """Called by the model at the start of a forward into a recording cache, before it moves `next_positions`:
