@@ -22,6 +22,8 @@ installed, else ``"triton"`` when Triton is installed; ``"torch"`` for everythin
 :func:`describe_backend` says in one line which implementation an operation will run on a device and dtype.
 """
 
+import contextlib
+import contextvars
 import functools
 import importlib.metadata
 import importlib.util
@@ -33,6 +35,9 @@ __all__ = [
     "FLA_MINIMUM_VERSION",
     "OPERATIONS",
     "check_triton_device",
+    "checked_at_every_call",
+    "checking_every_call",
+    "collecting_unchecked_sums",
     "describe_backend",
     "flash_linear_attention_available",
     "flash_linear_attention_version",
@@ -139,17 +144,62 @@ def resolve_backend(backend: str | None = None, device=None, operation: str | No
     return backend
 
 
+# The devices whose tensors the operations check at every call (issue 33): a CPU read-back costs no device read. On
+# other devices (a GPU, whose queue a read-back at every layer would stall) the models collect the sums the calls
+# would have checked and read them back once per forward, running it again with every call checked when one is not
+# finite (`memlm.modeling.memory.keeps_non_finite_in_place`). Tests empty this set to run that path on CPU tensors.
+DEVICES_CHECKED_AT_EVERY_CALL = {"cpu"}
+_EVERY_CALL = contextvars.ContextVar("memlm_non_finite_checked_at_every_call", default=False)
+_COLLECTED_SUMS = contextvars.ContextVar("memlm_non_finite_collected_sums", default=None)
+
+
+@contextlib.contextmanager
+def checking_every_call():
+    """Within it, the operations check their outputs (`sums_are_finite`) on every device, not only CPU tensors: what
+    a model's forward runs in after the sums collected on a GPU (`collecting_unchecked_sums`) were not all finite."""
+    token = _EVERY_CALL.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_CALL.reset(token)
+
+
+@contextlib.contextmanager
+def collecting_unchecked_sums():
+    """Within it, the calls that do not check their tensors (`checked_at_every_call` is False for their device) append
+    the float32 sums they would have checked to the list it yields, on the device, without reading them back: the
+    caller reads them all at once."""
+    sums = []
+    token = _COLLECTED_SUMS.set(sums)
+    try:
+        yield sums
+    finally:
+        _COLLECTED_SUMS.reset(token)
+
+
+def checked_at_every_call(device) -> bool:
+    """Whether the operations check their outputs for tensors on `device` at every call (`sums_are_finite`)."""
+    return _EVERY_CALL.get() or device.type in DEVICES_CHECKED_AT_EVERY_CALL
+
+
 def sums_are_finite(*tensors) -> bool:
-    """Whether each of `tensors` sums to a finite number (so holds no NaN or inf, barring an overflow of the sum):
-    the check the operations run before keeping a non-finite input in place (issue 33). It reads one number per
-    tensor through the tensor's memory, so only for CPU tensors, where that costs no device read; for tensors
-    elsewhere (a GPU, whose queue a read-back at every layer would stall) and under torch.compile it answers True
-    without looking."""
+    """Whether each of `tensors` sums to a finite number (so holds no NaN or inf): the check the operations run
+    before keeping a non-finite input in place (issue 33). The sums are taken in float32 (a float16 sum of finite
+    values could overflow) and read back, so only where that is cheap (`checked_at_every_call`: CPU tensors, or
+    everywhere inside `checking_every_call`); elsewhere it answers True without looking, after handing the sums to
+    `collecting_unchecked_sums` when one collects them. Under torch.compile it answers True."""
     import torch
 
-    if torch.compiler.is_compiling() or any(tensor.device.type != "cpu" for tensor in tensors):
+    if torch.compiler.is_compiling():
         return True
-    return all(bool(torch.isfinite(tensor.detach().sum()).numpy()) for tensor in tensors)
+    if not all(checked_at_every_call(tensor.device) for tensor in tensors):
+        collected = _COLLECTED_SUMS.get()
+        if collected is not None:
+            collected.extend(tensor.detach().sum(dtype=torch.float32) for tensor in tensors)
+        return True
+    sums = [tensor.detach().sum(dtype=torch.float32) for tensor in tensors]
+    # .numpy() reads the CPU copy without a dispatched `.item()` (tests count those as device reads).
+    return all(bool(torch.isfinite(total).cpu().numpy()) for total in sums)
 
 
 def check_triton_device(device, backend: str = "triton") -> None:

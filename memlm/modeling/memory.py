@@ -2,6 +2,7 @@
 cache classes that carry each model's memory (`cache`, SPEC §4)."""
 
 import functools
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,8 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 
-from ..compat import CACHE_NAME, CacheNameGeneration, output_cache
+from ..compat import CACHE_NAME, CacheNameGeneration, is_exporting, output_cache
+from ..kernels import checked_at_every_call, checking_every_call, collecting_unchecked_sums
 
 logger = logging.get_logger(__name__)
 
@@ -152,6 +154,72 @@ def zero_padding(inputs_embeds: torch.Tensor, valid: torch.Tensor | None) -> tor
     return inputs_embeds.masked_fill(~valid[..., None], 0.0)
 
 
+def keeps_non_finite_in_place(forward):
+    """Wrap a base model's `forward` so that a NaN or inf stays where it is on every device (issue 33): outputs before a
+    non-finite input at position t are what they would be without it, and those from t on are NaN.
+
+    The operations that mix positions (the chunkwise delta rule, the Expire-Span attention) keep a non-finite input in
+    place by checking the sums of their output (and spans) at each call (`memlm.kernels.sums_are_finite`), a read-back:
+    free for CPU tensors, a stall of the queue at every layer on a GPU. On such a device the wrapped forward collects
+    those sums on the device instead (`collecting_unchecked_sums`) and reads them back once, at its end; when one is
+    not finite, it runs again, from the memory it was given (`MemoryCache.snapshot`, taken before) and the same random
+    state, with every call checked (`checking_every_call`), so it gives what the per-call checks give. A forward of one
+    token per row (a decoding step), one that `torch.compile` or `torch.export` traces, or one already inside
+    `checking_every_call` runs once, unchecked here: one token has no earlier positions to spoil, and a compiled step
+    reads nothing back."""
+    signature = inspect.signature(forward)
+
+    @functools.wraps(forward)
+    def checked(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or is_exporting():
+            return forward(self, *args, **kwargs)
+        if len(args) > 1:
+            arguments = signature.bind(self, *args, **kwargs).arguments
+        else:  # the usual calls, named arguments after the ids, without binding them
+            arguments = {**kwargs, **({"input_ids": args[0]} if args else {})}
+        inputs = arguments.get("input_ids")
+        if inputs is None:
+            inputs = arguments.get("inputs_embeds")
+        if (
+            not torch.is_tensor(inputs)
+            or inputs.dim() < 2
+            or inputs.shape[1] < 2
+            or checked_at_every_call(inputs.device)
+        ):
+            return forward(self, *args, **kwargs)
+        cache = arguments.get("cache")
+        if cache is None:
+            cache = arguments.get("past_key_values")
+        snapshot = cache.snapshot() if isinstance(cache, MemoryCache) else None
+        random_state = _random_state(inputs.device) if self.training else None
+        with collecting_unchecked_sums() as sums:
+            output = forward(self, *args, **kwargs)
+        if not sums or bool(torch.isfinite(torch.stack(sums).sum())):  # the forward's one read-back
+            return output
+        del output
+        if snapshot is not None:
+            cache.restore(snapshot)
+        if random_state is not None:
+            _set_random_state(inputs.device, random_state)
+        with checking_every_call():
+            return forward(self, *args, **kwargs)
+
+    return checked
+
+
+def _random_state(device: torch.device):
+    """The state of the random generators a forward on `device` draws from (dropout, the model's own draws)."""
+    accelerator = getattr(torch, device.type, None) if device.type != "cpu" else None
+    return torch.get_rng_state(), accelerator.get_rng_state(device) if accelerator is not None else None
+
+
+def _set_random_state(device: torch.device, state):
+    host, on_device = state
+    torch.set_rng_state(host)
+    if on_device is not None:
+        getattr(torch, device.type).set_rng_state(on_device, device)
+
+
 def past_length_to_check(cache: "MemoryCache | None") -> int | None:
     """The tokens `cache` has seen, for a forward's checks of its inputs; None while `torch.compile` traces it: a
     compileable memory counts its tokens in a tensor (`StaticMemoryCacheLayer`), which a compiled step does not read
@@ -268,6 +336,21 @@ class MemoryCacheLayer:
         self.record_past = False
         self.recorded = []
 
+    def snapshot(self):
+        """What `restore` needs to put the memory back as it is now, after forwards that may write it in place: copies
+        of its tensors, the tokens seen and how many forwards it has recorded (see `MemoryCache.snapshot`)."""
+        tensors = {name: getattr(self, name) for name in self.tensor_names}
+        copies = {name: None if tensor is None else tensor.clone() for name, tensor in tensors.items()}
+        return copies, self.seen_tokens, len(self.recorded)
+
+    def restore(self, snapshot):
+        """The memory as it was when `snapshot` was taken."""
+        tensors, seen_tokens, recorded = snapshot
+        for name, tensor in tensors.items():
+            setattr(self, name, tensor)
+        self.seen_tokens = seen_tokens
+        del self.recorded[recorded:]
+
     def offload(self):
         self.map(lambda tensor: tensor.to("cpu", non_blocking=True))
 
@@ -374,6 +457,15 @@ class StaticMemoryCacheLayer(MemoryCacheLayer):
     def map(self, function):
         super().map(lambda tensor: mark_static(function(tensor)))
 
+    def restore(self, snapshot):
+        """As `MemoryCacheLayer.restore`, writing the tensors back in place where they are (`store`): a compiled step
+        keeps reading the same addresses."""
+        tensors, seen_tokens, recorded = snapshot
+        for name, tensor in tensors.items():
+            self.store(name, tensor) if tensor is not None else setattr(self, name, None)
+        self.seen_tokens = seen_tokens
+        del self.recorded[recorded:]
+
     def reorder_cache(self, beam_idx: torch.LongTensor):
         """Beam search keeps the batch size: the rows are reordered in place, at the same addresses."""
         for name in self.tensor_names:
@@ -465,6 +557,20 @@ class MemoryCache(Cache):
         for layer in self.layers:
             layer.stop_past_recording()
         self.recorded_forwards = []
+
+    def snapshot(self):
+        """What `restore` needs to put the cache back as it is now: each layer's `snapshot`, each row's next position
+        and how many forwards the cache has recorded for a rollback."""
+        next_positions = None if self.next_positions is None else self.next_positions.clone()
+        return [layer.snapshot() for layer in self.layers], next_positions, len(self.recorded_forwards)
+
+    def restore(self, snapshot):
+        """The cache as it was when `snapshot` was taken, as if the forwards since had not run."""
+        layers, next_positions, recorded = snapshot
+        for layer, layer_snapshot in zip(self.layers, layers):
+            layer.restore(layer_snapshot)
+        self.next_positions = next_positions
+        del self.recorded_forwards[recorded:]
 
     def crop(self, tokens_to_remove: int):
         """Remove the last `-tokens_to_remove` tokens (🤗's convention: `crop(-n)`): the memory becomes what the tokens

@@ -44,6 +44,7 @@ from .memory import (
     current_padding_mask,
     document_starts,
     embed_inputs,
+    keeps_non_finite_in_place,
     past_length_to_check,
     zero_padding,
 )
@@ -635,6 +636,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             and bool(attention_mask.any())
         )
 
+    @keeps_non_finite_in_place
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

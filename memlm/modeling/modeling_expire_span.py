@@ -68,6 +68,7 @@ from .memory import (
     check_fits_in_memory,
     current_padding_mask,
     embed_inputs,
+    keeps_non_finite_in_place,
     refuse_packed_documents,
     zero_padding,
 )
@@ -364,6 +365,16 @@ class ExpireSpanCacheLayer(MemoryCacheLayer):
         if self.memory is not None:
             self.memory = self.memory.map(function)
 
+    def snapshot(self):
+        """The memories as they are (`MemorySnapshot`: later forwards append into the buffer and mark memories dead in
+        place, so only the validity and the buffer's counters are copied), the tokens seen and the recorded forwards."""
+        return MemorySnapshot.of(self.memory), self.seen_tokens, len(self.recorded)
+
+    def restore(self, snapshot):
+        memory, self.seen_tokens, recorded = snapshot
+        self.memory = memory.restore()
+        del self.recorded[recorded:]
+
     def roll_back(self, rollback: Rollback):
         if not rollback.removes_tokens:
             return
@@ -463,6 +474,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @keeps_non_finite_in_place
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

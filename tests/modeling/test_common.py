@@ -353,3 +353,68 @@ def test_a_non_finite_input_leaves_every_earlier_position_as_it_was(name):
             assert torch.isfinite(logits[1, :position]).all(), (position, value)
             torch.testing.assert_close(logits[1, :position], expected[1, :position])
             torch.testing.assert_close(logits[0], expected[0])  # the other row never sees it
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_non_finite_input_stays_in_place_with_one_check_per_forward(name, monkeypatch):
+    """On a GPU the operations do not check their output at every call (a read-back per layer would stall the
+    queue): the forward reads one number of its output and, when it is not finite, runs again from the memory and the
+    random state it was given with every call checked (issue 33). That path, run here on CPU tensors with the per-call
+    checks off, gives the per-call-checked logits and memory: without a cache, continuing one, in training with
+    dropout, and in a cache recording for a rollback (which then goes back to before the NaN). A finite forward runs its layers once and reads back one value more, with 3 layers as with 1."""
+    from memlm import kernels
+    from memlm.compat import output_cache
+    from tests.kernels.test_delta_rule import DeviceReads
+
+    model = _model(name, hidden_dropout=0.2)
+    prefix, follow = torch.randint(0, 256, (2, 6)), torch.randint(0, 256, (2, 3))
+    clean = model.get_input_embeddings()(torch.randint(0, 256, (2, 19))).detach()
+    poisoned = clean.clone()
+    poisoned[1, 13, 3] = float("nan")
+    layer_calls = []
+    model.model.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
+
+    def run(embeddings, training=False, continued=True, recording=False):
+        model.train(training)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            cache = output_cache(model(prefix, use_cache=True)) if continued else None
+            if recording:
+                cache.activate_past_recording()
+                model(follow, cache=cache)  # a recorded forward before, which the rerun must keep
+            layer_calls.clear()
+            logits = model(inputs_embeds=embeddings, cache=cache, use_cache=continued).logits
+            calls = len(layer_calls)
+            if recording:  # back to before the NaN (speculative decoding's rollback), into the first recorded forward
+                cache.crop(-embeddings.shape[1] - 1)
+                cache.stop_past_recording()
+            after = model(follow, cache=cache).logits if continued else None
+        return logits, after, calls
+
+    cases = {"continued": {}, "fresh": {"continued": False}, "training": {"training": True, "continued": False},
+             "recording": {"recording": True}}  # fmt: skip
+    expected = {case: run(poisoned, **options) for case, options in cases.items()}  # checked at every call (CPU)
+    monkeypatch.setattr(kernels, "DEVICES_CHECKED_AT_EVERY_CALL", set())
+    for case, options in cases.items():
+        logits, after, calls = run(poisoned, **options)
+        assert torch.isfinite(logits[1, :13]).all() and torch.isfinite(logits[0]).all(), case
+        torch.testing.assert_close(logits, expected[case][0], equal_nan=True, rtol=0, atol=0)
+        if after is not None:
+            torch.testing.assert_close(after, expected[case][1], equal_nan=True, rtol=0, atol=0)
+            assert torch.isfinite(after[0]).all() and torch.isfinite(after[1]).all() == (case == "recording"), case
+        # A finite forward runs once; one with a NaN twice, in the families that mix positions in one product (the
+        # Feedback Transformer's steps never do). Expire-Span runs a layer once per block.
+        once = run(clean, **options)[2]
+        assert once == expected[case][2] and calls == (1 if name == "feedback" else 2) * once, (case, calls, once)
+
+    added = []  # the reads the once-per-forward check adds to the forward's own (Expire-Span reads widths per layer)
+    for layers in (1, 3):
+        deeper = _model(name, num_hidden_layers=layers)
+        reads = []
+        for checked_on_cpu in ({"cpu"}, set()):
+            monkeypatch.setattr(kernels, "DEVICES_CHECKED_AT_EVERY_CALL", checked_on_cpu)
+            with torch.no_grad(), DeviceReads() as counted:  # the CPU's per-call checks read without a dispatch
+                deeper(inputs_embeds=clean)
+            reads.append(counted.count)
+        added.append(reads[1] - reads[0])
+    assert added == ([0, 0] if name == "feedback" else [1, 1]), added

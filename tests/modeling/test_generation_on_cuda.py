@@ -20,6 +20,7 @@ from memlm import (
     FeedbackTransformerConfig,
     FeedbackTransformerForCausalLM,
 )
+from memlm.compat import output_cache
 from memlm.kernels import flash_linear_attention_available
 
 SIZES = {
@@ -87,3 +88,36 @@ def test_greedy_generation_on_cuda_equals_the_cpu_s(case, monkeypatch):
     assert len(generated.logits) == len(expected.logits) == NEW_TOKENS
     for step, (logits, reference) in enumerate(zip(generated.logits, expected.logits)):
         assert _relative_error(logits.cpu(), reference) < LOGITS_TOLERANCE, step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_non_finite_input_stays_in_place_on_cuda(case, monkeypatch):
+    """Issue 33 on a GPU, where the operations are not checked at every call: with a NaN or inf at position t, in a
+    forward that continues a memory, every logit before t equals the logit without it, the other row is untouched, and
+    the memory goes on as the per-call-checked path leaves it (one read-back per forward, then a checked rerun)."""
+    family, backend, seed = CASES[case]
+    if backend == "fla" and not flash_linear_attention_available():
+        pytest.skip("flash-linear-attention >= 0.6 is not installed")
+    monkeypatch.setenv("MEMLM_KERNELS", backend)
+    model = _model(family).cuda()
+    generator = torch.Generator().manual_seed(seed)
+    prefix, tokens, follow = (torch.randint(0, 256, (2, length), generator=generator).cuda() for length in (40, 90, 8))
+    clean = model.get_input_embeddings()(tokens).detach()
+
+    def run(embeddings):
+        with torch.no_grad():
+            cache = output_cache(model(prefix, use_cache=True))
+            logits = model(inputs_embeds=embeddings, cache=cache).logits
+            return logits, model(follow, cache=cache).logits
+
+    expected, expected_after = run(clean)
+    for position, value in ((70, float("nan")), (9, float("inf"))):
+        poisoned = clean.clone()
+        poisoned[1, position, 5] = value
+        logits, after = run(poisoned)
+        assert torch.isfinite(logits[1, :position]).all(), (position, value)
+        assert _relative_error(logits[1, :position].cpu(), expected[1, :position].cpu()) < LOGITS_TOLERANCE
+        assert _relative_error(logits[0].cpu(), expected[0].cpu()) < LOGITS_TOLERANCE
+        assert _relative_error(after[0].cpu(), expected_after[0].cpu()) < LOGITS_TOLERANCE

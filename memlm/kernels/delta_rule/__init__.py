@@ -148,8 +148,9 @@ def _causal_despite_non_finite(run, query, key, value, beta, initial_state, offs
     multiplies the rows of a chunk together, and 0 · NaN = NaN would carry a NaN at position t into the outputs
     before t. When the output is not all finite (one reduction, on CPU tensors: `sums_are_finite`), the rule runs
     again with the non-finite positions' inputs zeroed — what comes before them does not depend on them — and every
-    output from such a position on (and the final state of its row or sequence) is NaN. On a GPU nothing is checked:
-    a read-back at every layer would stall its queue."""
+    output from such a position on (and the final state of its row or sequence) is NaN. Other devices' tensors (a GPU:
+    a read-back at every layer would stall its queue) are checked only inside `memlm.kernels.checking_every_call`;
+    memlm's models collect the sums and read them once per forward (`keeps_non_finite_in_place`)."""
     output, state = run(query, key, value, beta, initial_state)
     if key.shape[2] == 1 or sums_are_finite(output):
         return output, state

@@ -199,7 +199,8 @@ def _causal_despite_non_finite(output, query, key, value, spans, query_positions
     """Keep a non-finite key, value or span where it is: the products of an attention kernel multiply the weights
     of every key with every value, and a masked key's weight 0 times its NaN value is NaN, which would reach queries
     that cannot see that key. The attention runs again with those keys' inputs zeroed (what cannot see them does not
-    depend on them), and the outputs of the queries that see one of them are NaN."""
+    depend on them), and the outputs of the queries that see one of them are NaN. Checked as the delta rule's (see
+    `memlm.kernels.delta_rule._causal_despite_non_finite`): CPU tensors at every call, others once per model forward."""
     bad = ~(torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))  # (B, H, N)
     if spans is not None:
         bad |= ~torch.isfinite(spans)[:, None]
