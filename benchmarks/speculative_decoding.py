@@ -4,8 +4,9 @@ The text: a piece of a Python standard library module's source (``inspect.getsou
 ``textwrap`` by default), then the same piece again, as when a model rewrites code it was given; the prompt holds the
 piece and the first tokens of its copy, and the models continue the copy. That is where prompt lookup finds its drafts:
 the tokens that followed an earlier occurrence of the last few tokens. DeltaNet, Expire-Span, the Feedback Transformer
-and a 🤗 ``LlamaForCausalLM`` of about the same size (hidden 256, 4 layers, 4 heads, byte-level tokens) are each trained
-for a few dozen steps on that doubled piece, so that they continue it as a model that copies its input would. Each then
+and a 🤗 ``LlamaForCausalLM`` of about the same size (hidden 256, 4 layers, 4 heads, byte-level tokens; every memory
+reaches back over the whole piece) are each trained on that doubled piece until their loss falls below
+``--target-loss`` (at most ``--train-steps`` steps), so that they continue it as a model that copies its input would. Each then
 continues the prompt greedily three ways, timed in turns in this one process: plain decoding (one forward per token),
 prompt-lookup decoding (``prompt_lookup_num_tokens``) and assisted decoding (``assistant_model``: a small DeltaNet,
 trained the same way, drafts the tokens; 🤗's defaults for how many). Printed per model: tokens/s of each way and its
@@ -41,6 +42,7 @@ QUICK_ASSISTANT_SIZES = {"hidden_size": 16, "num_hidden_layers": 1, "num_attenti
 MODELS = ("deltanet", "expire_span", "feedback", "llama")
 NAMES = {"deltanet": "DeltaNet", "expire_span": "Expire-Span", "feedback": "Feedback", "llama": "🤗 Llama"}
 MODES = ("plain", "lookup", "assistant")
+WARMUP_STEPS = 10
 
 
 def build(name: str, sizes: dict, tokenizer):
@@ -54,8 +56,8 @@ def build(name: str, sizes: dict, tokenizer):
         return memlm.DeltaNetForCausalLM(memlm.DeltaNetConfig.from_preset("fla", **common))
     if name == "expire_span":
         return memlm.ExpireSpanForCausalLM(memlm.ExpireSpanConfig(max_span=1024, ramp=32, block_size=128, **common))
-    if name == "feedback":
-        return memlm.FeedbackTransformerForCausalLM(memlm.FeedbackTransformerConfig(memory_span=256, **common))
+    if name == "feedback":  # τ = 1024: the copy's tokens lie a piece (up to 514 tokens) back
+        return memlm.FeedbackTransformerForCausalLM(memlm.FeedbackTransformerConfig(memory_span=1024, **common))
     from transformers import LlamaConfig, LlamaForCausalLM
 
     reference = memlm.DeltaNetConfig.from_preset("fla", **common)  # Llama gets DeltaNet's MLP width
@@ -78,23 +80,22 @@ def texts(tokenizer, args) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([piece + gap + piece]), torch.tensor([piece + gap + piece[: args.lead]])
 
 
-def train(model, sequence: torch.Tensor, args) -> float:
-    """A few AdamW steps of the language-model loss on `sequence`, the rate warmed up over the first quarter; returns
-    the last step's loss."""
+def train(model, sequence: torch.Tensor, args) -> tuple[float, int]:
+    """AdamW steps of the language-model loss on `sequence` (the rate warmed up over the first WARMUP_STEPS) until the
+    loss falls below `args.target_loss`, at most `args.train_steps`; returns the last loss and the steps taken."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    warmup = max(1, args.train_steps // 4)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / WARMUP_STEPS))
     model.train()
-    loss = float("nan")
-    for _ in range(args.train_steps):
+    loss, steps = float("nan"), 0
+    while steps < args.train_steps and not loss < args.target_loss:
         loss = model(sequence, labels=sequence).loss
         loss.backward()
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss.detach().item()
+        loss, steps = loss.detach().item(), steps + 1
     model.eval()
-    return loss
+    return loss, steps
 
 
 def decode(model, prompt: torch.Tensor, new_tokens: int, **speculation):
@@ -130,14 +131,15 @@ def measure(args) -> tuple[list[dict], dict]:
     # No end of text: every way generates all its tokens.
     generation = GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
     assistant = build("deltanet", assistant_sizes, tokenizer)
-    assistant_loss = train(assistant, sequence, args)
+    assistant_loss, assistant_steps = train(assistant, sequence, args)
     assistant.generation_config = generation
     info = {"module": args.module, "prompt_tokens": prompt.shape[1], "assistant_final_loss": assistant_loss,
+            "assistant_train_steps": assistant_steps,
             "assistant_parameters": sum(p.numel() for p in assistant.parameters())}  # fmt: skip
     rows = []
     for name in tqdm(args.models, desc="models", leave=False):
         model = build(name, sizes, tokenizer)
-        loss = train(model, sequence, args)
+        loss, steps = train(model, sequence, args)
         model.generation_config = generation
         speculations = {
             "plain": {},
@@ -148,7 +150,8 @@ def measure(args) -> tuple[list[dict], dict]:
             runs = {mode: decode(model, prompt, args.new_tokens, **options) for mode, options in speculations.items()}
         seconds = report.interleaved_median_times({mode: run for mode, (run, _) in runs.items()}, 1, args.repeats)
         plain = runs["plain"][1]["tokens"]
-        row = {"model": NAMES[name], "parameters": sum(p.numel() for p in model.parameters()), "final_loss": loss}
+        row = {"model": NAMES[name], "parameters": sum(p.numel() for p in model.parameters()), "final_loss": loss,
+               "train_steps": steps}  # fmt: skip
         for mode, (_, outcome) in runs.items():
             row[f"{mode}_tokens_per_s"] = args.new_tokens / seconds[mode]
             row[f"{mode}_forwards"] = outcome["forwards"]
@@ -165,6 +168,7 @@ def measure(args) -> tuple[list[dict], dict]:
 COLUMNS = [
     ("", "model", "s"),
     ("parameters", "parameters_text", "s"),
+    ("training steps", "train_steps", "d"),
     ("loss after training", "final_loss", ".2f"),
     ("plain tok/s", "plain_tokens_per_s", ".1f"),
     ("prompt lookup tok/s", "lookup_tokens_per_s", ".1f"),
@@ -199,7 +203,8 @@ def docs_section(results: dict) -> str:
             f"From `python benchmarks/speculative_decoding.py` (medians of {settings['repeats']} runs, the three ways "
             f"timed in turns). {report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
             f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, byte-level tokens; each model "
-            f"trained for {settings['train_steps']} steps on the first {settings['piece_length']} tokens of "
+            f"trained (AdamW, rate {settings['learning_rate']:g}) until its loss fell below {settings['target_loss']:g} "
+            f"or for at most {settings['train_steps']} steps on the first {settings['piece_length']} tokens of "
             f"`{info['module']}`'s source followed by the same tokens again, then continuing the copy from its "
             f"{settings['lead']}th token ({info['prompt_tokens']} tokens of prompt) with {settings['new_tokens']} greedy "
             f"tokens, at batch 1. Prompt lookup drafts up to {settings['lookup_tokens']} tokens; the assistant is a "
@@ -219,7 +224,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--lead", type=int, default=64, help="tokens of the copy that the prompt already holds")
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated each way")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
-    parser.add_argument("--train-steps", type=int, default=40)
+    parser.add_argument("--train-steps", type=int, default=400, help="the most training steps per model")
+    parser.add_argument("--target-loss", type=float, default=0.05, help="training stops below this loss")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -234,8 +240,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return arguments
 
 
-SETTINGS = ("module", "piece_length", "lead", "new_tokens", "lookup_tokens", "train_steps", "learning_rate",
-            "repeats")  # fmt: skip
+SETTINGS = ("module", "piece_length", "lead", "new_tokens", "lookup_tokens", "train_steps", "target_loss",
+            "learning_rate", "repeats")  # fmt: skip
 
 
 def main(argv=None) -> dict:

@@ -106,6 +106,8 @@ SPEED_SECTIONS = {
     "expire_span": ("expire_span.py", "expire_span.json", "docs_section"),
     "feedback": ("feedback.py", "feedback.json", "docs_section"),
     "paper_layouts": ("paper_layouts.py", "paper_layouts.json", "docs_section"),
+    "speculative_decoding": ("speculative_decoding.py", "speculative_decoding.json", "docs_section"),
+    "compiled_decoding": ("compiled_decoding.py", "compiled_decoding.json", "docs_section"),
     # The report of a `make gpu-check` run on a GPU; until one is kept the section says it is not measured.
     "gpu_check": ("gpu_speed.py", "gpu_check.json", "docs_section"),
     "kernel_costs_static_sm_90": ("kernel_costs.py", "kernel_costs_static_sm_90.json", "static_section"),
