@@ -18,6 +18,8 @@
 # versions of constraints/tested.txt, so that both commands work whatever the registry published since.
 
 PYTHON ?= python3
+# pytest-xdist workers for make test and make test-releases: one per core of a CI machine (2).
+TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -38,7 +40,7 @@ test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(MAKE) --no-print-directory docs
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" --durations=20
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" --durations=20 -n $(TEST_WORKERS)
 	$(BIN)/python tests/installed/check_wheel.py --python $(PYTHON)
 
 # --strict: a broken link or anchor, an API reference that does not resolve or a docstring griffe cannot read fails.
@@ -50,7 +52,7 @@ test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
 
 test-releases: $(STAMP)
-	$(BIN)/python tests/installed/check_releases.py --python $(PYTHON)
+	$(BIN)/python tests/installed/check_releases.py --python $(PYTHON) --workers $(TEST_WORKERS)
 
 constraints:
 	printf '%s\n' "# The versions make main and make test install (pip constraints): the set the suite last passed with." \

@@ -8,6 +8,10 @@ from pathlib import Path
 # Tests never reach a hub: everything they load they built themselves.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`make test` runs one worker per core) each worker, and what it starts, computes on one thread:
+# two workers of two threads each on two cores would fight over them.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

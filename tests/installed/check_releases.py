@@ -120,11 +120,11 @@ def versions(python: Path) -> str:
     return subprocess.run([str(python), "-c", script], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def tests(python: Path, markers: str, other_python: Path | None) -> bool:
+def tests(python: Path, markers: str, other_python: Path | None, workers: int) -> bool:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if other_python is not None:
         env["MEMLM_OTHER_RELEASE_PYTHON"] = str(other_python)
-    command = [python, "-m", "pytest", "-q", "-m", markers, "-p", "no:cacheprovider"]
+    command = [python, "-m", "pytest", "-q", "-m", markers, "-p", "no:cacheprovider", "-n", str(workers)]
     return run(command, env=env, check=False).returncode == 0
 
 
@@ -132,6 +132,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", default=sys.executable, help="the interpreter the environments are made from")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "memlm" / "releases")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (memlm[dev] installs it)")
     arguments = parser.parse_args(argv)
     arguments.work.mkdir(parents=True, exist_ok=True)
     oldest_constraints = ROOT / "constraints" / "oldest.txt"
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     for name, python in pythons.items():
         other = pythons.get("oldest") if name == "newest" else None
         print(f"\n=== {name}: {versions(python)}", flush=True)
-        results[name] = tests(python, MARKERS.get(name, MARKERS["oldest"]), other)
+        results[name] = tests(python, MARKERS.get(name, MARKERS["oldest"]), other, arguments.workers)
     print(f"\nReleases checked in {time.monotonic() - started:.0f} s:")
     for name, passed in results.items():
         verdict = "passed" if passed else ("FAILED" if name != "prerelease" else "failed (reported, not fatal)")
