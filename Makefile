@@ -27,6 +27,7 @@ STAMP := $(VENV)/.installed
 .PHONY: main test docs test-slow test-releases wheel-check constraints benchmark papers gpu-wheels gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
+	@$(PYTHON) devtools/check_python.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0

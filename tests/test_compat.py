@@ -246,3 +246,59 @@ def test_an_unknown_memlm_model_type_is_named_by_memlm(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model_type_anywhere"}))
     with pytest.raises(ValueError, match="does not recognize this architecture"):  # 🤗's words for the rest
         AutoConfig.from_pretrained(tmp_path)
+
+
+def test_make_refuses_in_one_line_a_python_the_tested_set_cannot_install():
+    """devtools/check_python.py (what `make` runs before building .venv) asks for a Python every pinned release of
+    the tested set accepts, and names the interpreter and what to do; run for real, it passes here."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    from packaging.specifiers import SpecifierSet
+
+    sys.path.insert(0, str(ROOT / "devtools"))
+    try:
+        import check_python
+    finally:
+        sys.path.remove(str(ROOT / "devtools"))
+    from packaging.utils import canonicalize_name
+
+    minimum = ".".join(map(str, check_python.MINIMUM))
+    pins = dict(
+        line.split("==", 1)
+        for line in (ROOT / "constraints" / "tested.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    pins = {canonicalize_name(name): version for name, version in pins.items()}
+    needing_more = sorted(
+        f"{distribution.metadata['Name']} ({distribution.metadata['Requires-Python']})"
+        for distribution in importlib.metadata.distributions()
+        # Only the releases tested.txt pins: the release environments of `make test-releases` hold others.
+        if pins.get(canonicalize_name(distribution.metadata["Name"])) == distribution.version
+        and distribution.metadata["Requires-Python"]
+        and minimum not in SpecifierSet(distribution.metadata["Requires-Python"])
+    )
+    assert not needing_more, f"the tested set needs more than Python {minimum}: {needing_more}"
+    message = check_python.problem((3, 10, 12))
+    assert message.startswith("make: Python 3.10.12 is too old") and "make PYTHON=" in message and "\n" not in message
+    assert check_python.problem(check_python.MINIMUM) is None
+    run = subprocess.run([sys.executable, str(ROOT / "devtools" / "check_python.py")], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stderr == ""
+
+
+@pytest.mark.huggingface
+def test_the_declared_python_is_one_the_installed_transformers_accepts():
+    """setup.cfg's python_requires lower bound is a Python the installed 🤗 Transformers accepts (run under the oldest
+    and the newest releases allowed by `make test-releases`): 🤗 Transformers 5 needs 3.11."""
+    import configparser
+    import importlib.metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    (declared,) = SpecifierSet(setup["options"]["python_requires"])
+    assert declared.operator == ">="
+    needed = importlib.metadata.metadata("transformers")["Requires-Python"]
+    assert declared.version in SpecifierSet(needed), (declared, needed)
