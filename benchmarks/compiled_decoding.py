@@ -253,11 +253,7 @@ def main(argv=None) -> dict:
         print(json.dumps(first_compile_seconds(**json.loads(args.measure))))
         return {}
     if args.report:
-        with open(args.report) as file:
-            results = json.load(file)
-        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-        print(f"wrote the compiled decoding section of {report.SPEED_PAGE}")
-        return results
+        return report.rewrite_from_saved_run(args.report, REPORT_SECTION, REPORT_COMMAND, docs_section)
     import memlm  # noqa: F401  (registers memlm's classes)
 
     sizes = QUICK_SIZES if args.quick else SIZES
@@ -269,14 +265,7 @@ def main(argv=None) -> dict:
     results["decoding"] = measure_decoding(args, sizes)
     report.print_table("Greedy decoding, eager and compiled", DECODING_COLUMNS, _named(results["decoding"], "model"))
     report.print_table("First compile (seconds)", COMPILE_COLUMNS, _named(results["first_compile"], "family"))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2)
-    if args.write_docs:
-        if args.quick:
-            raise SystemExit("the docs quote a full run, not --quick")
-        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-        print(f"wrote the compiled decoding section of {report.SPEED_PAGE}")
+    report.keep_run(results, args.json, args.write_docs, REPORT_SECTION, REPORT_COMMAND, docs_section)
     return results
 
 

@@ -16,7 +16,6 @@ docs/performance/speed.md from the results (see ``report.py``).
 """
 
 import argparse
-import json
 
 import torch
 from tqdm.auto import tqdm
@@ -278,23 +277,12 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
     if args.report:
-        with open(args.report) as file:
-            results = json.load(file)
-        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-        print(f"wrote the papers' layouts section of {report.SPEED_PAGE}")
-        return results
+        return report.rewrite_from_saved_run(args.report, REPORT_SECTION, REPORT_COMMAND, docs_section)
     rows = measure(args)
     settings = {key: getattr(args, key) for key in ("length", "batch_size", "context", "decode_steps", "repeats")}
     results = {"settings": {**settings, "quick": args.quick, **report.machine()}, "rows": rows}
     report.print_table("The papers' layouts next to memlm's default", COLUMNS, _with_parameters(rows))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2)
-    if args.write_docs:
-        if args.quick:
-            raise SystemExit("the docs quote a full run, not --quick")
-        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-        print(f"wrote the papers' layouts section of {report.SPEED_PAGE}")
+    report.keep_run(results, args.json, args.write_docs, REPORT_SECTION, REPORT_COMMAND, docs_section)
     return results
 
 

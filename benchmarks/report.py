@@ -8,6 +8,7 @@ is kept under `benchmarks/results/`). Nothing between the markers is written by 
 """
 
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -96,6 +97,27 @@ def rewrite_section(page: str, name: str, command: str, section: str) -> None:
     text = text[:start] + f"{begin}\n{section}\n" + text[stop:]
     with open(page, "w") as file:
         file.write(text)
+
+
+def rewrite_from_saved_run(path: str, name: str, command: str, docs_section) -> dict:
+    """`--report RESULTS_JSON`: rewrite `name`'s section of the speed page from a saved run; returns its results."""
+    with open(path) as file:
+        results = json.load(file)
+    rewrite_section(SPEED_PAGE, name, command, docs_section(results))
+    print(f"wrote the {name} section of {SPEED_PAGE}")
+    return results
+
+
+def keep_run(results: dict, json_path: str | None, write_docs: bool, name: str, command: str, docs_section) -> None:
+    """After a run: `--json` writes its results, `--write-docs` its section of the speed page (a full run only)."""
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(results, file, indent=2)
+    if write_docs:
+        if results["settings"].get("quick"):
+            raise SystemExit("the docs quote a full run, not --quick")
+        rewrite_section(SPEED_PAGE, name, command, docs_section(results))
+        print(f"wrote the {name} section of {SPEED_PAGE}")
 
 
 def interleaved_median_times(functions: dict, warmup: int, repeats: int) -> dict:

@@ -25,7 +25,6 @@ docs/performance/speed.md from the results (see ``report.py``).
 import argparse
 import importlib
 import inspect
-import json
 
 import torch
 from tqdm.auto import tqdm
@@ -247,28 +246,19 @@ SETTINGS = ("module", "piece_length", "lead", "new_tokens", "lookup_tokens", "tr
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
     if args.report:
-        with open(args.report) as file:
-            results = json.load(file)
-        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-        print(f"wrote the speculative decoding section of {report.SPEED_PAGE}")
-        return results
+        return report.rewrite_from_saved_run(args.report, REPORT_SECTION, REPORT_COMMAND, docs_section)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rows, info = measure(args)
     settings = {key: getattr(args, key) for key in SETTINGS}
     results = {"settings": {**settings, "quick": args.quick, **report.machine()}, "text": info, "rows": rows}
     report.print_table("Speculative decoding next to plain greedy decoding", COLUMNS, _shown(rows))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2)
     differing = [row["model"] for row in rows if not (row["lookup_identical"] and row["assistant_identical"])]
+    # The JSON is kept either way; the docs never quote a run whose tokens changed.
+    write_docs = args.write_docs and not differing
+    report.keep_run(results, args.json, write_docs, REPORT_SECTION, REPORT_COMMAND, docs_section)
     if differing:
         raise SystemExit(f"speculative decoding changed the tokens of {', '.join(differing)}")
-    if args.write_docs:
-        if args.quick:
-            raise SystemExit("the docs quote a full run, not --quick")
-        report.rewrite_section(report.SPEED_PAGE, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-        print(f"wrote the speculative decoding section of {report.SPEED_PAGE}")
     return results
 
 

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -175,3 +178,49 @@ def test_speculative_decoding_table_times_three_ways_for_each_model_and_keeps_th
             assert abs(row[f"{mode}_over_plain"] - row[f"{mode}_tokens_per_s"] / row["plain_tokens_per_s"]) < 1e-9
             assert 1 <= row[f"{mode}_forwards"] <= new_tokens
             assert row[f"{mode}_acceptance"] is None or 0 <= row[f"{mode}_acceptance"] <= 1
+
+
+def test_a_run_is_kept_as_json_and_only_a_full_one_rewrites_its_section(tmp_path, monkeypatch):
+    """benchmarks/report.py's `keep_run` (`--json`, `--write-docs`) and `rewrite_from_saved_run` (`--report`): the
+    JSON holds the results, a --quick run never reaches the docs, a full one rewrites its section between the markers
+    and nothing else, and the saved JSON rewrites it the same way."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import report
+
+    page = tmp_path / "speed.md"
+    begin, end = report.markers("demo", "python demo.py --report demo.json")
+    page.write_text(f"# Speed\n\n{begin}\nold\n{end}\n\nafter\n", encoding="utf-8")
+    monkeypatch.setattr(report, "SPEED_PAGE", str(page))
+
+    def section(results):
+        return f"rows: {results['rows']}"
+
+    saved = tmp_path / "demo.json"
+    quick = {"settings": {"quick": True}, "rows": [1]}
+    with pytest.raises(SystemExit, match="full run, not --quick"):
+        report.keep_run(quick, str(saved), True, "demo", "python demo.py --report demo.json", section)
+    assert json.loads(saved.read_text()) == quick and "\nold\n" in page.read_text()
+    full = {"settings": {"quick": False}, "rows": [2]}
+    report.keep_run(full, str(saved), True, "demo", "python demo.py --report demo.json", section)
+    assert page.read_text() == f"# Speed\n\n{begin}\nrows: [2]\n{end}\n\nafter\n"
+    page.write_text(f"# Speed\n\n{begin}\nold\n{end}\n\nafter\n", encoding="utf-8")
+    assert report.rewrite_from_saved_run(str(saved), "demo", "python demo.py --report demo.json", section) == full
+    assert report.section_text(str(page), "demo") == "rows: [2]"
+
+
+def test_speculative_decoding_trains_each_model_until_its_target_loss_at_most_the_steps_allowed(monkeypatch):
+    """`--target-loss` stops the training as soon as the loss is below it; `--train-steps` bounds it."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import speculative_decoding
+
+    from memlm.tokenization import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    sequence = torch.randint(0, 256, (1, 24))
+    for target, steps in ((100.0, 1), (0.0, 3)):
+        model = speculative_decoding.build("deltanet", speculative_decoding.QUICK_SIZES, tokenizer)
+        arguments = argparse.Namespace(target_loss=target, train_steps=3, learning_rate=1e-3)
+        loss, taken = speculative_decoding.train(model, sequence, arguments)
+        assert taken == steps and loss < 100 and not model.training
