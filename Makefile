@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make main   set up .venv, then build a small DeltaNet and generate from a prompt (text and speed)
 #   make test   set up .venv, then run ruff, the docs build (make docs), the test suite (without the tests marked slow,
-#               with every example of the documentation) and the installed-wheel check
+#               with every example of the documentation), make test-recorded and the installed-wheel check
+#   make test-recorded   the tests that compare with numbers recorded in a file, again under ATEN_CPU_CAPABILITY=default
 #   make docs   build the documentation site (mkdocs.yml, docs/) with --strict into build/site, which is never committed
 #   make test-releases   the 🤗-facing tests under the newest and the oldest 🤗 releases setup.cfg allows
 #   make constraints     record the packages of .venv (after make test passed with them) in constraints/tested.txt
@@ -24,7 +25,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: main test docs test-slow test-releases wheel-check constraints benchmark papers gpu-wheels gpu-check clean
+.PHONY: main test test-recorded docs test-slow test-releases wheel-check constraints benchmark papers gpu-wheels gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
 	@$(PYTHON) devtools/check_python.py
@@ -42,7 +43,13 @@ test: $(STAMP)
 	$(BIN)/python -m ruff format --check .
 	$(MAKE) --no-print-directory docs
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" --durations=20 -n $(TEST_WORKERS)
+	$(MAKE) --no-print-directory test-recorded
 	$(BIN)/python tests/installed/check_wheel.py --python $(PYTHON)
+
+# The tests that compare with numbers recorded in a file (marked `recorded` by tests/conftest.py), again with ATen's
+# portable kernels: other bits for matrix products, softmax and norms, as another processor computes them.
+test-recorded: $(STAMP)
+	ATEN_CPU_CAPABILITY=default HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "recorded and not slow" -n $(TEST_WORKERS)
 
 # --strict: a broken link or anchor, an API reference that does not resolve or a docstring griffe cannot read fails.
 # NO_MKDOCS_2_WARNING silences mkdocs-material's banner about MkDocs 2.0.

@@ -22,6 +22,7 @@ from transformers.utils import logging as transformers_logging  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from devtools import recorded_numbers  # noqa: E402
 from memlm import DeltaNetConfig  # noqa: E402
 from memlm.configuration.configuration_deltanet import LMTOOL_FWP_LAYOUT  # noqa: E402
 from memlm.tokenization import byte_level_tokenizer  # noqa: E402
@@ -165,7 +166,18 @@ KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test of tests/kernels is marked `kernels`: `make test-releases` runs them under other torch builds."""
+    """Every test of tests/kernels is marked `kernels`: `make test-releases` runs them under other torch builds. The
+    tests that compare with numbers recorded in a file (devtools/recorded_numbers.py reads them off the test
+    modules) are marked `recorded`: `make test` runs them again with ATEN_CPU_CAPABILITY=default."""
+    modules, shared = {}, recorded_numbers.conftest_fixtures(Path(__file__).resolve().parent)
     for item in items:
-        if Path(str(item.fspath)).is_relative_to(KERNEL_TESTS):
+        path = Path(str(item.fspath))
+        if path.is_relative_to(KERNEL_TESTS):
             item.add_marker(pytest.mark.kernels)
+        if path not in modules:
+            modules[path] = (
+                recorded_numbers.read_module(path, shared).tests if path.name.startswith("test_") else set()
+            )
+        name = "::".join(part.split("[")[0] for part in item.nodeid.split("::")[1:])
+        if name in modules[path]:
+            item.add_marker(pytest.mark.recorded)

@@ -13,10 +13,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import memlm  # noqa: F401  (registers memlm's classes)
+from tests.tolerances import OFFICIAL_FLOAT64
 
 REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "official-reference" / "transformer-sequential"
 CASES = ["expire_span_enwik8_small", "feedback_enwik8", "feedback_postnorm_shared_kv"]
-TOLERANCE = 1e-9
+TOLERANCE = OFFICIAL_FLOAT64  # absolute, float64, recorded by the official code elsewhere (tests/tolerances.py)
 
 pytestmark = pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"no reference data in {REFERENCE}")
 

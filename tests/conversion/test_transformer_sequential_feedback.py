@@ -14,10 +14,11 @@ from safetensors.torch import load_file
 
 from memlm import FeedbackTransformerForCausalLM
 from memlm.conversion.transformer_sequential_feedback import convert_state_dict
+from tests.tolerances import OFFICIAL_FLOAT64
 
 REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "official-reference" / "transformer-sequential"
 CASES = sorted(path.stem for path in REFERENCE.glob("feedback_*.json")) if REFERENCE.is_dir() else []
-TOLERANCE = 1e-9  # absolute, float64 (the bound; measured: ~2e-15)
+TOLERANCE = OFFICIAL_FLOAT64  # absolute, float64, recorded by the official code elsewhere (tests/tolerances.py)
 
 pytestmark = pytest.mark.skipif(not CASES, reason=f"no reference data in {REFERENCE} (../shared beside the repo)")
 

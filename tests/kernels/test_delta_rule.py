@@ -387,8 +387,10 @@ def test_packed_sequences_equal_each_sequence_alone(backend):
     output, final = delta_rule(query, key, value, beta, initial_state=initial, output_final_state=True,
                                chunk_size=4, cu_seqlens=cu_seqlens, backend=backend)  # fmt: skip
     # The Triton kernels multiply float32 with TF32 (10-bit mantissa, 2⁻¹¹ relative per rounding; see
-    # triton_chunk.py), the others exactly.
-    tolerance = 1e-3 if backend == "triton" else 1e-5
+    # triton_chunk.py), the others in float32. The keys are not normalised, so the state grows to ~300 and a small
+    # output carries the round-off of the large terms summed into it: 2.4e-5 at an output of 1.1 seen under
+    # ATEN_CPU_CAPABILITY=default (another processor's order); float64 agrees to 2e-13.
+    tolerance = 1e-3 if backend == "triton" else 1e-4
     start = 0
     for index, length in enumerate(lengths):
         pieces = [tensor[:, :, start : start + length] for tensor in (query, key, value, beta)]

@@ -149,8 +149,11 @@ def test_padding_anywhere_gives_each_row_alone(layout, mode, backend, monkeypatc
     model = _model("unshared_rotary")
     if mode == "training":
         model.train()  # no dropout in TINY: the same numbers, through the training path
+    # Each step feeds the last (21 steps here) and the weights are perturbed: round-off grows ~200 ulp of the logits
+    # (≈ 4) along the way, as float64 shows (1.7e-13 between a row in the batch and alone); in float32 that is ~1e-4,
+    # 1.3e-4 seen under ATEN_CPU_CAPABILITY=default.
     check_rows_alone(model, _padding_mask(layout), 257, prefix_length=6, following_length=3,
-                     training=mode == "training")  # fmt: skip
+                     training=mode == "training", atol=5e-4)  # fmt: skip
 
 
 def test_the_top_layer_at_t_minus_1_reaches_the_first_layer_at_t():
