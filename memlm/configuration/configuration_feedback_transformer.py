@@ -84,8 +84,9 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
             softmax weight of the memory d steps back is multiplied by m(d) = clamp((1 − d + z·τ) / R + 1, 0, 1), z
             the learned span ratio of the head, and the weights renormalised: a' = a·m / (Σ a·m +
             renormalization_epsilon). Its loss, Σ_layers coefficient · τ · mean_heads(z), is the output's `aux_loss`
-            (added to `loss` in training). The official trainer clamps z to [0, 1] after every optimizer step; memlm
-            leaves z as the optimizer leaves it.
+            (added to `loss` in training). The official trainer clamps z to [0, 1] after every optimizer step;
+            so do `memlm train` and `memlm finetune`, and a 🤗 `Trainer` given
+            `memlm.training.callbacks.ClampAdaptiveSpans` (`clamp_adaptive_spans(model)` in a loop of your own).
         adaptive_span_ramp: R > 0, the length of the soft mask's ramp (the official `--adapt-span-len`).
         adaptive_span_loss_coefficient: the coefficient of the span loss (the official `--adapt-span-loss`).
         adaptive_span_initial_ratio: the initial span ratio z of every head, in [0, 1] (`--adapt-span-init`).

@@ -36,6 +36,7 @@ from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.compiled import compiled as compiled_function
 from ..kernels.feedback.compiled import compiler_available, warn_no_compiler
+from ..kernels.feedback.reference import WeightsTransform
 from ..kernels.feedback.tape import ring_slots
 from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
@@ -162,6 +163,19 @@ def adaptive_span_window(span_ratio: torch.Tensor, memory_span: int, ramp, trim_
     longest = max(0, min(memory_span, math.ceil(span_ratio.max().item() * memory_span + ramp)))
     trimmed = math.floor(min(memory_span - 1, memory_span - longest) / trim_step) * trim_step
     return memory_span - trimmed
+
+
+def clamp_adaptive_spans(model: nn.Module) -> int:
+    """The official trainer's last rule for the adaptive span (transformer-sequential `trainer.py` calls each layer's
+    `param_clamp()` after every optimizer step): every span ratio z in `model` (a memlm model, or one wrapped by
+    DDP, Accelerate or PEFT) clamped to [0, 1] in place. Returns how many layers hold one. `memlm train` calls it after
+    each optimizer step, `memlm.training.callbacks.ClampAdaptiveSpans` does for a 🤗 `Trainer`."""
+    ratios = [module.span_ratio for module in model.modules()
+              if isinstance(module, FeedbackAttention) and hasattr(module, "span_ratio")]  # fmt: skip
+    with torch.no_grad():
+        for ratio in ratios:
+            ratio.clamp_(0, 1)
+    return len(ratios)
 
 
 class FeedbackAttention(nn.Module):
@@ -457,15 +471,16 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.carry_first_layer_norm = config.carry_first_layer_norm
         self.attention_dropout_on_context = config.attention_dropout_position == "context"
         self.carries_hidden_states = config.memory_carry == "hidden_states"
-        # The options only the step loop's reference runs (autograd through every step): keys and values computed
-        # from hidden states at the start of a forward, the adaptive span's mask, dropout on the attention weights.
+        # The options the ring does not hold, which run on the training tape with or without gradients (autograd
+        # through every step): keys and values computed from hidden states at the start of a forward, the adaptive
+        # span's mask, dropout on the attention weights.
         # With `adaptive_span_trim_step`: how many memories each layer reads, set at the start of every forward.
         self.read_windows = None
         self.embedding_scale = config.embedding_scale
         self.recomputes_carried_memory = config.recomputes_carried_memory
         self.adaptive_span = config.adaptive_span
         self.trims_adaptive_span = config.adaptive_span and config.adaptive_span_trim_step is not None
-        self.needs_reference_loop = (
+        self.needs_tape = (
             config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
         )
         self.recurrence = FeedbackRecurrence()
@@ -658,8 +673,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         return bias + scores.flatten(0, 1) * self.head_dim**-0.5
 
     def _attention_weights_transform(self, attention: FeedbackAttention, window, positions):
-        """What the official code does to the softmax weights (B·H, W) before reading the values, as a function, or
-        None: the adaptive span's mask and renormalisation (Sukhbaatar et al., 2019), then dropout."""
+        """What the official code does to the softmax weights (B·H, W) before reading the values, as a
+        `WeightsTransform`, or None: the adaptive span's mask and renormalisation (Sukhbaatar et al., 2019), then
+        dropout."""
         adaptive = hasattr(attention, "span_ratio")
         dropout = not self.attention_dropout_on_context and self.training and attention.dropout.p > 0
         if not adaptive and not dropout:
@@ -670,15 +686,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             distance = positions[:, None] - slot_positions  # (B, W)
             mask = adaptive_span_mask(attention.span_ratio, distance, self.memory_span, self.config.adaptive_span_ramp)
             mask = mask.flatten(0, 1)  # (B·H, W)
-
-        def transform(weights: torch.Tensor) -> torch.Tensor:
-            if mask is not None:
-                weights = weights * mask.to(weights.dtype)
-                denominator = weights.sum(-1, keepdim=True) + self.config.renormalization_epsilon
-                weights = weights / denominator.masked_fill(denominator == 0, 1.0)  # a row that sees nothing: 0
-            return attention.dropout(weights) if dropout else weights
-
-        return transform
+        return WeightsTransform(mask, self.config.renormalization_epsilon, attention.dropout.p if dropout else 0.0)
 
     def _projections(self) -> tuple:
         """(W_k, W_v) of each key/value set: one pair shared by the layers, or one per layer."""
@@ -749,7 +757,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         valid = current_padding_mask(attention_mask, batch_size, length, past_length_to_check(cache))
         recording = cache.recording
         if recording:
-            if torch.is_grad_enabled() and not self.needs_reference_loop:
+            if torch.is_grad_enabled() and not self.needs_tape:
                 raise ValueError(
                     "This FeedbackCache records its past for rolling back (activate_past_recording, as generate does "
                     "for assisted decoding), which it can do for forwards without gradients: run the model under "
@@ -770,7 +778,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices
             inputs_embeds = inputs_embeds.gather(1, order[..., None].expand_as(inputs_embeds))
             valid = valid.gather(1, order)
-            if torch.is_grad_enabled():  # the training tape widens its windows by it
+            if torch.is_grad_enabled() or self.needs_tape:  # the tape widens its windows by it
                 padding_steps = int((~valid).sum(1).max())
         fresh = cache.next_positions is None
         if fresh:
@@ -826,11 +834,12 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 seen_windows = [(keys[group], values[group], slot_positions, slot_valid, hidden)
                                 for group in range(len(cache.layers))]  # fmt: skip
             slot_valid = slot_valid & (following[:, None] - slot_positions <= reach)
-            if reach < config.memory_span or recording:  # (a recording forward's window reaches further back)
-                kept = slot_valid.any(0).nonzero()[:, 0]
-                keys, values = keys[:, :, :, kept], values[:, :, :, kept]
-                slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
-                hidden = hidden[:, kept] if hidden is not None else None
+            # Keep the slots some row still sees (a recording forward's window reaches further back, and a tape's holds
+            # its whole prefix while the call is shorter than τ).
+            kept = slot_valid.any(0).nonzero()[:, 0]
+            keys, values = keys[:, :, :, kept], values[:, :, :, kept]
+            slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
+            hidden = hidden[:, kept] if hidden is not None else None
             for group, layer in enumerate(cache.layers):
                 layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False

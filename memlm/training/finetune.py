@@ -57,6 +57,7 @@ def finetune(arguments: argparse.Namespace) -> dict:
     import memlm  # noqa: F401  (registers memlm's model types)
 
     from ..checkpoint_files import load_model
+    from .callbacks import ClampAdaptiveSpans
     from .data import load_texts
 
     if not Path(arguments.model).is_dir():
@@ -92,7 +93,7 @@ def finetune(arguments: argparse.Namespace) -> dict:
         disable_tqdm=not sys.stderr.isatty(),  # no progress bar in logs
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_arguments, train_dataset=split["train"], eval_dataset=split["test"],
-                      data_collator=default_data_collator)  # fmt: skip
+                      data_collator=default_data_collator, callbacks=[ClampAdaptiveSpans()])  # fmt: skip
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     after = trainer.evaluate()["eval_loss"]

@@ -696,6 +696,7 @@ def _train(arguments, accelerator, documents: list[str], settings: dict) -> dict
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
+    from ..modeling.modeling_feedback_transformer import clamp_adaptive_spans
     from .data import TokenStream, split_held_out
 
     output_dir = arguments.output_dir
@@ -764,6 +765,7 @@ def _train(arguments, accelerator, documents: list[str], settings: dict) -> dict
             )
         learning_rate = scheduler.get_last_lr()[0]
         optimizer.step()
+        clamp_adaptive_spans(unwrapped)  # the Feedback Transformer's adaptive spans, as the official trainer does
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         history["train"].append((step + 1, total))

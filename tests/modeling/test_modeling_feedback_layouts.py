@@ -202,7 +202,7 @@ def test_a_checkpoint_saved_by_main_before_the_options_gives_the_same_logits(nam
 def test_the_default_layout_keeps_its_fast_paths_and_the_others_run_with_autograd():
     default = FeedbackTransformerForCausalLM(FeedbackTransformerConfig(**TINY)).model
     embeddings = torch.zeros(1, 3, TINY["hidden_size"])
-    assert covers(default, embeddings, keep_states=False) and not default.needs_reference_loop
+    assert covers(default, embeddings, keep_states=False) and not default.needs_tape
     for layout in LAYOUTS:
         body = _model(layout).model.float()
         assert not body.config.default_step
@@ -453,3 +453,69 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_an_official_layout()
     checkpointed = gradients()
     for name, gradient in plain.items():
         torch.testing.assert_close(checkpointed[name], gradient, rtol=0, atol=1e-13)
+
+
+# The papers' options the ring does not hold run on the tape (`needs_tape`), with and without gradients.
+TAPE_LAYOUTS = ["official_pre_norm", "official_post_norm_shared", "adaptive_span_trimmed",
+                "shared_projections_layer_norms"]  # fmt: skip
+
+
+def _blocks_through(model, backend: str, monkeypatch, blocks: list, gradients: bool):
+    """Every block's logits and auxiliary loss, the cache after each block, and with `gradients` the gradient of
+    every parameter of the blocks' summed losses (truncated at block boundaries, as the official trainer does)."""
+    monkeypatch.setenv("MEMLM_KERNELS", backend)
+    torch.manual_seed(7)  # the same dropout masks in both runs
+    model.zero_grad()
+    cache, logits, aux_losses, caches, total = None, [], [], [], 0
+    with torch.enable_grad() if gradients else torch.no_grad():
+        for block in blocks:
+            output = model(block, labels=block, cache=cache, use_cache=True)
+            cache = output.cache
+            logits.append(output.logits.detach())
+            aux_losses.append(output.aux_loss.detach() if output.aux_loss is not None else None)
+            layer = cache.layers[-1]
+            caches.append((layer.keys, layer.values, layer.positions, layer.valid, layer.hidden))
+            total = total + output.loss
+    if gradients:
+        total.backward()
+    grads = {name: parameter.grad for name, parameter in model.named_parameters() if gradients}
+    return logits, aux_losses, caches, grads
+
+
+@pytest.mark.parametrize("layout", TAPE_LAYOUTS)
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_the_tape_equals_the_step_loop_reference_over_carried_blocks(layout, mode, monkeypatch):
+    """Logits, auxiliary losses, the carried memories (keys, values, hidden states, positions) and every gradient,
+    in float64, over three blocks whose memories carry into the next. Training draws dropout (on the attention
+    weights and after the ReLU): blocks no longer than τ read every memory so far on both paths, so both draw the
+    same masks."""
+    model = _model(layout, attention_dropout=0.3, activation_dropout=0.2)
+    assert model.model.needs_tape
+    if mode == "training":
+        model.train()
+    blocks = list(torch.randint(0, 40, (2, 12)).split(4, dim=1))
+    tape = _blocks_through(model, "torch", monkeypatch, blocks, gradients=mode == "training")
+    reference = _blocks_through(model, "reference", monkeypatch, blocks, gradients=mode == "training")
+    for ours, theirs in zip(tape[0], reference[0]):
+        assert (ours - theirs).abs().max() < 1e-12
+    for ours, theirs in zip(tape[1], reference[1]):
+        assert (ours is None) == (theirs is None) and (ours is None or (ours - theirs).abs().max() < 1e-14)
+    for ours, theirs in zip(tape[2], reference[2]):
+        # The same memories, oldest first (the tape lays a carried window out with its live slots first).
+        ours_order = torch.argsort(ours[2].masked_fill(~ours[3], -(10**6)), dim=1, stable=True)
+        theirs_order = torch.argsort(theirs[2].masked_fill(~theirs[3], -(10**6)), dim=1, stable=True)
+        assert torch.equal(ours[2].gather(1, ours_order)[ours[3]], theirs[2].gather(1, theirs_order)[theirs[3]])
+        for index, (mine, expected) in enumerate(zip(ours[:2], theirs[:2])):
+            seen_mine = mine.gather(2, ours_order[:, None, :, None].expand_as(mine))
+            seen_expected = expected.gather(2, theirs_order[:, None, :, None].expand_as(expected))
+            assert (seen_mine[..., -3:, :] - seen_expected[..., -3:, :]).abs().max() < 1e-12, index
+        if ours[4] is not None or theirs[4] is not None:
+            mine = ours[4].gather(1, ours_order[..., None].expand_as(ours[4]))
+            expected = theirs[4].gather(1, theirs_order[..., None].expand_as(theirs[4]))
+            assert (mine[:, -3:] - expected[:, -3:]).abs().max() < 1e-12
+    assert tape[3].keys() == reference[3].keys()
+    for name, gradient in tape[3].items():
+        expected = reference[3][name]
+        assert (gradient is None) == (expected is None), name
+        if gradient is not None:
+            assert (gradient - expected).abs().max() <= 1e-12 * max(1.0, expected.abs().max()), name

@@ -9,8 +9,10 @@ validates its inputs and dispatches on the backend (see :func:`memlm.kernels.res
 - ``"torch"`` (and ``"triton"``/``"fla"``, which have no kernel of their own for this recurrence): the memory in
   preallocated buffers (`tape.py`): without gradients the cache's ring of up to τ slots, written in place; in training a
   tape of all steps, and the hand-written backward of `through_time.py` (`_ThroughTime`), or autograd through every
-  step where that backward does not know the forward (float16/bfloat16, autocast, per-step outputs kept, adapters,
-  hooks: see `through_time.covers`).
+  step where that backward does not know the forward (the papers' layouts, float16/bfloat16, autocast, per-step
+  outputs kept, adapters, hooks: see `through_time.covers`). The papers' layouts whose options the ring does not
+  hold (keys and values recomputed from carried hidden states, the adaptive span, dropout on the attention weights:
+  the model's `needs_tape`) run on the tape without gradients too.
 
 The step itself (layers, memory mix, projections) is the model's: `model.step`, in `modeling_feedback_transformer.py`;
 with the config's `compile_step`, its pure functions run through `torch.compile` where no autograd is needed
@@ -102,14 +104,16 @@ def feedback_recurrence(
     backend = resolve_backend(backend, inputs_embeds.device, operation="feedback")
     config = model.config
     # The official layout's options (keys and values recomputed from hidden states, the adaptive span, dropout on
-    # the attention weights) run through the reference only: autograd through every step.
-    if backend == "reference" or getattr(model, "needs_reference_loop", False):
+    # the attention weights) run on the tape, with or without gradients, never on the ring; a forward that may be
+    # rolled back (`carry_from`) through the reference.
+    on_tape = getattr(model, "needs_tape", False)
+    if backend == "reference" or (on_tape and carry_from is not None):
         return feedback_recurrence_reference(model.step, inputs_embeds, positions, valid, cache_layers,
                                              next_positions, config.memory_span, carry_from)  # fmt: skip
     training = torch.is_grad_enabled() and (
         inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in model.parameters())
     )
-    if not training:
+    if not training and not on_tape:
         store = _RingStore(cache_layers, next_positions, config, inputs_embeds, positions)
     else:
         store = _Tape(cache_layers, inputs_embeds.shape[1], config, inputs_embeds, padding_steps)
@@ -127,4 +131,4 @@ def feedback_recurrence(
         outputs.append(hidden_states)
         if keep_states:
             all_states.append(states)
-    return torch.stack(outputs, dim=1), all_states, store.last_memories() if training else None
+    return torch.stack(outputs, dim=1), all_states, store.last_memories() if training or on_tape else None

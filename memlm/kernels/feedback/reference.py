@@ -14,9 +14,38 @@ decided by positions alone (`bias` is −inf outside [t − τ, t − 1], for pa
 plain on purpose: the fast path of `memlm.kernels.feedback` is tested against it.
 """
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["ListMemory", "feedback_recurrence_reference"]
+__all__ = ["ListMemory", "WeightsTransform", "feedback_recurrence_reference"]
+
+
+class WeightsTransform(NamedTuple):
+    """What the official code does to a step's softmax weights a (N, W) before they read the values: the adaptive
+    span's soft mask m (N, W) and renormalisation a' = a·m / (Σ a·m + ε) (Sukhbaatar et al., 2019, Sec. 3.1; a row
+    whose Σ a·m + ε is 0 reads nothing), then dropout with probability `dropout` (0: none). Calling it applies it
+    with autograd (the readable path); the training tape differentiates the same formula by hand (`tape._TapeRead`).
+    """
+
+    mask: torch.Tensor | None
+    epsilon: float
+    dropout: float
+
+    def dropout_mask(self, like: torch.Tensor) -> torch.Tensor | None:
+        """The kept entries scaled by 1 / (1 − p), drawn as `F.dropout` draws them on a CPU (the same random
+        numbers for the same shape)."""
+        if self.dropout == 0:
+            return None
+        return torch.empty_like(like).bernoulli_(1 - self.dropout).div_(1 - self.dropout)
+
+    def __call__(self, weights: torch.Tensor) -> torch.Tensor:
+        if self.mask is not None:
+            weights = weights * self.mask.to(weights.dtype)
+            denominator = weights.sum(-1, keepdim=True) + self.epsilon
+            weights = weights / denominator.masked_fill(denominator == 0, 1.0)
+        kept = self.dropout_mask(weights)
+        return weights if kept is None else weights * kept
 
 
 class ListMemory:
@@ -60,8 +89,8 @@ class ListMemory:
 
     def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor, transform=None) -> torch.Tensor:
         """softmax(q·Kᵀ/√d + bias) · V for query (B·H, d) and bias (B·H, W); zero where no memory is visible (the
-        paper's "no attention term" before the first memory). `transform`: a function applied to the softmax
-        weights (B·H, W) before they read the values (the adaptive span's mask, dropout on the weights)."""
+        paper's "no attention term" before the first memory). `transform`: a `WeightsTransform` applied to the
+        softmax weights (B·H, W) before they read the values (the adaptive span's mask, dropout on the weights)."""
         if not len(self):
             return torch.zeros_like(query)
         keys = self._joined("keys", 2, lambda entry: entry[group]).flatten(0, 1)  # (B·H, W, d)

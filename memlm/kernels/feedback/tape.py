@@ -164,10 +164,12 @@ class _Tape:
             )
             cache_layers = [nothing] * groups
             first = cache_layers[0]
-        # The prefix: the cache's live memories only, live slots first in each row (an empty cache adds nothing).
+        # The prefix: the cache's slots in their order (a window carried by a forward holds the memories some row
+        # still sees; a ring, the slots the context has filled), so that the memories carried on are laid out as the
+        # step loop's reference lays them out.
         live = first.valid
-        prefix = int(live.sum(1).max()) if live.numel() else 0
-        order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)[:, :prefix]
+        prefix = live.shape[1]
+        order = torch.arange(prefix, device=device).expand(batch_size, prefix)
         size = prefix + steps
         self.prefix = prefix
         self.memory_span = memory_span
@@ -175,16 +177,28 @@ class _Tape:
         self.keys = torch.zeros(groups, batch_size, num_heads, size, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         gather = order[:, None, :, None].expand(batch_size, num_heads, prefix, head_dim)
-        self.keys[:, :, :, :prefix] = torch.stack([layer.keys.gather(2, gather) for layer in cache_layers]).to(dtype)
-        self.values[:, :, :, :prefix] = torch.stack([layer.values.gather(2, gather) for layer in cache_layers]).to(
-            dtype
-        )
+        prefix_keys = torch.stack([layer.keys.gather(2, gather) for layer in cache_layers]).to(dtype)
+        prefix_values = torch.stack([layer.values.gather(2, gather) for layer in cache_layers]).to(dtype)
         self.positions = torch.cat([first.positions.gather(1, order), first.positions.new_zeros(batch_size, steps)], 1)
         self.valid = torch.cat([live.gather(1, order), live.new_zeros(batch_size, steps)], dim=1)
+        # With `memory_carry="hidden_states"`: the memories' hidden states, carried (detached) to the next forward.
+        self.hidden = None
+        if config.memory_carry == "hidden_states":
+            self.hidden = torch.zeros(batch_size, size, config.hidden_size, dtype=dtype, device=device)
+            carried = getattr(first, "hidden", None)
+            if carried is not None:
+                self.hidden[:, :prefix] = carried.detach().gather(1, order[..., None].expand(-1, -1, carried.shape[2]))
         self._gradients = None
         # Every write takes the previous anchor and makes the next: reads of step t hang on the anchor of step t−1,
         # so the backward of a write runs only after every read of the memory it wrote.
         self.anchor = torch.zeros((), device=device, requires_grad=True)
+        if torch.is_grad_enabled() and (prefix_keys.requires_grad or prefix_values.requires_grad):
+            # Keys and values computed in this forward (`memory_carry="hidden_states"`, the zero initial memory): the
+            # reads' gradients flow back to them, and through them to the projections.
+            self.anchor = _TapeWrite.apply(prefix_keys, prefix_values, self.anchor, self, slice(0, prefix))
+        else:
+            self.keys[:, :, :, :prefix] = prefix_keys
+            self.values[:, :, :, :prefix] = prefix_values
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradient buffers of the keys and values, made at the first read's backward (autograd through the steps)."""
@@ -203,21 +217,28 @@ class _Tape:
         start, end = self.bounds(step)
         return None, None, self.positions[:, start:end], self.valid[:, start:end]
 
-    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor, transform=None) -> torch.Tensor:
+        """`transform`: a `WeightsTransform` of the softmax weights (the official layouts' adaptive span, dropout on
+        the weights), whose mask covers this step's window."""
         start, end = self.bounds(step)
         self.last_weights = None
         if start == end:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
         if torch.is_grad_enabled():
-            return _TapeRead.apply(query, bias, self.anchor, self, group, start, end)
+            mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
+            return _TapeRead.apply(query, bias, self.anchor, mask, self, group, start, end, transform)
         # Recorded for the hand-written backward (`_ThroughTime`), which runs the forward without autograd.
         self.last_weights = attention_weights(query, self.keys[group, :, :, start:end].flatten(0, 1), bias)
-        return torch.bmm(self.last_weights.unsqueeze(1), self.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
+        weights = self.last_weights if transform is None else transform(self.last_weights)
+        return torch.bmm(weights.unsqueeze(1), self.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
 
-    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+              hidden: torch.Tensor | None = None):  # fmt: skip
         index = self.prefix + step
         self.positions[:, index] = positions
         self.valid[:, index] = valid
+        if hidden is not None:
+            self.hidden[:, index] = hidden.detach()
         if torch.is_grad_enabled():
             self.anchor = _TapeWrite.apply(keys, values, self.anchor, self, index)
         else:
@@ -225,14 +246,17 @@ class _Tape:
             self.values[:, :, :, index] = values
 
     def last_memories(self):
-        """keys, values (G, B, H, W, d), positions, valid (B, W) of the slice the next step would read."""
+        """keys, values (G, B, H, W, d), positions, valid (B, W) of the slice the next step would read, and their
+        hidden states (B, W, D) when the tape keeps them."""
         start, end = self.bounds(self.keys.shape[3] - self.prefix)
-        return (self.keys[:, :, :, start:end], self.values[:, :, :, start:end], self.positions[:, start:end],
-                self.valid[:, start:end])  # fmt: skip
+        window = (self.keys[:, :, :, start:end], self.values[:, :, :, start:end], self.positions[:, start:end],
+                  self.valid[:, start:end])  # fmt: skip
+        return window if self.hidden is None else (*window, self.hidden[:, start:end])
 
 
 class _TapeWrite(torch.autograd.Function):
-    """Store a step's keys/values on the tape; in the backward, return the gradient the later reads accumulated."""
+    """Store a step's keys/values (or the prefix's, `index` a slice) on the tape; in the backward, return the gradient
+    the later reads accumulated."""
 
     @staticmethod
     def forward(ctx, keys, values, anchor, tape, index):
@@ -257,32 +281,53 @@ class _TapeWrite(torch.autograd.Function):
 
 class _TapeRead(torch.autograd.Function):
     """Attention of one step over a slice of the tape. The backward is written out (softmax attention for a single
-    query), reads the keys and values once, and adds their gradients into the tape's gradient buffers in place."""
+    query, and the official layouts' `WeightsTransform`: the adaptive span's mask and renormalisation, dropout on the
+    weights), reads the keys and values once, and adds their gradients into the tape's gradient buffers in place."""
 
     @staticmethod
-    def forward(ctx, query, bias, anchor, tape, group, start, end):
+    def forward(ctx, query, bias, anchor, mask, tape, group, start, end, transform):
         with torch.no_grad():
             keys = tape.keys[group, :, :, start:end].flatten(0, 1)  # (B·H, W, d), a view
-            weights = attention_weights(query, keys, bias)
-            output = torch.bmm(weights.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
-        ctx.save_for_backward(query, weights)
+            weights = attention_weights(query, keys, bias)  # p = softmax(s)
+            read, denominator, kept = weights, None, None
+            if mask is not None:  # r = p·m / (Σ p·m + ε); 0 where that sum is 0
+                read = weights * mask
+                denominator = read.sum(-1, keepdim=True).add_(transform.epsilon)
+                denominator.masked_fill_(denominator == 0, 1.0)
+                read = read.div_(denominator)
+            if transform is not None:
+                kept = transform.dropout_mask(read)
+                if kept is not None:  # w = r · dropout mask
+                    read = read * kept
+            output = torch.bmm(read.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
+        ctx.save_for_backward(query, weights, mask, denominator, kept)
         ctx.tape, ctx.window = tape, (group, start, end)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, weights = ctx.saved_tensors
+        query, weights, mask, denominator, kept = ctx.saved_tensors
         tape, (group, start, end) = ctx.tape, ctx.window
         keys = tape.keys[group, :, :, start:end].flatten(0, 1)
         values = tape.values[group, :, :, start:end].flatten(0, 1)
         scale = query.shape[-1] ** -0.5
-        grad_weights = torch.bmm(grad_output.unsqueeze(1), values.transpose(1, 2)).squeeze(1)  # (N, W)
+        renormalized = weights if mask is None else weights * mask / denominator  # r
+        read = renormalized if kept is None else renormalized * kept  # w
+        grad_read = torch.bmm(grad_output.unsqueeze(1), values.transpose(1, 2)).squeeze(1)  # dw (N, W)
+        grad_renormalized = grad_read if kept is None else grad_read * kept  # dr
+        grad_mask = None
+        if mask is None:
+            grad_weights = grad_renormalized
+        else:  # r = a / (Σa + ε), a = p·m: da = (dr − Σ dr·r) / (Σa + ε), then dp = da·m and dm = da·p
+            grad_masked = (grad_renormalized - (grad_renormalized * renormalized).sum(-1, keepdim=True)) / denominator
+            grad_weights = grad_masked * mask
+            grad_mask = grad_masked * weights if ctx.needs_input_grad[3] else None
         grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
         grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
         grad_keys, grad_values = tape.gradients()
         grad_keys = grad_keys[group, :, :, start:end].flatten(0, 1)
         grad_keys.addcmul_(grad_scores.unsqueeze(-1), (query * scale).unsqueeze(1))  # += dS ⊗ q / sqrt(d)
         grad_values = grad_values[group, :, :, start:end].flatten(0, 1)
-        grad_values.addcmul_(weights.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
+        grad_values.addcmul_(read.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
         grad_bias = grad_scores if ctx.needs_input_grad[1] else None
-        return grad_query, grad_bias, torch.zeros((), device=query.device), None, None, None, None
+        return grad_query, grad_bias, torch.zeros((), device=query.device), grad_mask, None, None, None, None, None
