@@ -40,7 +40,7 @@ from ..kernels.feedback.reference import WeightsTransform
 from ..kernels.feedback.tape import ring_slots
 from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding, make_mlp, make_norm
+from .layers import GatedMLP, LayerNorm, PlainMLP, RMSNorm, RotaryEmbedding, make_mlp, make_norm
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -426,8 +426,8 @@ class FeedbackTransformerPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTr
 class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
     # The modules `step` runs: the hand-written backward of `memlm.kernels.feedback` knows these (and the config's
     # activation) only; any other module, e.g. an adapter, runs the steps with autograd.
-    step_modules = (FeedbackDecoderLayer, FeedbackAttention, GatedMLP, RMSNorm, RotaryEmbedding, nn.Linear,
-                    nn.Dropout, nn.ModuleList, FeedbackRecurrence)  # fmt: skip
+    step_modules = (FeedbackDecoderLayer, FeedbackAttention, GatedMLP, PlainMLP, RMSNorm, LayerNorm, RotaryEmbedding,
+                    nn.Linear, nn.Dropout, nn.ModuleList, FeedbackRecurrence)  # fmt: skip
 
     def __init__(self, config: FeedbackTransformerConfig):
         super().__init__(config)
@@ -483,6 +483,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.needs_tape = (
             config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
         )
+        # While a step loop runs with autograd: its linear layers' weight gradients, gathered over the steps
+        # (`DeferredWeightGradients`, set by `memlm.kernels.feedback`).
+        self.deferred = None
         self.recurrence = FeedbackRecurrence()
         self.post_init()
 
@@ -508,11 +511,21 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             record.masks[key] = mask
         return states * mask
 
+    def _linear(self, module: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+        """`module(states)`, its weight gradient deferred while a step loop runs with autograd (`self.deferred`)."""
+        return module(states) if self.deferred is None else self.deferred.linear(module, states)
+
     def _feed_forward(self, layer: FeedbackDecoderLayer, residual: torch.Tensor, record=None, key=()):
         """The MLP block's output (before the residual sum); `record` keeps its gate and up projections."""
         mlp = layer.mlp
         normed = layer.post_attention_layernorm(residual) if self.norm_position == "pre" else residual
-        if record is None:
+        if record is None and self.deferred is not None:  # the MLP's lines (`GatedMLP`, `PlainMLP`), deferred
+            if isinstance(mlp, PlainMLP):
+                output = self._linear(mlp.down_proj, mlp.dropout(mlp.act_fn(self._linear(mlp.up_proj, normed))))
+            else:
+                gated = mlp.act_fn(self._linear(mlp.gate_proj, normed)) * self._linear(mlp.up_proj, normed)
+                output = self._linear(mlp.down_proj, gated)
+        elif record is None:
             output = mlp(normed)
         else:  # the MLP's lines, to keep its projections (only for plain modules, see `through_time.covers`)
             gate, up = F.linear(normed, record.gate_up[key[0]]).split(mlp.gate_proj.out_features, dim=-1)
@@ -557,7 +570,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 attention_input = (
                     layer.input_layernorm(hidden_states) if self.norm_position == "pre" else hidden_states
                 )
-                query = attention.q_proj(attention_input).view(batch_size, -1, self.head_dim)
+                query = self._linear(attention.q_proj, attention_input).view(batch_size, -1, self.head_dim)
                 if cos is not None:
                     query = _rotate(query, *rotation)
                 query = query.reshape(-1, self.head_dim)
@@ -595,8 +608,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             else:
                 if self.attention_dropout_on_context:
                     context = self._dropout(context, attention.dropout.p, record, ("context",) + key)
-                mixed = self._dropout(attention.o_proj(context.reshape(batch_size, -1)), layer.dropout.p, record,
-                                      ("attention",) + key)  # fmt: skip
+                mixed = self._dropout(self._linear(attention.o_proj, context.reshape(batch_size, -1)), layer.dropout.p,
+                                      record, ("attention",) + key)  # fmt: skip
                 residual = hidden_states + mixed
                 if self.norm_position == "post":  # norm(x + attention(x)), the official default
                     residual = layer.input_layernorm(residual)
@@ -650,13 +663,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         layer's own projections, or the shared ones after each layer's own input norm (`memory_normalization=
         "layer"`, the official pre-norm code: k = W_k · norm_l(m))."""
         if self.memory_groups == 1:
-            return self.k_proj(memory)[None], self.v_proj(memory)[None]
+            return self._linear(self.k_proj, memory)[None], self._linear(self.v_proj, memory)[None]
         keys, values = [], []
         for layer in self.layers:
             source = layer.input_layernorm(memory) if self.layer_norms_memory else memory
             projections = self if self.share_key_value else layer.attention
-            keys.append(projections.k_proj(source))
-            values.append(projections.v_proj(source))
+            keys.append(self._linear(projections.k_proj, source))
+            values.append(self._linear(projections.v_proj, source))
         return torch.stack(keys), torch.stack(values)
 
     def _relative_position_scores(self, query, window, positions, bias):

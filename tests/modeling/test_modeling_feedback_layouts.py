@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import activation_checkpointing_enable
-from memlm.kernels.feedback.through_time import covers
+from memlm.kernels.feedback.through_time import DeferredWeightGradients, covers
 from tests.modeling.padding import LAYOUTS as PADDING_LAYOUTS
 from tests.modeling.padding import check_rows_alone, padding_mask
 from tests.tolerances import RECORDED_FLOAT32_LOGITS
@@ -519,3 +519,29 @@ def test_the_tape_equals_the_step_loop_reference_over_carried_blocks(layout, mod
         assert (gradient is None) == (expected is None), name
         if gradient is not None:
             assert (gradient - expected).abs().max() <= 1e-12 * max(1.0, expected.abs().max()), name
+
+
+def test_the_step_loop_defers_its_weight_gradients_only_for_plain_linear_layers():
+    """On the tape with autograd, the steps' linear layers gather their weight gradients and multiply them many steps
+    at a time (`DeferredWeightGradients`); a hook on a layer (or an adapter) keeps autograd's own, with the same
+    gradients."""
+    model = _model("official_pre_norm").train()
+    body = model.model
+    embeddings = torch.zeros(2, 3, TINY["hidden_size"], dtype=torch.float64)
+    assert DeferredWeightGradients.applies(body, embeddings)
+    assert not DeferredWeightGradients.applies(body, embeddings.float().to(torch.bfloat16))
+    input_ids = torch.randint(0, 40, (2, 9))
+
+    def gradients():
+        model.zero_grad()
+        torch.manual_seed(3)
+        model(input_ids, labels=input_ids).loss.backward()
+        return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+    deferred = gradients()
+    handle = body.layers[1].attention.q_proj.register_forward_hook(lambda module, inputs, output: output)
+    assert not DeferredWeightGradients.applies(body, embeddings)
+    plain = gradients()
+    handle.remove()
+    for name, gradient in plain.items():
+        assert (deferred[name] - gradient).abs().max() <= 1e-12 * max(1.0, gradient.abs().max()), name

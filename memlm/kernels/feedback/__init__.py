@@ -25,7 +25,7 @@ from memlm.kernels import resolve_backend
 
 from .reference import feedback_recurrence_reference
 from .tape import _RingStore, _Tape
-from .through_time import _ThroughTime, covers, recurrent_parameters
+from .through_time import DeferredWeightGradients, _ThroughTime, covers, recurrent_parameters
 
 __all__ = ["feedback_recurrence", "feedback_recurrence_reference"]
 
@@ -121,6 +121,16 @@ def feedback_recurrence(
             parameters = [parameter for _, parameter in recurrent_parameters(model)]
             top = _ThroughTime.apply(model, store, inputs_embeds, positions, valid, *parameters)
             return top, [], store.last_memories()
+    if training and DeferredWeightGradients.applies(model, inputs_embeds):
+        model.deferred = DeferredWeightGradients(model, inputs_embeds.shape[0])
+    try:
+        return _step_loop(model, inputs_embeds, positions, valid, store, keep_states, training or on_tape)
+    finally:
+        model.deferred = None
+
+
+def _step_loop(model, inputs_embeds, positions, valid, store, keep_states: bool, leaves_window: bool):
+    """`model.step` over the positions, with autograd where gradients are needed."""
     outputs, all_states = [], []
     compiled = model.compiled_step_applies(inputs_embeds)  # `compile_step`, without autograd
     # unbind once: indexing step by step would give each step's gradient the size of the whole input.
@@ -131,4 +141,4 @@ def feedback_recurrence(
         outputs.append(hidden_states)
         if keep_states:
             all_states.append(states)
-    return torch.stack(outputs, dim=1), all_states, store.last_memories() if training or on_tape else None
+    return torch.stack(outputs, dim=1), all_states, store.last_memories() if leaves_window else None

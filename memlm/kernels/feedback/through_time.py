@@ -190,6 +190,99 @@ class _WeightGradients:
         return self.totals
 
 
+class DeferredWeightGradients:
+    """The weight gradients of a step loop that runs with autograd (the papers' layouts on the tape, whose steps the
+    hand-written backward does not know). Each step's linear layers (`linear`) give their inputs' gradients as
+    autograd would, but their weight and bias gradients, an (out × in) product of only B rows per step, are gathered
+    (`_WeightGradients`) and multiplied many steps at a time when autograd reaches the start of the loop
+    (`_DeferredStart`, which every step's backward precedes). Only for plain `nn.Linear` modules without hooks
+    (`applies`)."""
+
+    def __init__(self, model, batch_size: int):
+        # Each layer's weight and bias as this forward sees them (under `torch.func.functional_call`, not the
+        # module's own parameters), used again in the backward.
+        self.linears = {id(module): (module.weight, module.bias) for module in model.modules()
+                        if isinstance(module, torch.nn.Linear)}  # fmt: skip
+        self.parameters = [parameter for pair in self.linears.values() for parameter in pair
+                           if parameter is not None and parameter.requires_grad]  # fmt: skip
+        needed = {key for key, (weight, _) in self.linears.items() if weight.requires_grad}
+        self.products = _WeightGradients(needed, max(1, 1024 // batch_size))
+        self.bias_sums = {}
+        self.token = _DeferredStart.apply(self, *self.parameters)
+
+    @staticmethod
+    def applies(model, inputs_embeds: torch.Tensor) -> bool:
+        """Whether the step's linear layers are plain ones (no adapter, quantised layer or hook), in float32 or
+        float64 without autocast, and no layer recomputes its MLP in the backward (gradient checkpointing)."""
+        return (
+            hasattr(model, "deferred")
+            and any(parameter.requires_grad for module in model.modules() if isinstance(module, torch.nn.Linear)
+                    for parameter in module.parameters())
+            and inputs_embeds.dtype in (torch.float32, torch.float64)
+            and not torch.is_autocast_enabled(inputs_embeds.device.type)
+            and all(type(module) in model.step_modules or any(module is layer.mlp.act_fn for layer in model.layers)
+                    for name, module in model.named_modules() if name and not name.startswith(("embed_tokens", "norm")))
+            and not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+            and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+            and not any(getattr(layer, "gradient_checkpointing", False) for layer in model.layers)
+        )  # fmt: skip
+
+    def linear(self, module: torch.nn.Linear, states: torch.Tensor) -> torch.Tensor:
+        return _DeferredLinear.apply(states, self.token, self, id(module))
+
+    def add(self, key: int, grad_output: torch.Tensor, states: torch.Tensor):
+        self.products.add(key, grad_output, states)
+        bias = self.linears[key][1]
+        if bias is not None and bias.requires_grad:
+            total = self.bias_sums.get(key)
+            row_sum = grad_output.sum(0)
+            self.bias_sums[key] = row_sum if total is None else total.add_(row_sum)
+
+    def results(self) -> tuple:
+        """The gradients of `self.parameters`, in their order (None for a layer no step used)."""
+        weights = self.products.results()
+        gradients = []
+        for key, (weight, bias) in self.linears.items():
+            if weight.requires_grad:
+                gradients.append(weights.get(key))
+            if bias is not None and bias.requires_grad:
+                gradients.append(self.bias_sums.get(key))
+        return tuple(gradients)
+
+
+class _DeferredStart(torch.autograd.Function):
+    """The start of a step loop whose weight gradients are deferred: its output (a scalar) feeds every step's linear
+    layers, so its backward runs after all of theirs and hands autograd the gathered weight gradients."""
+
+    @staticmethod
+    def forward(ctx, deferred, *parameters):
+        ctx.deferred = deferred
+        return parameters[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_token):
+        return (None, *ctx.deferred.results())
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """y = x · Wᵀ + b for one step; the backward gives dx = dy · W and hands (dy, x) to `DeferredWeightGradients`."""
+
+    @staticmethod
+    def forward(ctx, states, token, deferred, key):
+        ctx.save_for_backward(states)
+        ctx.deferred, ctx.key = deferred, key
+        weight, bias = deferred.linears[key]
+        return torch.nn.functional.linear(states, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (states,) = ctx.saved_tensors
+        ctx.deferred.add(ctx.key, grad_output, states)
+        weight = ctx.deferred.linears[ctx.key][0]
+        grad_states = grad_output @ weight if ctx.needs_input_grad[0] else None
+        return grad_states, grad_output.new_zeros(()), None, None
+
+
 class _TapeGradients:
     """Gradients of the tape's keys and values in the hand-written backward. A read at step t adds dSᵀ·q/√d to the
     keys and Pᵀ·dO to the values of its whole window; added read by read, each would rewrite the whole window. So the
