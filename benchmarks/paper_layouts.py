@@ -4,7 +4,9 @@ For each model family, two models of about the same number of parameters, timed 
 memlm's default layout (pre-norm RMSNorm blocks, gated MLP) and the layout of the paper's official code as memlm's
 converter builds it (post-norm LayerNorm blocks, plain biased ReLU MLP of 1.5× the width, so that the MLPs hold the
 same parameters; the official model's other options). Printed: training tokens/s (forward + backward of the LM loss)
-and decode tokens/s (batch 1, greedy steps with the cache after a prompt), with the ratio official / default.
+and decode tokens/s (batch 1, greedy steps with the cache after a prompt), with the ratio official / default, and the
+peak memory of one training step (in a fresh process of its own: what the step adds to the built model's resident
+memory at its highest, read from Linux's /proc; "—" elsewhere).
 
     python benchmarks/paper_layouts.py [--json results.json]     # a few minutes on 2 quiet cores
     python benchmarks/paper_layouts.py --quick                   # short sizes: a smoke run
@@ -16,6 +18,9 @@ docs/performance/speed.md from the results (see ``report.py``).
 """
 
 import argparse
+import json
+import subprocess
+import sys
 
 import torch
 from tqdm.auto import tqdm
@@ -135,6 +140,39 @@ def training_step(model, length: int, batch_size: int):
     return step
 
 
+# Run by `training_peak_megabytes` in a process of its own: build the model from the config (JSON on stdin), note
+# the resident memory, take one training step, print the high-water mark's growth in MiB (Linux: /proc/self/status).
+PEAK_SCRIPT = """
+import json, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+import memlm
+
+def resident(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024
+
+options = json.loads(sys.stdin.read())
+config = AutoConfig.for_model(**options.pop("config"))
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(config).train()
+input_ids = torch.randint(0, config.vocab_size, (options["batch_size"], options["length"]))
+before = resident("VmRSS")
+model(input_ids, labels=input_ids).loss.backward()
+print(resident("VmHWM") - before)
+"""
+
+
+def training_peak_megabytes(config, length: int, batch_size: int) -> float | None:
+    """The peak memory (MiB) one training step adds to the built model, in a fresh process; None without /proc."""
+    if not sys.platform.startswith("linux"):
+        return None
+    options = {"config": config.to_dict(), "length": length, "batch_size": batch_size}
+    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], input=json.dumps(options), capture_output=True,
+                            text=True, check=True)  # fmt: skip
+    return float(result.stdout.strip().splitlines()[-1])
+
+
 def tensor_bytes(value, seen=None) -> int:
     """Bytes of the tensors in `value` (a tensor, a list or tuple, or an object's attributes, one level at a time)."""
     seen = set() if seen is None else seen
@@ -180,10 +218,11 @@ def measure(args) -> list[dict]:
             min(sizes.get(name, getattr(args, name)), getattr(args, name))
             for name in ("length", "batch_size", "context")
         )
-        models = {}
+        models, peaks = {}, {}
         for name, config in zip(("default", "official"), configs()):
             torch.manual_seed(0)
             models[name] = AutoModelForCausalLM.from_config(config).eval()
+            peaks[name] = training_peak_megabytes(config, length, batch_size)
         parameters = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
         training = report.interleaved_median_times(
             {name: training_step(model, length, batch_size) for name, model in models.items()},
@@ -205,10 +244,13 @@ def measure(args) -> list[dict]:
             row[f"{name}_training_tokens_per_s"] = batch_size * length / training[name]
             row[f"{name}_decode_tokens_per_s"] = args.decode_steps / decoding[name]
             row[f"{name}_cache_megabytes"] = cache_sizes[name]["cache_bytes"] / 2**20
+            row[f"{name}_training_peak_megabytes"] = peaks[name]
         for kind in ("training", "decode"):
             row[f"{kind}_official_over_default"] = (
                 row[f"official_{kind}_tokens_per_s"] / row[f"default_{kind}_tokens_per_s"]
             )
+        if peaks["default"] and peaks["official"] is not None:
+            row["training_peak_official_over_default"] = peaks["official"] / peaks["default"]
         rows.append(row)
     return rows
 
@@ -226,6 +268,9 @@ COLUMNS = [
     ("official / default", "decode_official_over_default", ".2f"),
     ("cache MiB, default", "default_cache_megabytes", ".2f"),
     ("cache MiB, official", "official_cache_megabytes", ".2f"),
+    ("training peak MiB, default", "default_training_peak_megabytes", ".0f"),
+    ("training peak MiB, official", "official_training_peak_megabytes", ".0f"),
+    ("official / default", "training_peak_official_over_default", ".2f"),
 ]
 
 
@@ -250,7 +295,8 @@ def docs_section(results: dict) -> str:
             f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, vocabulary {VOCAB_SIZE}; "
             "training = forward + backward of the LM loss on the batch × tokens of the row; decoding = "
             f"{settings['decode_steps']} greedy steps at batch 1 after the row's context; cache = the bytes of the "
-            "tensors the memory holds after that context.",
+            "tensors the memory holds after that context; training peak = what one training step adds to the "
+            "built model's resident memory at its highest, each in a fresh process.",
             report.markdown_table(COLUMNS, _with_parameters(results["rows"])),
         ]
     )

@@ -462,7 +462,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.head_dim = config.head_dim
         self.memory_span = config.memory_span
         self.share_key_value = config.share_key_value
-        self.shared_bias = config.position_encoding == "rotary"  # no learned bias: one bias serves every layer
+        # No learned bias per layer: one bias (the visibility) serves every layer of a step.
+        self.shared_bias = config.position_encoding != "relative_bias"
         self.rms_norm_eps = config.rms_norm_eps
         self.norm_position = config.norm_position
         self.default_step = config.default_step
@@ -560,6 +561,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if self.shared_bias:
             shared_bias = self._memory_bias(None, store.window(0, step), positions)
             shared_bias = shared_bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
+        # The learned relative positions' distances, the same for every layer of the step (slots hold the same
+        # positions in every key/value set).
+        relative = None
+        if not self.default_step and self.relative_positions is not None:
+            relative = self._relative_index(store.window(0, step), positions)
         for layer_idx, layer in enumerate(self.layers):
             attention = layer.attention
             key = (layer_idx, step)
@@ -583,7 +589,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 context = store.read(group, step, query, bias.to(query.dtype))
             else:
                 window = store.window(group, step)
-                bias = self._relative_position_scores(query, window, positions, bias)
+                if relative is not None:
+                    bias = self._relative_position_scores(query, relative, bias)
                 if self.read_windows is not None:  # the adaptive span's trimmed window: memories 1..n steps back
                     distance = positions[:, None] - window[2]  # (B, W)
                     outside = (distance > self.read_windows[layer_idx])[:, None].expand(-1, self.num_heads, -1)
@@ -672,17 +679,22 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             values.append(self._linear(projections.v_proj, source))
         return torch.stack(keys), torch.stack(values)
 
-    def _relative_position_scores(self, query, window, positions, bias):
-        """`bias` (B·H, W) plus, with `position_encoding="learned_relative"`, the official code's position term
-        q_t · p_{t−i} / √d for the memories 1..τ steps back (the store adds q_t · k_i / √d)."""
-        if self.relative_positions is None:
-            return bias
+    def _relative_index(self, window, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the learned relative positions of one step: which p_d each slot of the window reads, (B, H, W), and
+        the slots outside 1..τ steps back, which get no position term, (B, 1, W)."""
         _, _, slot_positions, _ = window
         distance = positions[:, None] - slot_positions  # (B, W)
-        inside = (distance >= 1) & (distance <= self.memory_span)
+        outside = ((distance < 1) | (distance > self.memory_span))[:, None]
         index = (distance - 1).clamp(0, self.memory_span - 1)[:, None].expand(-1, self.num_heads, -1)
+        return index, outside
+
+    def _relative_position_scores(self, query, relative, bias):
+        """`bias` (B·H, W) plus the official code's position term q_t · p_{t−i} / √d (`position_encoding=
+        "learned_relative"`) for the memories 1..τ steps back (the store adds q_t · k_i / √d); `relative` from
+        `_relative_index`."""
+        index, outside = relative
         by_distance = query.view(-1, self.num_heads, self.head_dim) @ self.relative_positions.to(query.dtype).T
-        scores = by_distance.gather(-1, index).masked_fill(~inside[:, None], 0.0)  # (B, H, W)
+        scores = by_distance.gather(-1, index).masked_fill(outside, 0.0)  # (B, H, W)
         return bias + scores.flatten(0, 1) * self.head_dim**-0.5
 
     def _attention_weights_transform(self, attention: FeedbackAttention, window, positions):

@@ -145,6 +145,9 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
             assert official > 0 and default > 0
             assert abs(row[f"{kind}_official_over_default"] - official / default) < 1e-9
         assert row["default_cache_megabytes"] > 0 and row["official_cache_megabytes"] > 0
+        peaks = row["official_training_peak_megabytes"], row["default_training_peak_megabytes"]
+        assert all(peak > 0 for peak in peaks)  # each step, in its own process, raised the high-water mark
+        assert abs(row["training_peak_official_over_default"] - peaks[0] / peaks[1]) < 1e-9
 
 
 def test_compiled_decoding_compares_eager_and_compiled_and_times_first_compiles(tmp_path):

@@ -299,15 +299,18 @@ class _TapeRead(torch.autograd.Function):
                 kept = transform.dropout_mask(read)
                 if kept is not None:  # w = r · dropout mask
                     read = read * kept
+                    kept = kept > 0  # kept as bool (a quarter of the memory), scaled again in the backward
             output = torch.bmm(read.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
         ctx.save_for_backward(query, weights, mask, denominator, kept)
-        ctx.tape, ctx.window = tape, (group, start, end)
+        ctx.tape, ctx.window, ctx.transform = tape, (group, start, end), transform
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         query, weights, mask, denominator, kept = ctx.saved_tensors
         tape, (group, start, end) = ctx.tape, ctx.window
+        if kept is not None:  # as `WeightsTransform.dropout_mask` drew it: 1 / (1 − p) where kept
+            kept = kept.to(weights.dtype).div_(1 - ctx.transform.dropout)
         keys = tape.keys[group, :, :, start:end].flatten(0, 1)
         values = tape.values[group, :, :, start:end].flatten(0, 1)
         scale = query.shape[-1] ** -0.5
