@@ -268,6 +268,11 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
 
     def __init__(self):
         super().__init__()
+        # Bookkeeping, not memory: the memories before `recomputed_until` (B,) hold keys and values recomputed from
+        # their hidden states with the weights of `recomputed_version` (`FeedbackTransformerModel._weights_version`),
+        # which a forward without gradients under the same weights reuses (`_starting_memory`). Anything that puts
+        # the memory back (a rollback, a restored snapshot) forgets it.
+        self.recomputed_until = self.recomputed_version = None
         # True: τ slots with slot = position mod τ (written in place by inference). False: a window of memories in any
         # order (what a training forward or the reference loop leaves), turned into a ring when inference needs one.
         self.ring = False
@@ -300,7 +305,17 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
             new.narrow(2 if old.dim() == 4 else 1, 0, size).copy_(old)
             setattr(self, name, mark_static(new))
 
+    def map(self, function):
+        super().map(function)
+        if self.recomputed_until is not None:  # rows reordered, repeated or selected with the memory's
+            self.recomputed_until = function(self.recomputed_until)
+
+    def restore(self, snapshot):
+        super().restore(snapshot)
+        self.recomputed_version = None
+
     def roll_back(self, rollback: Rollback):
+        self.recomputed_version = None  # the next forward recomputes every carried memory's keys and values
         if not rollback.removes_tokens:
             return
         record = self.recorded[rollback.forward]
@@ -819,6 +834,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 for layer in self.layers
             ]  # fmt: skip
         memory_layers = cache.layers
+        first_positions = cache.next_positions.clone()  # where this forward's memories start, per row
         if self.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds)
         carry_from = before = None
@@ -865,10 +881,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             keys, values = keys[:, :, :, kept], values[:, :, :, kept]
             slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
             hidden = hidden[:, kept] if hidden is not None else None
+            version = self._weights_version() if self.carries_hidden_states else None
             for group, layer in enumerate(cache.layers):
                 layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
                 layer.hidden = hidden.detach().clone() if hidden is not None else None
+                # This forward's own memories start at its first position; those before hold recomputed keys.
+                layer.recomputed_until, layer.recomputed_version = first_positions, version
         if recording:
             for group, layer in enumerate(cache.layers):
                 if window is None:
@@ -925,12 +944,19 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         )
         return output if return_dict else output.to_tuple()
 
+    def _weights_version(self) -> tuple:
+        """What changes when a weight changes (an optimizer step, a load: every in-place write counts in a tensor's
+        `_version`), for knowing whether carried keys and values were computed with the current weights."""
+        return (id(self), *(parameter._version for parameter in self.parameters()))
+
     def _starting_memory(self, cache: FeedbackCache, fresh: bool, like: torch.Tensor) -> list:
         """The memory a forward starts from when its keys and values are computed here, from hidden states: the
         official initial memory (`initial_memory="zeros"`: τ zero hidden states at positions −τ … −1) when the cache
         is fresh, else the hidden states the cache carries (`memory_carry="hidden_states"`), their keys and values
         recomputed with the current weights (so that gradients reach the projections through them). Otherwise the
-        cache's own layers."""
+        cache's own layers. Without gradients, when the weights have not changed since the cache's keys were
+        recomputed (decoding), only the memories the last forward made are projected again, and only with
+        `carry_first_layer_norm` (whose carried hidden states are normed once more than the ones it projected)."""
         config, first = self.config, cache.layers[0]
         batch_size = like.shape[0]
         if fresh and config.initial_memory == "zeros":
@@ -940,21 +966,54 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             valid = torch.ones(batch_size, span, dtype=torch.bool, device=like.device)
         elif self.carries_hidden_states and first.hidden is not None:
             hidden, positions, valid = first.hidden.to(like.dtype), first.positions, first.valid
+            if (
+                not torch.is_grad_enabled()
+                and not cache.recording
+                and first.recomputed_version is not None
+                and first.recomputed_version == self._weights_version()
+            ):
+                return self._recompute_last_memories(cache, like)
         else:
             return cache.layers
-        keys, values = self._project_memory(hidden)  # (G, B, W, H·d)
-        shape = (keys.shape[0], batch_size, hidden.shape[1], self.num_heads, self.head_dim)
-        keys, values = keys.view(shape).transpose(2, 3), values.view(shape).transpose(2, 3)  # (G, B, H, W, d)
-        if self.rotary_emb is not None:
-            cos, sin = self.rotary_emb(positions)  # (B, 1, W, d)
-            half = self.head_dim // 2
-            keys = _rotate(keys, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
+        keys, values = self._project_hidden(hidden, positions)
         carried = hidden if self.carries_hidden_states else None
         return [
             types.SimpleNamespace(keys=keys[group], values=values[group], positions=positions, valid=valid,
                                   hidden=carried, ring=False)
             for group in range(keys.shape[0])
         ]  # fmt: skip
+
+    def _project_hidden(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (G, B, H, W, d) of memories' hidden states (B, W, D) at `positions` (B, W)."""
+        batch_size, width = hidden.shape[:2]
+        keys, values = self._project_memory(hidden)  # (G, B, W, H·d)
+        shape = (keys.shape[0], batch_size, width, self.num_heads, self.head_dim)
+        keys, values = keys.view(shape).transpose(2, 3), values.view(shape).transpose(2, 3)  # (G, B, H, W, d)
+        if self.rotary_emb is not None:
+            cos, sin = self.rotary_emb(positions)  # (B, 1, W, d)
+            half = self.head_dim // 2
+            keys = _rotate(keys, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
+        return keys, values
+
+    def _recompute_last_memories(self, cache: FeedbackCache, like: torch.Tensor) -> list:
+        """The cache's memories, with the keys and values of those the last forward made (at or after
+        `recomputed_until`) projected again from their carried hidden states (`carry_first_layer_norm` only: without
+        it they are what a recomputation would give)."""
+        first = cache.layers[0]
+        renewed = first.valid & (first.positions >= first.recomputed_until[:, None])  # (B, W)
+        if not self.carry_first_layer_norm or not bool(renewed.any()):
+            return cache.layers
+        columns = renewed.any(0).nonzero()[:, 0]
+        keys, values = self._project_hidden(first.hidden[:, columns].to(like.dtype), first.positions[:, columns])
+        chosen = renewed[:, None, columns, None]  # (B, 1, C, 1)
+        memories = []
+        for group, layer in enumerate(cache.layers):
+            layer_keys, layer_values = layer.keys.to(like.dtype).clone(), layer.values.to(like.dtype).clone()
+            layer_keys[:, :, columns] = torch.where(chosen, keys[group], layer_keys[:, :, columns])
+            layer_values[:, :, columns] = torch.where(chosen, values[group], layer_values[:, :, columns])
+            memories.append(types.SimpleNamespace(keys=layer_keys, values=layer_values, positions=layer.positions,
+                                                  valid=layer.valid, hidden=layer.hidden, ring=False))  # fmt: skip
+        return memories
 
 
 class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsOwnPositions, GenerationMixin):

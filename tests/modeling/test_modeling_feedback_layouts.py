@@ -545,3 +545,50 @@ def test_the_step_loop_defers_its_weight_gradients_only_for_plain_linear_layers(
     handle.remove()
     for name, gradient in plain.items():
         assert (deferred[name] - gradient).abs().max() <= 1e-12 * max(1.0, gradient.abs().max()), name
+
+
+@pytest.mark.parametrize("layout", ["official_pre_norm", "official_post_norm_shared"])
+def test_decoding_projects_again_only_what_the_weights_or_the_last_forward_changed(layout, monkeypatch):
+    """Without gradients and under unchanged weights, a forward reuses the carried keys and values: it projects again
+    only the memories the last forward made, and only with `carry_first_layer_norm`. The logits are those of
+    recomputing every carried memory; after an in-place change of a weight, every memory is projected again."""
+    model = _model(layout)
+    body = model.model
+    prompt, following = torch.randint(0, 40, (2, 7)), torch.randint(0, 40, (2, 6))
+    projected = []
+    project = body._project_hidden
+    monkeypatch.setattr(body, "_project_hidden", lambda hidden, positions: (
+        projected.append(hidden.shape[1]) or project(hidden, positions)))  # fmt: skip
+
+    def decode(everything: bool, change_at: int | None = None):
+        torch.manual_seed(0)
+        weights = copy.deepcopy(model.state_dict())
+        logits, widths = [], []
+        with torch.no_grad():
+            cache = model(prompt, use_cache=True).cache
+            for index in range(following.shape[1]):
+                if index == change_at:
+                    body.layers[0].input_layernorm.weight.add_(0.25)
+                if everything:
+                    for layer in cache.layers:
+                        layer.recomputed_version = None
+                projected.clear()
+                output = model(following[:, index : index + 1], cache=cache, use_cache=True)
+                cache = output.cache
+                logits.append(output.logits)
+                widths.append(list(projected))
+        model.load_state_dict(weights)
+        return torch.cat(logits, 1), widths
+
+    reused, widths = decode(everything=False)
+    recomputed, full_widths = decode(everything=True)
+    assert (reused - recomputed).abs().max() < 1e-12
+    carried = model.config.memory_span
+    assert all(width == [carried] for width in full_widths)
+    # The first step projects the prompt's memories again (made within the prompt's forward), then one a step.
+    once = model.config.carry_first_layer_norm
+    assert widths == [[carried] if once else []] + [[1] if once else []] * (len(widths) - 1), widths
+    changed, changed_widths = decode(everything=False, change_at=3)
+    expected, _ = decode(everything=True, change_at=3)
+    assert (changed - expected).abs().max() < 1e-12 and (changed[:, :3] - reused[:, :3]).abs().max() == 0
+    assert changed_widths[3] == [carried] and changed_widths[4] == widths[4]
