@@ -834,7 +834,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 for layer in self.layers
             ]  # fmt: skip
         memory_layers = cache.layers
-        first_positions = cache.next_positions.clone()  # where this forward's memories start, per row
+        # Where this forward's memories start, per row (the carried hidden states' bookkeeping, `recomputed_until`).
+        first_positions = cache.next_positions.clone() if self.carries_hidden_states else None
         if self.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds)
         carry_from = before = None

@@ -167,27 +167,24 @@ class _Tape:
         # The prefix: the cache's slots in their order (a window carried by a forward holds the memories some row
         # still sees; a ring, the slots the context has filled), so that the memories carried on are laid out as the
         # step loop's reference lays them out.
-        live = first.valid
-        prefix = live.shape[1]
-        order = torch.arange(prefix, device=device).expand(batch_size, prefix)
+        prefix = first.valid.shape[1]
         size = prefix + steps
         self.prefix = prefix
         self.memory_span = memory_span
         self.reach = memory_span + padding_steps
         self.keys = torch.zeros(groups, batch_size, num_heads, size, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        gather = order[:, None, :, None].expand(batch_size, num_heads, prefix, head_dim)
-        prefix_keys = torch.stack([layer.keys.gather(2, gather) for layer in cache_layers]).to(dtype)
-        prefix_values = torch.stack([layer.values.gather(2, gather) for layer in cache_layers]).to(dtype)
-        self.positions = torch.cat([first.positions.gather(1, order), first.positions.new_zeros(batch_size, steps)], 1)
-        self.valid = torch.cat([live.gather(1, order), live.new_zeros(batch_size, steps)], dim=1)
+        prefix_keys = torch.stack([layer.keys for layer in cache_layers]).to(dtype)
+        prefix_values = torch.stack([layer.values for layer in cache_layers]).to(dtype)
+        self.positions = torch.cat([first.positions, first.positions.new_zeros(batch_size, steps)], 1)
+        self.valid = torch.cat([first.valid, first.valid.new_zeros(batch_size, steps)], dim=1)
         # With `memory_carry="hidden_states"`: the memories' hidden states, carried (detached) to the next forward.
         self.hidden = None
         if config.memory_carry == "hidden_states":
             self.hidden = torch.zeros(batch_size, size, config.hidden_size, dtype=dtype, device=device)
             carried = getattr(first, "hidden", None)
             if carried is not None:
-                self.hidden[:, :prefix] = carried.detach().gather(1, order[..., None].expand(-1, -1, carried.shape[2]))
+                self.hidden[:, :prefix] = carried.detach()
         self._gradients = None
         # Every write takes the previous anchor and makes the next: reads of step t hang on the anchor of step t−1,
         # so the backward of a write runs only after every read of the memory it wrote.

@@ -20,23 +20,30 @@ def recurrent_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
             if not name.startswith(("embed_tokens.", "norm."))]  # fmt: skip
 
 
-def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
-    """Whether the hand-written backward knows what the forward computes: memlm's default step (not the papers'
-    layouts), float32/float64 without autocast, no per-step outputs kept for the caller, and only the model's plain
-    modules (`model.step_modules`, and the activation of its config). A hook, an adapter (e.g. LoRA) or a quantised linear layer changes what the forward
-    computes, so those keep autograd."""
+def plain_step(model, inputs_embeds: torch.Tensor) -> bool:
+    """Whether the step computes only what memlm's code says: float32/float64 without autocast, and only the model's
+    plain modules (`model.step_modules`, and the activation of its config) without hooks. A hook, an adapter (e.g.
+    LoRA) or a quantised linear layer changes what the forward computes, so those keep autograd."""
     activations = [layer.mlp.act_fn for layer in model.layers]
     modules = [
         module for name, module in model.named_modules() if name and not name.startswith(("embed_tokens", "norm"))
     ]
     return (
-        getattr(model, "default_step", True)  # memlm's default layout (`FeedbackTransformerConfig.default_step`)
-        and inputs_embeds.dtype in (torch.float32, torch.float64)
+        inputs_embeds.dtype in (torch.float32, torch.float64)
         and not torch.is_autocast_enabled(inputs_embeds.device.type)
-        and not keep_states
         and all(type(module) in model.step_modules or any(module is act for act in activations) for module in modules)
         and not any(module._forward_hooks or module._forward_pre_hooks for module in modules)
         and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+    )
+
+
+def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
+    """Whether the hand-written backward knows what the forward computes: memlm's default step (not the papers'
+    layouts), no per-step outputs kept for the caller, and a `plain_step`."""
+    return (
+        getattr(model, "default_step", True)  # memlm's default layout (`FeedbackTransformerConfig.default_step`)
+        and not keep_states
+        and plain_step(model, inputs_embeds)
     )
 
 
@@ -212,18 +219,13 @@ class DeferredWeightGradients:
 
     @staticmethod
     def applies(model, inputs_embeds: torch.Tensor) -> bool:
-        """Whether the step's linear layers are plain ones (no adapter, quantised layer or hook), in float32 or
-        float64 without autocast, and no layer recomputes its MLP in the backward (gradient checkpointing)."""
+        """Whether some linear layer learns, the step is a `plain_step`, and no layer recomputes its MLP in the
+        backward (gradient checkpointing)."""
         return (
             hasattr(model, "deferred")
             and any(parameter.requires_grad for module in model.modules() if isinstance(module, torch.nn.Linear)
                     for parameter in module.parameters())
-            and inputs_embeds.dtype in (torch.float32, torch.float64)
-            and not torch.is_autocast_enabled(inputs_embeds.device.type)
-            and all(type(module) in model.step_modules or any(module is layer.mlp.act_fn for layer in model.layers)
-                    for name, module in model.named_modules() if name and not name.startswith(("embed_tokens", "norm")))
-            and not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
-            and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+            and plain_step(model, inputs_embeds)
             and not any(getattr(layer, "gradient_checkpointing", False) for layer in model.layers)
         )  # fmt: skip
 
