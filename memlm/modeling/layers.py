@@ -126,6 +126,19 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return (states.to(dtype) * cos + rotated.to(dtype) * sin).to(states.dtype)
 
 
+def relative_position_scores(table: torch.Tensor, query: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """The official code's learned relative positions (`key_pe`, see `LearnedRelativePositions`) scored:
+    table (P, d) with row d − 1 holding p_d, query (..., d) and, per query, the distances d = t − i of the keys it
+    scores (..., W), integer, their leading dimensions broadcast to the query's → q · p_d, (..., W); 0 outside
+    1..P. The Feedback Transformer keeps its table as a bare parameter (`model.relative_positions`, the key its
+    checkpoints hold), Expire-Span in the module."""
+    by_distance = query @ table.to(query.dtype).mT  # (..., P): q · p_d for d = 1..P
+    inside = (distance >= 1) & (distance <= table.shape[0])
+    index = (distance - 1).clamp(0, table.shape[0] - 1)
+    index = index.expand(*by_distance.shape[:-1], index.shape[-1])
+    return torch.where(inside, by_distance.gather(-1, index), 0.0)
+
+
 class LearnedRelativePositions(nn.Module):
     """The learned, query-dependent relative positions of the official Feedback Transformer and Expire-Span code
     (facebookresearch/transformer-sequential, `key_pe`; Sukhbaatar et al., 2019, "Adaptive Attention Span", Sec. 3):
@@ -138,8 +151,5 @@ class LearnedRelativePositions(nn.Module):
 
     def forward(self, query: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """query (B, H, T, d), positions (B, T) and (B, N) → the scores q_t · p_{t−i}, (B, H, T, N)."""
-        by_distance = query @ self.weight.to(query.dtype).mT  # (B, H, T, P): q_t · p_d for d = 1..P
-        distance = query_positions[:, :, None] - key_positions[:, None, :]  # (B, T, N)
-        inside = (distance >= 1) & (distance <= self.weight.shape[0])
-        index = (distance - 1).clamp(0, self.weight.shape[0] - 1)[:, None].expand(*by_distance.shape[:3], -1)
-        return torch.where(inside[:, None], by_distance.gather(-1, index), 0.0)
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, T, N)
+        return relative_position_scores(self.weight, query, distance)

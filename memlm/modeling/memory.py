@@ -247,6 +247,26 @@ def current_padding_mask(attention_mask, batch_size: int, length: int, past_leng
     return attention_mask[:, -length:].bool()
 
 
+def padding_first(states: torch.Tensor, valid: torch.Tensor, attention_mask) -> tuple:
+    """For a model whose steps run in order (a row's padding must write nothing and take no position): each row's
+    padding moved first and its real tokens after it in their order (a stable sort). states (B, T, D), valid (B, T) →
+    the reordered states and mask, and the order (B, T) that `restore_order` undoes, or None when nothing moves (one
+    token per row, as a decoding step, needs no sort: a compiled step then has none; under compilation rows are always
+    sorted, as there is no data-dependent branch)."""
+    length = states.shape[1]
+    if length == 1 or attention_mask is None or not (torch.compiler.is_compiling() or not bool(valid.all())):
+        return states, valid, None
+    order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices
+    return states.gather(1, order[..., None].expand_as(states)), valid.gather(1, order), order
+
+
+def restore_order(states: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """(B, T, ...) states of rows reordered by `padding_first` back in the caller's order."""
+    if order is None:
+        return states
+    return states.new_empty(states.shape).scatter(1, order[..., None].expand_as(states), states)
+
+
 @dataclass
 class RecordedForward:
     """One forward read into a cache that records its past (`activate_past_recording`): its length, its padding mask

@@ -8,12 +8,13 @@ Memory". At step t the layers read one shared memory of earlier steps (SPEC §3,
 
 m_t needs the top layer at t, so the computation is sequential in t, in training too. One step function
 (`FeedbackTransformerModel.step`: the layers, then the memory mix of Eq. 1 and its keys/values) serves the full
-forward and decoding, so they cannot drift apart. The loop over the steps and the memory it reads and writes are the
+forward and decoding, so they cannot drift apart; its pure functions, which `compile_step` compiles, are in
+`memlm.kernels.feedback.compiled`. The loop over the steps and the memory it reads and writes are the
 operation `memlm.kernels.feedback.feedback_recurrence`: its `reference.py` is the plain loop; its fast path keeps the
 memory in preallocated buffers (the cache's ring of up to τ slots, a training tape) and differentiates the loop by hand.
 The `record` arguments of `step` keep what that hand-written backward needs (`Recording`).
 
-The file reads top to bottom: the step's pure functions (what the config's `compile_step` compiles) → attention →
+The file reads top to bottom: the adaptive span → attention →
 decoder layer → recurrence (the loop, a hub layer of 🤗's `kernels`) → cache → PreTrainedModel →
 FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerForCausalLM.
 """
@@ -34,13 +35,30 @@ from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPas
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
+from ..kernels.feedback.compiled import (
+    ACTIVATIONS,
+    compiler_available,
+    rotate,
+    step_block,
+    step_memory,
+    step_query,
+    warn_no_compiler,
+)
 from ..kernels.feedback.compiled import compiled as compiled_function
-from ..kernels.feedback.compiled import compiler_available, warn_no_compiler
 from ..kernels.feedback.reference import WeightsTransform
 from ..kernels.feedback.tape import ring_slots
 from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
-from .layers import GatedMLP, LayerNorm, PlainMLP, RMSNorm, RotaryEmbedding, make_mlp, make_norm
+from .layers import (
+    GatedMLP,
+    LayerNorm,
+    PlainMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    make_mlp,
+    make_norm,
+    relative_position_scores,
+)
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -52,74 +70,13 @@ from .memory import (
     current_padding_mask,
     embed_inputs,
     mark_static,
+    padding_first,
     past_length_to_check,
     refuse_packed_documents,
+    restore_order,
     writes_in_place,
     zero_padding,
 )
-
-
-def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary` in fewer ops: x·cos + [−x₂, x₁]·sin = x·cos + roll(x, d/2)·[−sin₁, sin₂], the same numbers (a
-    negation moves only a sign bit); `signed_sin` = [−sin₁, sin₂], made once per step for every layer."""
-    rolled = states.roll(states.shape[-1] // 2, dims=-1)
-    if states.dtype in (torch.float32, torch.float64):  # already at least float32: no conversions
-        return states * cos + rolled * signed_sin
-    return (states.float() * cos + rolled.float() * signed_sin).to(states.dtype)
-
-
-def _gelu_tanh(states: torch.Tensor) -> torch.Tensor:
-    return F.gelu(states, approximate="tanh")  # 🤗's "gelu_new"
-
-
-# The config's `hidden_act` as plain functions, for the compiled step (one function object for every layer).
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_new": _gelu_tanh}
-
-
-def _rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`RMSNorm.forward` as a function of its weight."""
-    dtype = torch.promote_types(states.dtype, torch.float32)
-    return F.rms_norm(states.to(dtype), weight.shape, weight.to(dtype), eps).to(states.dtype)
-
-
-def step_query(hidden_states, norm_weight, eps: float, query_weight, cos, signed_sin, head_dim: int):
-    """A layer's query of the memory, q = rotate(W_q · norm(x)): (B, D) → (B·H, d). The step body of
-    `compile_step` (compiled) and the eager step compute the same numbers."""
-    query = F.linear(_rms_norm(hidden_states, norm_weight, eps), query_weight)
-    query = query.view(query.shape[0], -1, head_dim)
-    if cos is not None:
-        query = _rotate(query, cos, signed_sin)
-    return query.reshape(-1, head_dim)
-
-
-def step_block(hidden_states, context, output_weight, norm_weight, eps: float, gate_weight, up_weight, down_weight,
-               activation):  # fmt: skip
-    """The rest of a layer once the memory is read: residual = x + W_o · context; x' = residual + MLP(norm(residual)).
-    `up_weight` None: `gate_weight` holds [W_gate; W_up] stacked (one product). Returns residual, gate, up and x'."""
-    residual = hidden_states + F.linear(context, output_weight)
-    normed = _rms_norm(residual, norm_weight, eps)
-    if up_weight is None:
-        gate, up = F.linear(normed, gate_weight).chunk(2, dim=-1)
-    else:
-        gate, up = F.linear(normed, gate_weight), F.linear(normed, up_weight)
-    return residual, gate, up, residual + F.linear(activation(gate) * up, down_weight)
-
-
-def step_memory(states: list, layer_weights, norm_weight, eps: float, projections, cos, signed_sin, head_dim: int):
-    """Paper Eq. 1, m_t = norm(Σ_l softmax(w)_l · x_t^l), and its keys and values (G, B, H, d), rotated; `projections`
-    holds a (W_k, W_v) pair per key/value set. Returns the stack of the states, the mix, m_t, keys and values."""
-    wide = torch.promote_types(layer_weights.dtype, torch.float32)
-    weights = torch.softmax(layer_weights.to(wide), dim=0).to(states[0].dtype)
-    stack = torch.stack(states)
-    mixture = torch.einsum("l,lbd->bd", weights, stack)
-    memory = _rms_norm(mixture, norm_weight, eps)
-    batch_size = memory.shape[0]
-    keys = torch.stack([F.linear(memory, key) for key, _ in projections]).view(len(projections), batch_size, -1,
-                                                                                 head_dim)  # fmt: skip
-    values = torch.stack([F.linear(memory, value) for _, value in projections]).view_as(keys)
-    if cos is not None:
-        keys = _rotate(keys, cos, signed_sin)
-    return stack, mixture, memory, keys, values
 
 
 @dataclass
@@ -376,6 +333,8 @@ class FeedbackCache(MemoryCache):
     def __init__(self, config):
         super().__init__(config)
         self.memory_span = config.memory_span
+        # While a recording forward runs (`begin_recorded_forward` → `end_forward`): the layers before it.
+        self._before = self._ring_widths = None
 
     @staticmethod
     def layer_count(config) -> int:
@@ -389,6 +348,92 @@ class FeedbackCache(MemoryCache):
             layer.full_ring = True
             if layer.ring and layer.keys.shape[2] < self.memory_span:
                 layer.grow_ring(self.memory_span)
+
+    @classmethod
+    def given_or_new(cls, cache, config, batch_size: int) -> "FeedbackCache":
+        """The cache a forward was given (checked against the model's config and the batch), or a new one."""
+        if cache is not None and not isinstance(cache, cls):
+            raise TypeError(
+                "The Feedback Transformer keeps its memory in a FeedbackCache; got a cache of type "
+                f"{type(cache).__name__}. Pass None (a cache is created) or the FeedbackCache a previous call returned."
+            )
+        cache = cache if cache is not None else cls(config)
+        cache.check_against(config, batch_size)
+        return cache
+
+    def token_positions(self, valid: torch.Tensor) -> torch.Tensor:
+        """The positions (B, T) of a forward's tokens, padding first in each row (`padding_first`): counted on from
+        each row's next position (0 in a fresh cache), −1 for padding."""
+        if self.next_positions is None:
+            self.next_positions = mark_static(torch.zeros(valid.shape[0], dtype=torch.long, device=valid.device))
+        counted = valid.long().cumsum(1) if valid.shape[1] > 1 else valid.long()  # (a compiled step: no cumsum)
+        return (self.next_positions[:, None] + counted - 1).masked_fill(~valid, -1)
+
+    def begin_recorded_forward(self, length: int, valid: torch.Tensor | None, allows_gradients: bool):
+        """At the start of a forward into a recording cache (`valid`: its padding mask in the caller's order): what a
+        rollback into it needs from before it (the layers' tensors, the ring's width), and the ring logs what its
+        writes overwrite. Only the tape (`allows_gradients`, the official layouts) records a forward with
+        gradients."""
+        if torch.is_grad_enabled() and not allows_gradients:
+            raise ValueError(
+                "This FeedbackCache records its past for rolling back (activate_past_recording, as generate does "
+                "for assisted decoding), which it can do for forwards without gradients: run the model under "
+                "torch.no_grad()."
+            )
+        self.record_forward(length, valid)
+        self._before = [(layer.keys, layer.values, layer.positions, layer.valid, layer.hidden, layer.ring)
+                        for layer in self.layers]  # fmt: skip
+        self._ring_widths = [layer.keys.shape[2] if layer.ring else None for layer in self.layers]
+        for layer in self.layers:
+            layer.undo_steps = []
+
+    def end_forward(self, window, following: torch.Tensor, reach: int, length: int, first_positions, version):
+        """After a forward's step loop: take the window it hands to the next call (None when it wrote the ring in
+        place), close the forward's record when recording, and move each row's next position to `following`.
+
+        The window (keys, values (G, B, H, W, d), positions, valid (B, W), and the hidden states (B, W, D) with
+        `memory_carry="hidden_states"`) is carried detached (truncated back-propagation through time): the next
+        training forward takes it as its prefix, inference lays it out as a ring. Only the slots some row still sees
+        within `reach` steps of its next position are kept. `first_positions` and `version`: where the forward's own
+        memories start, and the weights' version (`FeedbackCacheLayer.recomputed_until`)."""
+        recording = self.recording
+        seen_windows = None
+        if window is not None:
+            keys, values, slot_positions, slot_valid, *hidden = window
+            hidden = hidden[0] if hidden else None
+            if recording:  # every memory the forward's first token sees, per key/value set
+                seen_windows = [(keys[group], values[group], slot_positions, slot_valid, hidden)
+                                for group in range(len(self.layers))]  # fmt: skip
+            slot_valid = slot_valid & (following[:, None] - slot_positions <= reach)
+            # (A recording forward's window reaches further back, and a tape's holds its whole prefix while the call
+            # is shorter than τ.)
+            kept = slot_valid.any(0).nonzero()[:, 0]
+            keys, values = keys[:, :, :, kept], values[:, :, :, kept]
+            slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
+            hidden = hidden[:, kept] if hidden is not None else None
+            for group, layer in enumerate(self.layers):
+                layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
+                layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
+                layer.hidden = hidden.detach().clone() if hidden is not None else None
+                layer.recomputed_until, layer.recomputed_version = first_positions, version
+        if recording:
+            for group, layer in enumerate(self.layers):
+                if window is None:
+                    record = FeedbackRecord(self._ring_widths[group], layer.undo_steps, self.memory_span, None, None,
+                                            reach)  # fmt: skip
+                else:
+                    record = FeedbackRecord(None, None, self.memory_span, self._before[group], seen_windows[group],
+                                            reach)  # fmt: skip
+                layer.recorded.append(record)
+                layer.undo_steps = None
+            self._before = self._ring_widths = None
+        # In place for a compiled step (the same address); replaced while recording, whose record keeps the old one.
+        if not recording and writes_in_place(self.next_positions, following):
+            self.next_positions.copy_(following)
+        else:
+            self.next_positions = following
+        for layer in self.layers:
+            layer.count_tokens(length)
 
     def memory_bytes(self) -> int:
         """Bytes of the cached keys and values (and of the hidden states, with `memory_carry="hidden_states"`: one
@@ -465,7 +510,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.rotary_emb = (
             RotaryEmbedding(config.head_dim, config.rope_theta) if config.position_encoding == "rotary" else None
         )
-        # The official code's relative positions (`key_pe`): row d − 1 is p_d, shared by the layers and heads.
+        # The official code's relative positions (`key_pe`, scored by `relative_position_scores`): row d − 1 is p_d,
+        # shared by the layers and heads.
         self.relative_positions = (
             nn.Parameter(torch.zeros(config.memory_span, config.head_dim))
             if config.position_encoding == "learned_relative"
@@ -576,11 +622,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if self.shared_bias:
             shared_bias = self._memory_bias(None, store.window(0, step), positions)
             shared_bias = shared_bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
-        # The learned relative positions' distances, the same for every layer of the step (slots hold the same
-        # positions in every key/value set).
-        relative = None
+        # The learned relative positions' distances t − i (B, 1, W), the same for every layer of the step (slots hold
+        # the same positions in every key/value set).
+        relative_distance = None
         if not self.default_step and self.relative_positions is not None:
-            relative = self._relative_index(store.window(0, step), positions)
+            relative_distance = (positions[:, None] - store.window(0, step)[2])[:, None]
         for layer_idx, layer in enumerate(self.layers):
             attention = layer.attention
             key = (layer_idx, step)
@@ -593,7 +639,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 )
                 query = self._linear(attention.q_proj, attention_input).view(batch_size, -1, self.head_dim)
                 if cos is not None:
-                    query = _rotate(query, *rotation)
+                    query = rotate(query, *rotation)
                 query = query.reshape(-1, self.head_dim)
             group = 0 if self.memory_groups == 1 else layer_idx
             bias = shared_bias
@@ -604,8 +650,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 context = store.read(group, step, query, bias.to(query.dtype))
             else:
                 window = store.window(group, step)
-                if relative is not None:
-                    bias = self._relative_position_scores(query, relative, bias)
+                if relative_distance is not None:  # the official position term q_t · p_{t−i} / √d
+                    scores = relative_position_scores(
+                        self.relative_positions, query.view(batch_size, -1, self.head_dim), relative_distance
+                    )
+                    bias = bias + scores.flatten(0, 1) * self.head_dim**-0.5
                 if self.read_windows is not None:  # the adaptive span's trimmed window: memories 1..n steps back
                     distance = positions[:, None] - window[2]  # (B, W)
                     outside = (distance > self.read_windows[layer_idx])[:, None].expand(-1, self.num_heads, -1)
@@ -666,7 +715,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
             values = values.view(values.shape[0], batch_size, -1, self.head_dim)
             if cos is not None:
-                keys = _rotate(keys, *rotation)
+                keys = rotate(keys, *rotation)
         if self.carries_hidden_states:
             # What the next forward starts from (and recomputes keys and values of): the memory, or with
             # `carry_first_layer_norm` the memory after the first layer's input norm, as the official pre-norm code
@@ -693,24 +742,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             keys.append(self._linear(projections.k_proj, source))
             values.append(self._linear(projections.v_proj, source))
         return torch.stack(keys), torch.stack(values)
-
-    def _relative_index(self, window, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the learned relative positions of one step: which p_d each slot of the window reads, (B, H, W), and
-        the slots outside 1..τ steps back, which get no position term, (B, 1, W)."""
-        _, _, slot_positions, _ = window
-        distance = positions[:, None] - slot_positions  # (B, W)
-        outside = ((distance < 1) | (distance > self.memory_span))[:, None]
-        index = (distance - 1).clamp(0, self.memory_span - 1)[:, None].expand(-1, self.num_heads, -1)
-        return index, outside
-
-    def _relative_position_scores(self, query, relative, bias):
-        """`bias` (B·H, W) plus the official code's position term q_t · p_{t−i} / √d (`position_encoding=
-        "learned_relative"`) for the memories 1..τ steps back (the store adds q_t · k_i / √d); `relative` from
-        `_relative_index`."""
-        index, outside = relative
-        by_distance = query.view(-1, self.num_heads, self.head_dim) @ self.relative_positions.to(query.dtype).T
-        scores = by_distance.gather(-1, index).masked_fill(outside, 0.0)  # (B, H, W)
-        return bias + scores.flatten(0, 1) * self.head_dim**-0.5
 
     def _attention_weights_transform(self, attention: FeedbackAttention, window, positions):
         """What the official code does to the softmax weights (B·H, W) before reading the values, as a
@@ -785,48 +816,25 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             inputs_embeds = self.embedding_dropout(inputs_embeds)
         batch_size, length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
-
-        if cache is not None and not isinstance(cache, FeedbackCache):
-            raise TypeError(
-                "The Feedback Transformer keeps its memory in a FeedbackCache; got a cache of type "
-                f"{type(cache).__name__}. Pass None (a cache is created) or the FeedbackCache a previous "
-                "call returned."
-            )
-        cache = cache if cache is not None else FeedbackCache(config)
-        cache.check_against(config, batch_size)
+        cache = FeedbackCache.given_or_new(cache, config, batch_size)
         valid = current_padding_mask(attention_mask, batch_size, length, past_length_to_check(cache))
         recording = cache.recording
-        if recording:
-            if torch.is_grad_enabled() and not self.needs_tape:
-                raise ValueError(
-                    "This FeedbackCache records its past for rolling back (activate_past_recording, as generate does "
-                    "for assisted decoding), which it can do for forwards without gradients: run the model under "
-                    "torch.no_grad()."
-                )
-            cache.record_forward(length, valid)
+        if recording:  # keep what a rollback into this forward needs (`FeedbackCache.crop`)
+            cache.begin_recorded_forward(length, valid, allows_gradients=self.needs_tape)
         if valid is None:
             valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         else:
             inputs_embeds = zero_padding(inputs_embeds, valid.to(device))
         valid = valid.to(device)
         refuse_packed_documents(position_ids, valid, batch_size, length, "The Feedback Transformer", kwargs)
-        order, padding_steps = None, 0
         given_embeds = inputs_embeds
-        # One token per row (a decoding step) needs no reordering (and a compiled step then no sort).
-        if length > 1 and attention_mask is not None and (torch.compiler.is_compiling() or not bool(valid.all())):
-            # Padding first, real tokens after it in their order: steps then count memories as positions do.
-            order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices
-            inputs_embeds = inputs_embeds.gather(1, order[..., None].expand_as(inputs_embeds))
-            valid = valid.gather(1, order)
-            if torch.is_grad_enabled() or self.needs_tape:  # the tape widens its windows by it
-                padding_steps = int((~valid).sum(1).max())
+        # Padding first, real tokens after it in their order: steps then count memories as positions do.
+        inputs_embeds, valid, order = padding_first(inputs_embeds, valid, attention_mask)
+        padding_steps = 0
+        if order is not None and (torch.is_grad_enabled() or self.needs_tape):  # the tape widens its windows by it
+            padding_steps = int((~valid).sum(1).max())
         fresh = cache.next_positions is None
-        if fresh:
-            cache.next_positions = mark_static(torch.zeros(batch_size, dtype=torch.long, device=device))
-        counted = valid.long().cumsum(1) if length > 1 else valid.long()  # (a compiled step: no cumsum)
-        positions = cache.next_positions[:, None] + counted - 1
-        positions = positions.masked_fill(~valid, -1)
-        self.read_windows = None
+        positions = cache.token_positions(valid)
         if self.trims_adaptive_span:
             self.read_windows = [
                 adaptive_span_window(layer.attention.span_ratio, config.memory_span, config.adaptive_span_ramp,
@@ -838,112 +846,59 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         first_positions = cache.next_positions.clone() if self.carries_hidden_states else None
         if self.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds)
-        carry_from = before = None
-        if recording:
-            # The ring logs what its writes overwrite; a window comes back with every memory this forward's first token
-            # sees, from which a rollback into the forward keeps what its next token sees.
-            carry_from = cache.next_positions
-            before = [(layer.keys, layer.values, layer.positions, layer.valid, layer.hidden, layer.ring)
-                      for layer in cache.layers]  # fmt: skip
-            ring_widths = [layer.keys.shape[2] if layer.ring else None for layer in cache.layers]
-            for layer in cache.layers:
-                layer.undo_steps = []
 
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
         top, all_states, window = self.recurrence(
-            self,
-            inputs_embeds,
-            positions,
-            valid,
-            memory_layers,
-            cache.next_positions,
-            padding_steps,
-            output_hidden_states,
-            carry_from=carry_from,
-        )
+            self, inputs_embeds, positions, valid, memory_layers, cache.next_positions, padding_steps,
+            output_hidden_states, carry_from=cache.next_positions if recording else None,
+        )  # fmt: skip
         following = cache.next_positions + valid.sum(1)  # each row's next position after this call
         reach = config.memory_span
         if self.read_windows is not None and not torch.is_grad_enabled():
             # Without gradients the weights stay as they are: keep only the memories some layer still reads.
             reach = max(self.read_windows)
-        if window is not None:
-            # Carry the last τ memories as a window (detached: truncated back-propagation through time); the next
-            # training forward takes it as its prefix, inference lays it out as a ring. With `memory_carry=
-            # "hidden_states"` their hidden states too, from which the next forward recomputes keys and values.
-            keys, values, slot_positions, slot_valid, *hidden = window
-            hidden = hidden[0] if hidden else None
-            if recording:  # every memory this forward's first token sees, per key/value set
-                seen_windows = [(keys[group], values[group], slot_positions, slot_valid, hidden)
-                                for group in range(len(cache.layers))]  # fmt: skip
-            slot_valid = slot_valid & (following[:, None] - slot_positions <= reach)
-            # Keep the slots some row still sees (a recording forward's window reaches further back, and a tape's holds
-            # its whole prefix while the call is shorter than τ).
-            kept = slot_valid.any(0).nonzero()[:, 0]
-            keys, values = keys[:, :, :, kept], values[:, :, :, kept]
-            slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
-            hidden = hidden[:, kept] if hidden is not None else None
-            version = self._weights_version() if self.carries_hidden_states else None
-            for group, layer in enumerate(cache.layers):
-                layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
-                layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
-                layer.hidden = hidden.detach().clone() if hidden is not None else None
-                # This forward's own memories start at its first position; those before hold recomputed keys.
-                layer.recomputed_until, layer.recomputed_version = first_positions, version
-        if recording:
-            for group, layer in enumerate(cache.layers):
-                if window is None:
-                    record = FeedbackRecord(
-                        ring_widths[group], layer.undo_steps, config.memory_span, None, None, reach
-                    )
-                else:
-                    record = FeedbackRecord(None, None, config.memory_span, before[group], seen_windows[group], reach)
-                layer.recorded.append(record)
-                layer.undo_steps = None
-        # In place for a compiled step (the same address); replaced while recording, whose record keeps the old one.
-        if not recording and writes_in_place(cache.next_positions, following):
-            cache.next_positions.copy_(following)
-        else:
-            cache.next_positions = following
-        for layer in cache.layers:
-            layer.count_tokens(length)
+        version = self._weights_version() if self.carries_hidden_states and window is not None else None
+        cache.end_forward(window, following, reach, length, first_positions, version)
 
         def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order
-            if order is None:
-                return states
-            return states.new_empty(states.shape).scatter(1, order[..., None].expand_as(states), states)
+            return restore_order(states, order)
 
         hidden_states = restored(self.norm(top))
         if self.training and self.output_dropout.p > 0:
             hidden_states = self.output_dropout(hidden_states)
         hidden_states_out = None
         if output_hidden_states:
-            # As in 🤗 Llama: the embeddings, each layer's output but the last, and the normed output. The embeddings
-            # and the normed output are the very tensors on the path to the loss; a layer's outputs exist step by
-            # step only (step t runs before step t + 1 exists), so their stack gets, after a backward, the gradient of
-            # each step's output as its `.grad` when `retain_grad()` was called (`StepGradients`).
-            layer_states = []
-            for index in range(1, len(self.layers)):
-                steps = [states[index] for states in all_states]
-                stacked = restored(torch.stack(steps, dim=1))
-                if stacked.requires_grad:
-                    StepGradients(stacked, steps, restored)
-                layer_states.append(stacked)
-            hidden_states_out = (given_embeds, *layer_states, hidden_states)
-        aux_loss = None
-        if self.adaptive_span:
-            # The adaptive span's loss as the official code adds it: Σ_layers mean_heads(z) · coefficient · τ.
-            aux_loss = 0
-            for layer in self.layers:
-                aux_loss = aux_loss + layer.attention.span_ratio.mean() * config.adaptive_span_loss_coefficient * (
-                    config.memory_span
-                )  # fmt: skip
+            # As in 🤗 Llama: the embeddings, each layer's output but the last, and the normed output.
+            hidden_states_out = (given_embeds, *self._layer_outputs(all_states, restored), hidden_states)
         output = FeedbackModelOutput(
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
             hidden_states=hidden_states_out,
-            aux_loss=aux_loss,
+            aux_loss=self._adaptive_span_loss(),
         )
         return output if return_dict else output.to_tuple()
+
+    def _layer_outputs(self, all_states: list, restored) -> list:
+        """Each layer's output but the last, (B, T, D) each, from the steps' states. The embeddings and the normed
+        output are the very tensors on the path to the loss; a layer's outputs exist step by step only (step t runs
+        before step t + 1 exists), so their stack gets, after a backward, the gradient of each step's output as its
+        `.grad` when `retain_grad()` was called (`StepGradients`)."""
+        layer_states = []
+        for index in range(1, len(self.layers)):
+            steps = [states[index] for states in all_states]
+            stacked = restored(torch.stack(steps, dim=1))
+            if stacked.requires_grad:
+                StepGradients(stacked, steps, restored)
+            layer_states.append(stacked)
+        return layer_states
+
+    def _adaptive_span_loss(self) -> torch.Tensor | None:
+        """The adaptive span's loss as the official code adds it: Σ_layers mean_heads(z) · coefficient · τ (None
+        without `adaptive_span`)."""
+        if not self.adaptive_span:
+            return None
+        scale = self.config.adaptive_span_loss_coefficient * self.memory_span
+        return sum(layer.attention.span_ratio.mean() * scale for layer in self.layers)
 
     def _weights_version(self) -> tuple:
         """What changes when a weight changes (an optimizer step, a load: every in-place write counts in a tensor's
@@ -993,7 +948,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if self.rotary_emb is not None:
             cos, sin = self.rotary_emb(positions)  # (B, 1, W, d)
             half = self.head_dim // 2
-            keys = _rotate(keys, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
+            keys = rotate(keys, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
         return keys, values
 
     def _recompute_last_memories(self, cache: FeedbackCache, like: torch.Tensor) -> list:
@@ -1020,7 +975,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
 class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsOwnPositions, GenerationMixin):
     cache_class = FeedbackCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    cache_class = FeedbackCache
 
     def draft_verification_problem(self) -> str | None:
         if self.config.carry_first_layer_norm:

@@ -371,7 +371,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_step_rotation_gives_apply_rotarys_very_numbers(dtype):
     from memlm.modeling.layers import RotaryEmbedding, apply_rotary
-    from memlm.modeling.modeling_feedback_transformer import _rotate
+    from memlm.kernels.feedback.compiled import rotate
 
     rotary = RotaryEmbedding(head_dim=8, rope_theta=10000.0)
     positions = torch.tensor([0, 5, 2047])
@@ -379,8 +379,8 @@ def test_step_rotation_gives_apply_rotarys_very_numbers(dtype):
     signed_sin = torch.cat([-sin[..., :4], sin[..., 4:]], dim=-1)[:, 0]
     queries = torch.randn(3, 2, 8, dtype=torch.float64).to(dtype)  # (B, H, d)
     keys = torch.randn(1, 3, 2, 8, dtype=torch.float64).to(dtype)  # (G, B, H, d)
-    assert torch.equal(_rotate(queries, cos[:, 0], signed_sin), apply_rotary(queries[:, :, None], cos, sin)[:, :, 0])
-    assert torch.equal(_rotate(keys, cos[:, 0], signed_sin), apply_rotary(keys[:, :, :, None], cos, sin)[:, :, :, 0])
+    assert torch.equal(rotate(queries, cos[:, 0], signed_sin), apply_rotary(queries[:, :, None], cos, sin)[:, :, 0])
+    assert torch.equal(rotate(keys, cos[:, 0], signed_sin), apply_rotary(keys[:, :, :, None], cos, sin)[:, :, :, 0])
 
 
 def test_compile_step_option():

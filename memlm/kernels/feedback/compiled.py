@@ -2,19 +2,84 @@
 
 A step of the recurrence runs ~40 small ops per layer on (B, D) rows: a CPU spends more time launching them than
 computing. `torch.compile` (inductor) fuses the element-wise ops around each product of the step's three pure
-functions (the query, the block after the attention read, the memory of Eq. 1; `modeling_feedback_transformer.py`)
-into a few generated kernels. The same functions run eagerly otherwise; the tests check both against `reference.py`.
+functions below (the query, the block after the attention read, the memory of Eq. 1) into a few generated kernels.
+The same functions run eagerly otherwise; the tests check both against `reference.py`. They take the weights as
+arguments: one compiled function serves every layer.
 """
 
 import functools
 import shutil
 
 import torch
+import torch.nn.functional as F
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["compiled", "compiler_available"]
+__all__ = ["ACTIVATIONS", "compiled", "compiler_available", "rotate", "step_block", "step_memory", "step_query"]
+
+
+def rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`layers.apply_rotary` in fewer ops: x·cos + [−x₂, x₁]·sin = x·cos + roll(x, d/2)·[−sin₁, sin₂], the same
+    numbers (a negation moves only a sign bit); `signed_sin` = [−sin₁, sin₂], made once per step for every layer."""
+    rolled = states.roll(states.shape[-1] // 2, dims=-1)
+    if states.dtype in (torch.float32, torch.float64):  # already at least float32: no conversions
+        return states * cos + rolled * signed_sin
+    return (states.float() * cos + rolled.float() * signed_sin).to(states.dtype)
+
+
+def _gelu_tanh(states: torch.Tensor) -> torch.Tensor:
+    return F.gelu(states, approximate="tanh")  # 🤗's "gelu_new"
+
+
+# The config's `hidden_act` as plain functions, for the compiled step (one function object for every layer).
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_new": _gelu_tanh}
+
+
+def _rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`layers.RMSNorm.forward` as a function of its weight."""
+    dtype = torch.promote_types(states.dtype, torch.float32)
+    return F.rms_norm(states.to(dtype), weight.shape, weight.to(dtype), eps).to(states.dtype)
+
+
+def step_query(hidden_states, norm_weight, eps: float, query_weight, cos, signed_sin, head_dim: int):
+    """A layer's query of the memory, q = rotate(W_q · norm(x)): (B, D) → (B·H, d). The step body of
+    `compile_step` (compiled) and the eager step compute the same numbers."""
+    query = F.linear(_rms_norm(hidden_states, norm_weight, eps), query_weight)
+    query = query.view(query.shape[0], -1, head_dim)
+    if cos is not None:
+        query = rotate(query, cos, signed_sin)
+    return query.reshape(-1, head_dim)
+
+
+def step_block(hidden_states, context, output_weight, norm_weight, eps: float, gate_weight, up_weight, down_weight,
+               activation):  # fmt: skip
+    """The rest of a layer once the memory is read: residual = x + W_o · context; x' = residual + MLP(norm(residual)).
+    `up_weight` None: `gate_weight` holds [W_gate; W_up] stacked (one product). Returns residual, gate, up and x'."""
+    residual = hidden_states + F.linear(context, output_weight)
+    normed = _rms_norm(residual, norm_weight, eps)
+    if up_weight is None:
+        gate, up = F.linear(normed, gate_weight).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(normed, gate_weight), F.linear(normed, up_weight)
+    return residual, gate, up, residual + F.linear(activation(gate) * up, down_weight)
+
+
+def step_memory(states: list, layer_weights, norm_weight, eps: float, projections, cos, signed_sin, head_dim: int):
+    """Paper Eq. 1, m_t = norm(Σ_l softmax(w)_l · x_t^l), and its keys and values (G, B, H, d), rotated; `projections`
+    holds a (W_k, W_v) pair per key/value set. Returns the stack of the states, the mix, m_t, keys and values."""
+    wide = torch.promote_types(layer_weights.dtype, torch.float32)
+    weights = torch.softmax(layer_weights.to(wide), dim=0).to(states[0].dtype)
+    stack = torch.stack(states)
+    mixture = torch.einsum("l,lbd->bd", weights, stack)
+    memory = _rms_norm(mixture, norm_weight, eps)
+    batch_size = memory.shape[0]
+    keys = torch.stack([F.linear(memory, key) for key, _ in projections]).view(len(projections), batch_size, -1,
+                                                                                 head_dim)  # fmt: skip
+    values = torch.stack([F.linear(memory, value) for _, value in projections]).view_as(keys)
+    if cos is not None:
+        keys = rotate(keys, cos, signed_sin)
+    return stack, mixture, memory, keys, values
 
 
 @functools.cache
