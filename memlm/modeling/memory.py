@@ -247,6 +247,12 @@ def current_padding_mask(attention_mask, batch_size: int, length: int, past_leng
     return attention_mask[:, -length:].bool()
 
 
+def weights_version(model: torch.nn.Module) -> tuple:
+    """What changes when one of `model`'s weights changes (an optimizer step, a load: every in-place write counts in a
+    tensor's `_version`), for knowing whether memories were computed with the current weights."""
+    return (id(model), *(parameter._version for parameter in model.parameters()))
+
+
 def padding_first(states: torch.Tensor, valid: torch.Tensor, attention_mask) -> tuple:
     """For a model whose steps run in order (a row's padding must write nothing and take no position): each row's
     padding moved first and its real tokens after it in their order (a stable sort). states (B, T, D), valid (B, T) →
@@ -511,6 +517,12 @@ class MemoryCache(Cache):
         self.next_positions: torch.Tensor | None = None
         # The forwards read since recording started or since the last crop (see `MemoryCacheLayer`).
         self.recorded_forwards: list[RecordedForward] = []
+        # For a model whose memories are recomputed from hidden states: the weights every memory was computed with
+        # (`weights_version`), None when unknown. A restored snapshot makes it unknown, and so does a crop when a
+        # forward it may reach back into recomputed the memories (set by the model: the memories before it were
+        # computed with other weights).
+        self.weights_version: tuple | None = None
+        self.recomputed_while_recording = False
 
     @staticmethod
     def layer_count(config) -> int:
@@ -559,6 +571,7 @@ class MemoryCache(Cache):
     def reset(self):
         super().reset()
         self.next_positions = None
+        self.weights_version = None
         self.recorded_forwards = []
 
     @property
@@ -577,6 +590,7 @@ class MemoryCache(Cache):
         for layer in self.layers:
             layer.stop_past_recording()
         self.recorded_forwards = []
+        self.recomputed_while_recording = False
 
     def snapshot(self):
         """What `restore` needs to put the cache back as it is now: each layer's `snapshot`, each row's next position
@@ -591,6 +605,7 @@ class MemoryCache(Cache):
             layer.restore(layer_snapshot)
         self.next_positions = next_positions
         del self.recorded_forwards[recorded:]
+        self.weights_version = None
 
     def crop(self, tokens_to_remove: int):
         """Remove the last `-tokens_to_remove` tokens (🤗's convention: `crop(-n)`): the memory becomes what the tokens
@@ -629,7 +644,10 @@ class MemoryCache(Cache):
                 layer.record_past = True
         if rollback.removes_tokens:
             self.next_positions = rollback.next_positions
+            if self.recomputed_while_recording:
+                self.weights_version = None
         self.recorded_forwards = []
+        self.recomputed_while_recording = False
 
     def _rollback(self, kept_total: int) -> Rollback:
         """Where the first `kept_total` of the recorded tokens end: the forward the cut falls in, its kept tokens and

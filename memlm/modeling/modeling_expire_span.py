@@ -70,6 +70,7 @@ from .memory import (
     embed_inputs,
     keeps_non_finite_in_place,
     refuse_packed_documents,
+    weights_version,
     zero_padding,
 )
 
@@ -289,6 +290,22 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         cos, sin = rotary_embedding(memory.positions) if rotary_embedding is not None else (None, None)
         return self.memory_of(memory.hidden_states, memory.positions, memory.valid, cos, sin)
 
+    def next_block_memory(self, memory: ExpireSpanMemory, block, keep_span_inputs: bool) -> ExpireSpanMemory:
+        """The memories after `block` as the next block of the same forward reads them: without gradient to the hidden
+        states that made them (the official code carries them detached). With `recompute_memory` under autograd, the
+        block's own memories (its last slots) are computed again from their detached layer inputs, once: later
+        blocks' losses then reach the norm, the projections and the span predictor through them, as through the
+        official code's recomputation at every block (the earlier memories already are such recomputations, or the
+        zero initial memory)."""
+        inputs = memory.hidden_states
+        if inputs is None or not (torch.is_grad_enabled() and inputs.requires_grad):
+            return memory.detached(keep_span_inputs)
+        length = block.positions.shape[1]
+        own = memory.slots(memory.width - length, length)
+        recomputed = self.memory_of(own.hidden_states.detach(), own.positions, own.valid, block.cos, block.sin)
+        joined = memory.slots(0, memory.width - length).append(recomputed)
+        return dataclasses.replace(joined, span_inputs=None)
+
     def prune(self, memory: ExpireSpanMemory, first_positions: torch.Tensor, delete_expired: bool):
         """The memory without empty slots and, with `delete_expired`, without the memories that are dead for each
         row's first query of the coming block (see `ExpireSpanMemory.prune`). Part of the layer (not the model) so
@@ -306,13 +323,14 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
                 first_positions=None, delete_expired=True, counted_positions=False, relative_positions=None,
-                rotary_embedding=None, span_limit=None, recording=None):  # fmt: skip
+                rotary_embedding=None, span_limit=None, recording=None, recompute_memory=False):  # fmt: skip
         """Returns the new hidden states, the memories after this block (the earlier ones pruned for each row's first
         query `first_positions`, then this block's), this block's spans, the span-loss sum and the memories read.
         `recording` (a list; a cache recording its past): gets the memories as the block found them (before pruning)
-        and the block's own, from which a rollback rebuilds the memories after any of the block's tokens."""
+        and the block's own, from which a rollback rebuilds the memories after any of the block's tokens.
+        `recompute_memory`: compute the memories' keys, values and spans again from their hidden states first."""
         recompute = self.attention.config.recompute_memory
-        if memory is not None and recompute and memory.hidden_states is not None:
+        if memory is not None and recompute_memory and memory.hidden_states is not None:
             memory = self.recompute(memory, rotary_embedding)
         found = MemorySnapshot.of(memory) if recording is not None else None
         if memory is not None:
@@ -562,8 +580,20 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         memories = [
             cache.layers[index].memory if cache is not None else None for index in range(config.num_hidden_layers)
         ]
-        if config.initial_memory == "zeros" and all(memory is None for memory in memories) and past_length == 0:
+        initial = config.initial_memory == "zeros" and all(memory is None for memory in memories) and past_length == 0
+        if initial:
             memories = self.initial_memories(inputs_embeds, start_positions)
+        # With `recompute_memory`, memories carried from an earlier forward get their keys, values and spans again from
+        # their hidden states with the current weights: under autograd (the weights get gradients through them), or
+        # when the weights changed since the cache's memories were made. (The zero initial memory is made here.)
+        version = weights_version(self) if config.recompute_memory and cache is not None else None
+        recompute = (
+            config.recompute_memory
+            and not initial
+            and (torch.is_grad_enabled() or cache is None or cache.weights_version != version)
+        )
+        if recording and recompute:
+            cache.recomputed_while_recording = True
         # Spans of carried memories follow the current parameters in training: recomputed from their span inputs, or
         # with `recompute_memory` from their hidden states together with their keys and values.
         keep_span_inputs = (
@@ -589,7 +619,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 options["recording"] = block_records[index]
             layer_output, memories[index], layer_spans, layer_span_loss, layer_read = run_layer_over_blocks(
                 decoder_layer, hidden_states, blocks, memories[index], keep_span_inputs, max_distance=max_distance,
-                delete_expired=self.prune_expired_memories, counted_positions=position_ids is None, **options,
+                delete_expired=self.prune_expired_memories, counted_positions=position_ids is None,
+                recompute_memory=recompute, **options,
             )  # fmt: skip
             if self.training and config.layer_drop > 0 and float(torch.rand(())) < config.layer_drop:
                 # LayerDrop (official --expire-span-layerdrop): the layer made and pruned its memories; its output
@@ -629,6 +660,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 layer.memory = memories[index]
                 layer.seen_tokens += length
             cache.next_positions = start_positions + token_valid.sum(1)
+            cache.weights_version = version
         output = ExpireSpanModelOutput(
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),

@@ -74,6 +74,7 @@ from .memory import (
     past_length_to_check,
     refuse_packed_documents,
     restore_order,
+    weights_version,
     writes_in_place,
     zero_padding,
 )
@@ -226,7 +227,7 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
     def __init__(self):
         super().__init__()
         # Bookkeeping, not memory: the memories before `recomputed_until` (B,) hold keys and values recomputed from
-        # their hidden states with the weights of `recomputed_version` (`FeedbackTransformerModel._weights_version`),
+        # their hidden states with the weights of `recomputed_version` (`memory.weights_version`),
         # which a forward without gradients under the same weights reuses (`_starting_memory`). Anything that puts
         # the memory back (a rollback, a restored snapshot) forgets it.
         self.recomputed_until = self.recomputed_version = None
@@ -857,7 +858,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if self.read_windows is not None and not torch.is_grad_enabled():
             # Without gradients the weights stay as they are: keep only the memories some layer still reads.
             reach = max(self.read_windows)
-        version = self._weights_version() if self.carries_hidden_states and window is not None else None
+        version = weights_version(self) if self.carries_hidden_states and window is not None else None
         cache.end_forward(window, following, reach, length, first_positions, version)
 
         def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order
@@ -900,11 +901,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         scale = self.config.adaptive_span_loss_coefficient * self.memory_span
         return sum(layer.attention.span_ratio.mean() * scale for layer in self.layers)
 
-    def _weights_version(self) -> tuple:
-        """What changes when a weight changes (an optimizer step, a load: every in-place write counts in a tensor's
-        `_version`), for knowing whether carried keys and values were computed with the current weights."""
-        return (id(self), *(parameter._version for parameter in self.parameters()))
-
     def _starting_memory(self, cache: FeedbackCache, fresh: bool, like: torch.Tensor) -> list:
         """The memory a forward starts from when its keys and values are computed here, from hidden states: the
         official initial memory (`initial_memory="zeros"`: τ zero hidden states at positions −τ … −1) when the cache
@@ -926,7 +922,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 not torch.is_grad_enabled()
                 and not cache.recording
                 and first.recomputed_version is not None
-                and first.recomputed_version == self._weights_version()
+                and first.recomputed_version == weights_version(self)
             ):
                 return self._recompute_last_memories(cache, like)
         else:

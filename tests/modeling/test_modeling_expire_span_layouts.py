@@ -337,3 +337,73 @@ def test_layer_drop_skips_layers_in_training_but_keeps_their_memories():
     with torch.no_grad():
         kept = model(input_ids=input_ids).logits
     assert (kept - output.logits).abs().max() > 1e-3  # never active in eval mode
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_recomputed_memories_train_the_same_in_one_forward_as_block_by_block(norm_position):
+    """With `recompute_memory`, a training forward over several blocks gives the losses and every gradient of one
+    forward per block (the official trainer's), memories carried between them: later blocks read the memories of
+    earlier ones with gradients into the weights (as recomputed from detached hidden states), not into the hidden
+    states that made them. Blocks of 6 over 21 tokens, the zero initial memory, float64."""
+    options = {**OFFICIAL, "norm_position": norm_position, "recompute_memory": True}
+    input_ids = _input_ids(length=21)
+    gradients = []
+    for pieces in ([slice(0, 21)], [slice(start, start + 6) for start in range(0, 21, 6)]):
+        model = _model(torch.float64, **options).train()
+        cache, losses = None, []
+        for piece in pieces:
+            output = model(input_ids=input_ids[:, piece], cache=cache, use_cache=True)
+            # (The span loss is a mean over the forward's tokens: a sum over blocks of other lengths is another loss.)
+            output.logits.square().sum().backward()
+            cache, losses = output.cache, losses + [output.logits.detach()]
+        gradients.append({name: parameter.grad for name, parameter in model.named_parameters()})
+        if len(pieces) == 1:
+            whole, whole_cache = losses[0], cache
+    assert (torch.cat(losses, 1) - whole).abs().max() < 1e-12
+    for name, expected in gradients[1].items():
+        assert (gradients[0][name] - expected).abs().max() <= 1e-10 * expected.abs().max(), name
+    for ours, theirs in zip(whole_cache.layers, cache.layers):  # the same memories carried on, detached
+        assert not ours.memory.keys.requires_grad and not ours.memory.hidden_states.requires_grad
+        assert (ours.memory.keys - theirs.memory.keys).abs().max() < 1e-12
+
+
+def test_recomputed_memories_are_reused_while_the_weights_stay_and_recomputed_when_they_change():
+    """`recompute_memory` without gradients (decoding): while no weight changed since the cache's memories were made,
+    a forward projects only its own tokens (the carried keys, values and spans are what a recomputation would give);
+    after a weight changes in place (an optimizer step), it recomputes every carried memory with the new weights."""
+    import copy
+
+    from memlm.modeling.memory import weights_version
+
+    model = _model(torch.float64, **OFFICIAL, recompute_memory=True)
+    input_ids = _input_ids(length=14)
+    projected = []
+    model.model.layers[0].attention.k_proj.register_forward_hook(
+        lambda module, inputs, output: projected.append(inputs[0].shape[1])
+    )
+    with torch.no_grad():
+        cache = model(input_ids=input_ids[:, :12], use_cache=True).cache
+        projected.clear()
+        step = model(input_ids=input_ids[:, 12:13], cache=cache, use_cache=True)
+        assert projected == [1]  # the new token's key only
+        recomputing = copy.deepcopy(step.cache)
+        recomputing.weights_version = None  # unknown: every carried memory is recomputed
+        projected.clear()
+        expected = model(input_ids=input_ids[:, 13:14], cache=recomputing, use_cache=True).logits
+        assert projected[0] > 1
+        projected.clear()
+        reused = model(input_ids=input_ids[:, 13:14], cache=copy.deepcopy(step.cache), use_cache=True).logits
+        assert projected == [1] and (reused - expected).abs().max() < 1e-12
+        for parameter in model.model.layers[0].parameters():  # an optimizer step, in place
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+        projected.clear()
+        changed = model(input_ids=input_ids[:, 13:14], cache=copy.deepcopy(step.cache), use_cache=True).logits
+        assert projected[0] > 1
+        stale_cache = copy.deepcopy(step.cache)
+        stale_cache.weights_version = weights_version(model.model)  # pretend the old memories are current
+        stale = model(input_ids=input_ids[:, 13:14], cache=stale_cache, use_cache=True).logits
+        recomputing = copy.deepcopy(step.cache)
+        recomputing.weights_version = None
+        expected = model(input_ids=input_ids[:, 13:14], cache=recomputing, use_cache=True).logits
+    assert (changed - expected).abs().max() < 1e-12  # the carried memories as the new weights make them
+    assert (stale - expected).abs().max() > 1e-6

@@ -370,8 +370,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_step_rotation_gives_apply_rotarys_very_numbers(dtype):
-    from memlm.modeling.layers import RotaryEmbedding, apply_rotary
     from memlm.kernels.feedback.compiled import rotate
+    from memlm.modeling.layers import RotaryEmbedding, apply_rotary
 
     rotary = RotaryEmbedding(head_dim=8, rope_theta=10000.0)
     positions = torch.tensor([0, 5, 2047])
