@@ -6,6 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ..kernels.expire_attention.reference import relative_position_scores
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 or wider: y = x / sqrt(mean(x²) + eps) · w."""
@@ -124,19 +126,6 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     rotated = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
     dtype = torch.promote_types(states.dtype, torch.float32)
     return (states.to(dtype) * cos + rotated.to(dtype) * sin).to(states.dtype)
-
-
-def relative_position_scores(table: torch.Tensor, query: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
-    """The official code's learned relative positions (`key_pe`, see `LearnedRelativePositions`) scored:
-    table (P, d) with row d − 1 holding p_d, query (..., d) and, per query, the distances d = t − i of the keys it
-    scores (..., W), integer, their leading dimensions broadcast to the query's → q · p_d, (..., W); 0 outside
-    1..P. The Feedback Transformer keeps its table as a bare parameter (`model.relative_positions`, the key its
-    checkpoints hold), Expire-Span in the module."""
-    by_distance = query @ table.to(query.dtype).mT  # (..., P): q · p_d for d = 1..P
-    inside = (distance >= 1) & (distance <= table.shape[0])
-    index = (distance - 1).clamp(0, table.shape[0] - 1)
-    index = index.expand(*by_distance.shape[:-1], index.shape[-1])
-    return torch.where(inside, by_distance.gather(-1, index), 0.0)
 
 
 class LearnedRelativePositions(nn.Module):

@@ -226,13 +226,11 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
                     visible_memory.expiry_slack = next_decoding_slack(slack, spans)
                     read_count = torch.full((), seen.numel(), dtype=torch.float32, device=output.device)
                     return output, visible_memory, spans, output.new_zeros((), dtype=torch.float32), read_count
-        position_scores = None
-        if relative_positions is not None:
-            position_scores = relative_positions(query, positions, visible_memory.positions)  # q_t · p_{t−i}
+        table = relative_positions.weight if relative_positions is not None else None  # q_t · p_{t−i}
         output = expire_span_attention(
             query, visible_memory.keys, visible_memory.values, memory_spans, positions, visible_memory.positions,
             ramp=self.config.ramp, key_valid=visible_memory.valid, max_distance=max_distance, dropout=dropout,
-            position_scores=position_scores, attend_to_self=self.config.attend_to_self,
+            relative_positions=table, attend_to_self=self.config.attend_to_self,
             renormalization_epsilon=self.config.renormalization_epsilon,
         )  # fmt: skip
         output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))

@@ -18,8 +18,14 @@ import torch
 
 from memlm.kernels import check_triton_device, resolve_backend, sums_are_finite
 
-from .reference import expire_span_attention_reference, expire_span_mask, memory_statistics, visible_keys
-from .sdpa import expire_span_attention_sdpa
+from .reference import (
+    expire_span_attention_reference,
+    expire_span_mask,
+    memory_statistics,
+    relative_position_scores,
+    visible_keys,
+)
+from .sdpa import expire_span_attention_sdpa, recomputed_in_backward
 
 __all__ = [
     "expire_span_attention",
@@ -27,6 +33,7 @@ __all__ = [
     "expire_span_attention_sdpa",
     "expire_span_mask",
     "memory_statistics",
+    "relative_position_scores",
     "visible_keys",
 ]
 
@@ -46,8 +53,23 @@ def _check_positions(name: str, positions, expected: tuple[int, int], meaning: s
         raise ValueError(f"{name} must hold integer absolute positions, got dtype {positions.dtype}.")
 
 
-def _check_official_options(query, key, position_scores, attend_to_self, renormalization_epsilon) -> None:
+def _check_official_options(query, key, position_scores, attend_to_self, renormalization_epsilon,
+                            relative_positions) -> None:  # fmt: skip
     expected = (*query.shape[:3], key.shape[2])
+    if relative_positions is not None:
+        if (
+            not isinstance(relative_positions, torch.Tensor)
+            or relative_positions.dim() != 2
+            or relative_positions.shape[1] != query.shape[-1]
+        ):
+            raise ValueError(
+                f"relative_positions must be None or a tensor of shape (positions, width) with the query's width "
+                f"{query.shape[-1]}, got {_shape(relative_positions)}."
+            )
+        if not relative_positions.is_floating_point():
+            raise ValueError(
+                f"relative_positions must be a floating-point tensor, got dtype {relative_positions.dtype}."
+            )
     if position_scores is not None:
         if not isinstance(position_scores, torch.Tensor) or tuple(position_scores.shape) != expected:
             raise ValueError(
@@ -132,6 +154,7 @@ def expire_span_attention(
     position_scores: torch.Tensor | None = None,
     attend_to_self: bool = True,
     renormalization_epsilon: float = 0.0,
+    relative_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over keys that expire after their learned spans (paper Eqs. 4-5, SPEC §2).
 
@@ -160,8 +183,11 @@ def expire_span_attention(
             positions, ``q_t · p_{t−i}``), or ``None``.
         attend_to_self: False hides key ``t`` from query ``t`` (the official causal mask).
         renormalization_epsilon: ``ε >= 0``; ``ε > 0`` renormalises as the official code, ``m a / (Σ m a + ε)``
-            with the softmax over the keys with ``m > 0``. These three official options run the reference
-            implementation whatever the backend.
+            with the softmax over the keys with ``m > 0``.
+        relative_positions: ``(P, d)``, the learned relative positions ``p_1 … p_P``: adds ``q_t · p_{t−i}`` for
+            ``1 ≤ t − i ≤ P`` as ``position_scores`` would, without a ``(B, H, T, N)`` input. These official options
+            run the reference implementation whatever the backend; with gradients, its forward keeps only its inputs
+            and the backward computes it again (one block's weights alive at a time).
 
     Returns:
         ``(B, H, T, d_v)`` in the query's dtype. On CPU tensors a non-finite key, value or span at position i leaves
@@ -182,11 +208,11 @@ def expire_span_attention(
     _check_inputs(
         query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
     )
-    _check_official_options(query, key, position_scores, attend_to_self, renormalization_epsilon)
+    _check_official_options(query, key, position_scores, attend_to_self, renormalization_epsilon, relative_positions)
     options = dict(
         ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout, backend=backend,
         position_scores=position_scores, attend_to_self=attend_to_self,
-        renormalization_epsilon=renormalization_epsilon,
+        renormalization_epsilon=renormalization_epsilon, relative_positions=relative_positions,
     )  # fmt: skip
     output = _expire_span_attention(query, key, value, spans, query_positions, key_positions, **options)
     # The spans too: a NaN span can hide its key instead of spreading.
@@ -204,6 +230,12 @@ def _causal_despite_non_finite(output, query, key, value, spans, query_positions
     bad = ~(torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))  # (B, H, N)
     if spans is not None:
         bad |= ~torch.isfinite(spans)[:, None]
+    if options["relative_positions"] is not None:  # as scores, to find the pairs a non-finite p_d reaches
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
+        scores = relative_position_scores(options["relative_positions"], query, distance)
+        if options["position_scores"] is not None:
+            scores = scores + options["position_scores"]
+        options = {**options, "position_scores": scores, "relative_positions": None}
     position_scores = options["position_scores"]
     bad_pairs = None if position_scores is None else ~torch.isfinite(position_scores)  # (B, H, T, N)
     if not bool(bad.any()) and (bad_pairs is None or not bool(bad_pairs.any())):
@@ -232,14 +264,24 @@ def _causal_despite_non_finite(output, query, key, value, spans, query_positions
 
 def _expire_span_attention(
     query, key, value, spans, query_positions, key_positions, *, ramp, key_valid, max_distance, scale, dropout,
-    backend, position_scores, attend_to_self, renormalization_epsilon,
+    backend, position_scores, attend_to_self, renormalization_epsilon, relative_positions,
 ):  # fmt: skip
-    if position_scores is not None or not attend_to_self or renormalization_epsilon > 0:
-        return expire_span_attention_reference(
-            query, key, value, spans, query_positions, key_positions, ramp=ramp, key_valid=key_valid,
-            max_distance=max_distance, scale=scale, dropout=dropout, position_scores=position_scores,
-            attend_to_self=attend_to_self, renormalization_epsilon=renormalization_epsilon,
+    official = (
+        position_scores is not None or relative_positions is not None or not attend_to_self
+        or renormalization_epsilon > 0
+    )  # fmt: skip
+    if official:
+        options = dict(
+            ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout,
+            position_scores=position_scores, attend_to_self=attend_to_self,
+            renormalization_epsilon=renormalization_epsilon, relative_positions=relative_positions,
         )  # fmt: skip
+        inputs = (query, key, value, spans, position_scores, relative_positions)
+        if dropout == 0 and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+            return recomputed_in_backward(
+                expire_span_attention_reference, query, key, value, spans, query_positions, key_positions, **options
+            )
+        return expire_span_attention_reference(query, key, value, spans, query_positions, key_positions, **options)
     backend = resolve_backend(backend, query.device)
     implementation = expire_span_attention_reference if backend == "reference" else expire_span_attention_sdpa
     supported = (

@@ -123,6 +123,19 @@ def memory_statistics(
         return counts + (torch.where(key_valid, distances, 0).to(spans.dtype),)
 
 
+def relative_position_scores(table: torch.Tensor, query: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """The official code's learned relative positions (`key_pe`; Sukhbaatar et al., 2019, Sec. 3) scored:
+    table (P, d) with row d − 1 holding p_d, query (..., d) and, per query, the distances d = t − i of the keys it
+    scores (..., W), integer, their leading dimensions broadcast to the query's → q · p_d, (..., W); 0 outside
+    1..P. The Feedback Transformer keeps its table as a bare parameter (`model.relative_positions`, the key its
+    checkpoints hold), Expire-Span in `memlm.modeling.layers.LearnedRelativePositions`."""
+    by_distance = query @ table.to(query.dtype).mT  # (..., P): q · p_d for d = 1..P
+    inside = (distance >= 1) & (distance <= table.shape[0])
+    index = (distance - 1).clamp(0, table.shape[0] - 1)
+    index = index.expand(*by_distance.shape[:-1], index.shape[-1])
+    return torch.where(inside, by_distance.gather(-1, index), 0.0)
+
+
 def expire_span_attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -139,6 +152,7 @@ def expire_span_attention_reference(
     position_scores: torch.Tensor | None = None,
     attend_to_self: bool = True,
     renormalization_epsilon: float = 0.0,
+    relative_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expire-Span attention written out as paper Eq. 4: softmax, multiply by the soft mask, renormalise.
 
@@ -147,7 +161,8 @@ def expire_span_attention_reference(
 
     The official code's variant (facebookresearch/transformer-sequential): ``position_scores`` (B, H, T, N) are added
     to q·k before the scale, ``attend_to_self=False`` hides key t from query t, and ``renormalization_epsilon`` ε > 0
-    gives a'_ti = m_ti a_ti / (Σ_j m_tj a_tj + ε) with the softmax over the keys with m > 0.
+    gives a'_ti = m_ti a_ti / (Σ_j m_tj a_tj + ε) with the softmax over the keys with m > 0. `relative_positions`
+    (P, d), the table p_1..p_P, adds q_t · p_{t−i} as `position_scores` would (`relative_position_scores`).
     """
     dtype = _compute_dtype(query, key, value, spans)
     output_dtype = query.dtype
@@ -161,6 +176,9 @@ def expire_span_attention_reference(
         visible = visible & (mask > 0)  # the official softmax leaves out the keys with m = 0 (score −inf)
 
     scores = query @ key.mT
+    if relative_positions is not None:
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, T, N)
+        scores = scores + relative_position_scores(relative_positions, query, distance)
     if position_scores is not None:
         scores = scores + position_scores.to(dtype)  # q_t · k_i + q_t · p_{t−i}
     scores = scale * scores  # s_ti
