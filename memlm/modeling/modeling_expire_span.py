@@ -288,19 +288,19 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         cos, sin = rotary_embedding(memory.positions) if rotary_embedding is not None else (None, None)
         return self.memory_of(memory.hidden_states, memory.positions, memory.valid, cos, sin)
 
-    def next_block_memory(self, memory: ExpireSpanMemory, block, keep_span_inputs: bool) -> ExpireSpanMemory:
-        """The memories after `block` as the next block of the same forward reads them: without gradient to the hidden
-        states that made them (the official code carries them detached). With `recompute_memory` under autograd, the
-        block's own memories (its last slots) are computed again from their detached layer inputs, once: later
-        blocks' losses then reach the norm, the projections and the span predictor through them, as through the
-        official code's recomputation at every block (the earlier memories already are such recomputations, or the
-        zero initial memory)."""
+    def next_block_memory(self, memory: ExpireSpanMemory, length: int, cos, sin, keep_span_inputs: bool):
+        """The memories after a block of `length` tokens (rotated by `cos`, `sin`) as the next block of the same
+        forward reads them: without gradient to the hidden states that made them (the official code carries them
+        detached). With `recompute_memory` under autograd, the block's own memories (the last slots) are computed
+        again from their detached layer inputs, once: later blocks' losses then reach the norm, the projections and
+        the span predictor through them, as through the official code's recomputation at every block (the earlier
+        memories already are such recomputations, or the zero initial memory). Part of the layer's forward, where
+        FSDP has gathered its weights."""
         inputs = memory.hidden_states
         if inputs is None or not (torch.is_grad_enabled() and inputs.requires_grad):
             return memory.detached(keep_span_inputs)
-        length = block.positions.shape[1]
         own = memory.slots(memory.width - length, length)
-        recomputed = self.memory_of(own.hidden_states.detach(), own.positions, own.valid, block.cos, block.sin)
+        recomputed = self.memory_of(own.hidden_states.detach(), own.positions, own.valid, cos, sin)
         joined = memory.slots(0, memory.width - length).append(recomputed)
         return dataclasses.replace(joined, span_inputs=None)
 
@@ -321,9 +321,11 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
                 first_positions=None, delete_expired=True, counted_positions=False, relative_positions=None,
-                rotary_embedding=None, span_limit=None, recording=None, recompute_memory=False):  # fmt: skip
-        """Returns the new hidden states, the memories after this block (the earlier ones pruned for each row's first
-        query `first_positions`, then this block's), this block's spans, the span-loss sum and the memories read.
+                rotary_embedding=None, span_limit=None, recording=None, recompute_memory=False,
+                keep_span_inputs=False):  # fmt: skip
+        """Returns the new hidden states, the memories after this block as the next block reads them (the earlier ones
+        pruned for each row's first query `first_positions`, then this block's; `next_block_memory`), this block's
+        spans, the span-loss sum and the memories read.
         `recording` (a list; a cache recording its past): gets the memories as the block found them (before pruning)
         and the block's own, from which a rollback rebuilds the memories after any of the block's tokens.
         `recompute_memory`: compute the memories' keys, values and spans again from their hidden states first."""
@@ -343,6 +345,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             own = dataclasses.replace(memory.slots(memory.width - length, length), positions=positions,
                                       valid=token_valid)  # fmt: skip
             recording.append((found, own))
+        memory = self.next_block_memory(memory, positions.shape[1], cos, sin, keep_span_inputs)
         hidden_states = add_sublayer_output(
             hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
         )

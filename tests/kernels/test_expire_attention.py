@@ -488,7 +488,9 @@ def test_the_official_options_with_a_position_table_give_the_scores_and_gradient
     key_positions = torch.arange(6 + width)[None].expand(2, -1)
     options = {"ramp": 2.0, "attend_to_self": False, "renormalization_epsilon": 1e-3}
     leaves = [tensor.clone().requires_grad_() for tensor in (query, key, value, spans, table)]
-    output = expire_span_attention(*leaves[:4], query_positions, key_positions, relative_positions=leaves[4], **options)
+    output = expire_span_attention(
+        *leaves[:4], query_positions, key_positions, relative_positions=leaves[4], **options
+    )
     assert output.grad_fn is not None and "Recomputed" in type(output.grad_fn).__name__
     grad_output = torch.randn(output.shape, generator=generator, dtype=torch.float64)
     output.backward(grad_output)

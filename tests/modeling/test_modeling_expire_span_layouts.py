@@ -92,7 +92,13 @@ def test_post_norm_is_norm_of_the_residual_sum():
     valid = torch.ones(1, 6, dtype=torch.bool)
     with torch.no_grad():
         output, memory, *_ = layer(
-            hidden, positions, valid, None, None, relative_positions=model.model.relative_positions
+            hidden,
+            positions,
+            valid,
+            None,
+            None,
+            relative_positions=model.model.relative_positions,
+            keep_span_inputs=True,
         )
         mixed, *_ = layer.attention(
             hidden, positions, valid, None, None, None, None, False, model.model.relative_positions

@@ -49,11 +49,11 @@ def split_into_blocks(positions, token_valid, block_size: int, rotary_embedding)
 def run_layer_over_blocks(layer, hidden_states, blocks: list[Block], memory, keep_span_inputs: bool,
                           recompute_memory: bool = False, **options):  # fmt: skip
     """One layer over the blocks in order. `layer(block_hidden_states, positions, valid, cos, sin, memory=...,
-    first_positions=..., recompute_memory=..., **options)` returns the block's output, the memories after the block
-    (the earlier ones, pruned, then the block's), its spans, its span-loss sum and its number of memories read;
-    `layer.next_block_memory(memory, block, keep_span_inputs)` gives the memories as the next block reads them.
-    `recompute_memory`: the first block computes the carried memories' keys, values and spans again from their hidden
-    states (later blocks read memories made with the same weights).
+    first_positions=..., recompute_memory=..., keep_span_inputs=..., **options)` returns the block's output, the
+    memories after the block as the next block reads them (the earlier ones, pruned, then the block's), its spans,
+    its span-loss sum and its number of memories read. `recompute_memory`: the first block computes the carried
+    memories' keys, values and spans again from their hidden states (later blocks read memories made with the same
+    weights).
 
     Returns the layer's output (B, T, D), its memories after the last block (detached: truncated back-propagation
     through time, as the official code carries them), the spans of each block, and the summed span loss and reads."""
@@ -61,9 +61,9 @@ def run_layer_over_blocks(layer, hidden_states, blocks: list[Block], memory, kee
     for index, block in enumerate(blocks):
         output, memory, block_spans, block_span_loss, block_read = layer(
             hidden_states[:, block.tokens], block.positions, block.valid, block.cos, block.sin, memory=memory,
-            first_positions=block.first_positions, recompute_memory=recompute_memory and index == 0, **options,
+            first_positions=block.first_positions, recompute_memory=recompute_memory and index == 0,
+            keep_span_inputs=keep_span_inputs, **options,
         )  # fmt: skip
-        memory = layer.next_block_memory(memory, block, keep_span_inputs)
         outputs.append(output)
         if block_spans is not None:
             spans.append(block_spans)
