@@ -249,18 +249,26 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
         self.values = mark_static(torch.zeros(shape, dtype=dtype, device=device))
         self.positions = mark_static(torch.zeros(batch_size, slots, dtype=torch.long, device=device))
         self.valid = mark_static(torch.zeros(batch_size, slots, dtype=torch.bool, device=device))
+        self.hidden = None
+        if config.memory_carry == "hidden_states":  # the memories' hidden states, in the same slots
+            self.hidden = mark_static(torch.zeros(batch_size, slots, config.hidden_size, dtype=dtype, device=device))
         if self.token_count.device != self.keys.device:
             self.token_count = mark_static(self.token_count.to(device))
 
     def grow_ring(self, slots: int):
         """Widen the ring to `slots` slots per row, its memories in the same slots (see the class docstring)."""
         size = self.keys.shape[2]
-        for name in ("keys", "values", "positions", "valid"):  # a ring holds no hidden states (keys_values carry)
-            old = getattr(self, name)  # keys, values (B, H, slots, d); positions, valid (B, slots)
+        for name in ("keys", "values", "positions", "valid", "hidden"):
+            old = getattr(
+                self, name
+            )  # keys, values (B, H, slots, d); positions, valid (B, slots); hidden (B, slots, D)
+            if old is None:  # no hidden states (`memory_carry="keys_values"`)
+                continue
+            dim = 2 if old.dim() == 4 else 1
             shape = list(old.shape)
-            shape[2 if old.dim() == 4 else 1] = slots
+            shape[dim] = slots
             new = old.new_zeros(shape)
-            new.narrow(2 if old.dim() == 4 else 1, 0, size).copy_(old)
+            new.narrow(dim, 0, size).copy_(old)
             setattr(self, name, mark_static(new))
 
     def map(self, function):
@@ -403,7 +411,7 @@ class FeedbackCache(MemoryCache):
             keys, values, slot_positions, slot_valid, *hidden = window
             hidden = hidden[0] if hidden else None
             if recording:  # every memory the forward's first token sees, per key/value set
-                seen_windows = [(keys[group], values[group], slot_positions, slot_valid, hidden)
+                seen_windows = [(keys[group], values[group], slot_positions, slot_valid, hidden if group == 0 else None)
                                 for group in range(len(self.layers))]  # fmt: skip
             slot_valid = slot_valid & (following[:, None] - slot_positions <= reach)
             # (A recording forward's window reaches further back, and a tape's holds its whole prefix while the call
@@ -415,8 +423,10 @@ class FeedbackCache(MemoryCache):
             for group, layer in enumerate(self.layers):
                 layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
-                layer.hidden = hidden.detach().clone() if hidden is not None else None
-                layer.recomputed_until, layer.recomputed_version = first_positions, version
+                # One set of hidden states for every key/value set, kept by the first.
+                layer.hidden = hidden.detach().clone() if hidden is not None and group == 0 else None
+        for layer in self.layers:  # (the ring, written in place, too)
+            layer.recomputed_until, layer.recomputed_version = first_positions, version
         if recording:
             for group, layer in enumerate(self.layers):
                 if window is None:
@@ -858,7 +868,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if self.read_windows is not None and not torch.is_grad_enabled():
             # Without gradients the weights stay as they are: keep only the memories some layer still reads.
             reach = max(self.read_windows)
-        version = weights_version(self) if self.carries_hidden_states and window is not None else None
+        version = weights_version(self) if self.carries_hidden_states else None
         cache.end_forward(window, following, reach, length, first_positions, version)
 
         def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order
@@ -929,6 +939,15 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             return cache.layers
         keys, values = self._project_hidden(hidden, positions)
         carried = hidden if self.carries_hidden_states else None
+        if not torch.is_grad_enabled():
+            # Without gradients the memory is the cache's ring (`_RingStore`): its layers take the memories (in the
+            # ring's own slots when they come from it), and the store lays a window out as a ring.
+            ring = first.ring and not fresh
+            for group, layer in enumerate(cache.layers):
+                layer.keys, layer.values = keys[group].contiguous(), values[group].contiguous()
+                layer.positions, layer.valid, layer.ring = positions, valid, ring
+                layer.hidden = carried if group == 0 else None  # one set of hidden states, kept by the first
+            return cache.layers
         return [
             types.SimpleNamespace(keys=keys[group], values=values[group], positions=positions, valid=valid,
                                   hidden=carried, ring=False)
@@ -949,8 +968,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
 
     def _recompute_last_memories(self, cache: FeedbackCache, like: torch.Tensor) -> list:
         """The cache's memories, with the keys and values of those the last forward made (at or after
-        `recomputed_until`) projected again from their carried hidden states (`carry_first_layer_norm` only: without
-        it they are what a recomputation would give)."""
+        `recomputed_until`) projected again from their carried hidden states, in place (`carry_first_layer_norm`
+        only: without it they are what a recomputation would give)."""
         first = cache.layers[0]
         renewed = first.valid & (first.positions >= first.recomputed_until[:, None])  # (B, W)
         if not self.carry_first_layer_norm or not bool(renewed.any()):
@@ -958,14 +977,14 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         columns = renewed.any(0).nonzero()[:, 0]
         keys, values = self._project_hidden(first.hidden[:, columns].to(like.dtype), first.positions[:, columns])
         chosen = renewed[:, None, columns, None]  # (B, 1, C, 1)
-        memories = []
         for group, layer in enumerate(cache.layers):
-            layer_keys, layer_values = layer.keys.to(like.dtype).clone(), layer.values.to(like.dtype).clone()
-            layer_keys[:, :, columns] = torch.where(chosen, keys[group], layer_keys[:, :, columns])
-            layer_values[:, :, columns] = torch.where(chosen, values[group], layer_values[:, :, columns])
-            memories.append(types.SimpleNamespace(keys=layer_keys, values=layer_values, positions=layer.positions,
-                                                  valid=layer.valid, hidden=layer.hidden, ring=False))  # fmt: skip
-        return memories
+            layer.keys[:, :, columns] = torch.where(
+                chosen, keys[group].to(layer.keys.dtype), layer.keys[:, :, columns]
+            )
+            layer.values[:, :, columns] = torch.where(
+                chosen, values[group].to(layer.values.dtype), layer.values[:, :, columns]
+            )
+        return cache.layers
 
 
 class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsOwnPositions, GenerationMixin):

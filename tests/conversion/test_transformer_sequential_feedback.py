@@ -71,8 +71,11 @@ def test_log_probabilities_losses_and_carried_memory_equal_the_official_code(cas
             losses.append(lm_loss(log_probs[-1], labels, meta["official_args"]))
             aux_losses.append(output.aux_loss if output.aux_loss is not None else torch.zeros((), dtype=torch.float64))
             carried = tensors[f"carried.{index}.hidden.0"]  # (B, attn_lim, H), oldest first
-            assert cache.layers[0].hidden.shape == carried.shape
-            assert (cache.layers[0].hidden - carried).abs().max() <= TOLERANCE
+            layer = cache.layers[0]  # its slots in position order (a ring holds them at position mod τ)
+            order = layer.positions.masked_fill(~layer.valid, torch.iinfo(torch.long).max).argsort(dim=1)
+            hidden = layer.hidden.gather(1, order[..., None].expand_as(layer.hidden))
+            assert hidden.shape == carried.shape and bool(layer.valid.all())
+            assert (hidden - carried).abs().max() <= TOLERANCE
     log_probs = torch.cat(log_probs, dim=1)
     assert log_probs.dtype == torch.float64
     assert (log_probs - tensors["log_probs"]).abs().max() <= TOLERANCE

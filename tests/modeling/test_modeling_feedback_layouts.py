@@ -243,7 +243,8 @@ def test_the_zero_initial_memory_is_attended():
         # LayerNorm(0) = its bias: the zero memories have keys and values, and the first token reads them.
         assert (zeros(input_ids).logits[:, 0] - empty(input_ids).logits[:, 0]).abs().max() > 1e-3
         cache = zeros(input_ids, use_cache=True).cache
-    assert cache.layers[0].positions[0].tolist() == [-1, 0, 1, 2, 3]  # the last zero memory is still in reach
+    layer = cache.layers[0]  # (a ring: slot = position mod τ)
+    assert sorted(layer.positions[0][layer.valid[0]].tolist()) == [-1, 0, 1, 2, 3]  # the last zero memory in reach
 
 
 def test_the_adaptive_span_mask_its_loss_and_where_the_loss_goes():
@@ -474,7 +475,8 @@ def _blocks_through(model, backend: str, monkeypatch, blocks: list, gradients: b
             logits.append(output.logits.detach())
             aux_losses.append(output.aux_loss.detach() if output.aux_loss is not None else None)
             layer = cache.layers[-1]
-            caches.append((layer.keys, layer.values, layer.positions, layer.valid, layer.hidden))
+            memory = (layer.keys, layer.values, layer.positions, layer.valid, cache.layers[0].hidden)
+            caches.append(tuple(None if tensor is None else tensor.clone() for tensor in memory))  # (a ring changes)
             total = total + output.loss
     if gradients:
         total.backward()
@@ -592,3 +594,32 @@ def test_decoding_projects_again_only_what_the_weights_or_the_last_forward_chang
     expected, _ = decode(everything=True, change_at=3)
     assert (changed - expected).abs().max() < 1e-12 and (changed[:, :3] - reused[:, :3]).abs().max() == 0
     assert changed_widths[3] == [carried] and changed_widths[4] == widths[4]
+
+
+@pytest.mark.parametrize("layout", ["official_pre_norm", "official_post_norm_shared", "adaptive_span_trimmed"])
+def test_decoding_the_official_layouts_writes_the_ring_in_place(layout, monkeypatch):
+    """Without gradients the official layouts decode on the cache's ring (one slot written per token, with its hidden
+    state), giving the step-loop reference's logits token by token; a trimmed adaptive span keeps its shorter
+    window instead."""
+    model = _model(layout)
+    prompt, following = torch.randint(0, 40, (2, 7)), torch.randint(0, 40, (2, 6))
+
+    def decode(backend: str):
+        monkeypatch.setenv("MEMLM_KERNELS", backend)
+        with torch.no_grad():
+            output = model(prompt, use_cache=True)
+            cache, logits = output.cache, [output.logits]
+            for index in range(following.shape[1]):
+                keys = cache.layers[0].keys
+                output = model(following[:, index : index + 1], cache=cache, use_cache=True)
+                cache, logits = output.cache, logits + [output.logits]
+        return torch.cat(logits, 1), cache, keys
+
+    ours, cache, keys = decode("torch")
+    expected, _, _ = decode("reference")
+    assert (ours - expected).abs().max() < 1e-12
+    trimmed = layout == "adaptive_span_trimmed"
+    assert cache.layers[0].ring is not trimmed
+    if not trimmed:  # the ring's own tensors, written in place; the hidden states kept once, by the first layer
+        assert cache.layers[0].keys is keys and cache.layers[0].hidden.shape[1] == model.config.memory_span
+        assert all(layer.hidden is None for layer in cache.layers[1:])

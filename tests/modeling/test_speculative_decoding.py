@@ -130,13 +130,31 @@ def _tokens(*shape, seed: int) -> torch.Tensor:
 
 
 def _memory_tensors(cache) -> list[tuple[str, torch.Tensor | None]]:
-    """Every tensor a cache holds, named (an Expire-Span layer's memory holds several)."""
+    """Every tensor a cache holds, named (an Expire-Span layer's memory holds several). A Feedback layer's memories
+    row by row in position order: a ring (slot = position mod τ, what decoding without gradients writes) and a window
+    (what a recorded forward leaves) hold the same memories in other slots."""
     named = []
     for index, layer in enumerate(cache.layers):
+        if getattr(layer, "ring", None) is not None and layer.keys is not None:
+            named += _feedback_memories(index, layer)
+            continue
         for name in layer.tensor_names:
             value = getattr(layer, name)
             parts = value.tensors().items() if hasattr(value, "tensors") else [("", value)]
             named += [(f"layer {index} {name} {part}", tensor) for part, tensor in parts]
+    return named
+
+
+def _feedback_memories(index: int, layer) -> list[tuple[str, torch.Tensor | None]]:
+    named = []
+    for row in range(layer.valid.shape[0]):
+        slots = layer.valid[row].nonzero()[:, 0]
+        slots = slots[layer.positions[row, slots].argsort()]
+        named.append((f"layer {index} row {row} positions", layer.positions[row, slots]))
+        named.append((f"layer {index} row {row} keys", layer.keys[row][:, slots]))
+        named.append((f"layer {index} row {row} values", layer.values[row][:, slots]))
+        hidden = None if layer.hidden is None else layer.hidden[row, slots]
+        named.append((f"layer {index} row {row} hidden", hidden))
     return named
 
 

@@ -10,9 +10,9 @@ validates its inputs and dispatches on the backend (see :func:`memlm.kernels.res
   preallocated buffers (`tape.py`): without gradients the cache's ring of up to τ slots, written in place; in training a
   tape of all steps, and the hand-written backward of `through_time.py` (`_ThroughTime`), or autograd through every
   step where that backward does not know the forward (the papers' layouts, float16/bfloat16, autocast, per-step
-  outputs kept, adapters, hooks: see `through_time.covers`). The papers' layouts whose options the ring does not
-  hold (keys and values recomputed from carried hidden states, the adaptive span, dropout on the attention weights:
-  the model's `needs_tape`) run on the tape without gradients too.
+  outputs kept, adapters, hooks: see `through_time.covers`). The papers' layouts (keys and values recomputed from
+  carried hidden states, the adaptive span, dropout on the attention weights: the model's `needs_tape`) run on the
+  tape in training, and on the ring without gradients but for a trimmed adaptive span (whose window is shorter).
 
 The step itself (layers, memory mix, projections) is the model's: `model.step`, in `modeling_feedback_transformer.py`;
 with the config's `compile_step`, its pure functions run through `torch.compile` where no autograd is needed
@@ -104,8 +104,10 @@ def feedback_recurrence(
     backend = resolve_backend(backend, inputs_embeds.device, operation="feedback")
     config = model.config
     # The official layout's options (keys and values recomputed from hidden states, the adaptive span, dropout on
-    # the attention weights) run on the tape, with or without gradients, never on the ring; a forward that may be
-    # rolled back (`carry_from`) through the reference.
+    # the attention weights) run on the ring without gradients (the model's `_starting_memory` puts the recomputed
+    # memory into the cache's layers) and on the tape with them; a forward that may be rolled back (`carry_from`)
+    # through the reference. A trimmed adaptive span runs on the tape without gradients too: the window it carries
+    # holds only the memories some layer still reads, fewer than a ring's τ slots.
     on_tape = getattr(model, "needs_tape", False)
     if backend == "reference" or (on_tape and carry_from is not None):
         return feedback_recurrence_reference(model.step, inputs_embeds, positions, valid, cache_layers,
@@ -113,7 +115,8 @@ def feedback_recurrence(
     training = torch.is_grad_enabled() and (
         inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in model.parameters())
     )
-    if not training and not on_tape:
+    ring = not training and not getattr(model, "trims_adaptive_span", False)
+    if ring:
         store = _RingStore(cache_layers, next_positions, config, inputs_embeds, positions)
     else:
         store = _Tape(cache_layers, inputs_embeds.shape[1], config, inputs_embeds, padding_steps)
@@ -124,7 +127,7 @@ def feedback_recurrence(
     if training and DeferredWeightGradients.applies(model, inputs_embeds):
         model.deferred = DeferredWeightGradients(model, inputs_embeds.shape[0])
     try:
-        return _step_loop(model, inputs_embeds, positions, valid, store, keep_states, training or on_tape)
+        return _step_loop(model, inputs_embeds, positions, valid, store, keep_states, not ring)
     finally:
         model.deferred = None
 

@@ -60,7 +60,8 @@ class _RingStore:
         compiling = torch.compiler.is_compiling()
         self.filled = config.memory_span
         needed = config.memory_span
-        if not compiling:
+        # The official zero initial memory sits at positions −τ … −1, in every slot of a ring of τ from the start.
+        if not compiling and config.initial_memory != "zeros":
             self.filled = min(config.memory_span, int(next_positions.max()) if next_positions.numel() else 0)
             last = int(positions.max()) + 1 if positions is not None and positions.numel() else 0
             if not cache_layers[0].full_ring:
@@ -72,9 +73,12 @@ class _RingStore:
             if cache_layers[0].keys is not None:
                 window = [(layer.keys, layer.values) for layer in cache_layers]
                 window_positions, window_valid = cache_layers[0].positions, cache_layers[0].valid
+                window_hidden = getattr(cache_layers[0], "hidden", None)
             for layer in cache_layers:
                 layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device,
                                     ring_slots(None, needed, config.memory_span))  # fmt: skip
+            for layer in cache_layers[1:]:  # one set of hidden states for every key/value set, kept by the first
+                layer.hidden = None
         elif cache_layers[0].keys.shape[2] < needed:  # a longer context: double the ring (at most τ slots)
             slots = ring_slots(cache_layers[0].keys.shape[2], needed, config.memory_span)
             for layer in cache_layers:
@@ -83,15 +87,18 @@ class _RingStore:
             keys = torch.stack([pair[0] for pair in window])
             values = torch.stack([pair[1] for pair in window])
             for index in range(keys.shape[3]):
+                hidden = window_hidden[:, index] if window_hidden is not None else None
                 self.write(index, keys[:, :, :, index], values[:, :, :, index], window_positions[:, index],
-                           window_valid[:, index])  # fmt: skip
+                           window_valid[:, index], hidden)  # fmt: skip
         self.undo = [getattr(layer, "undo_steps", None) for layer in cache_layers]
 
     def window(self, group: int, step: int):
         layer = self.layers[group]
         return None, None, layer.positions[:, : self.filled], layer.valid[:, : self.filled]
 
-    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor, transform=None) -> torch.Tensor:
+        """`transform`: a `WeightsTransform` of the softmax weights (the official layouts' adaptive span), whose mask
+        covers the `window`'s slots."""
         if self.filled == 0:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
         layer = self.layers[group]
@@ -99,6 +106,9 @@ class _RingStore:
         keys, values = layer.keys, layer.values  # (B, H, W, d)
         if self.filled < keys.shape[2]:  # a full ring (long contexts) is read whole, without slicing
             keys, values = keys[:, :, : self.filled], values[:, :, : self.filled]
+        if transform is not None:  # the weights themselves are needed: softmax, transform, then the values
+            weights = transform(attention_weights(query, keys.flatten(0, 1), bias))
+            return torch.bmm(weights.unsqueeze(1), values.flatten(0, 1)).squeeze(1)
         # One fused op for softmax(q·Kᵀ/√d + bias)·V (~30% faster than `attend`'s five for one query over 2K slots).
         context = F.scaled_dot_product_attention(query.reshape(batch_size, num_heads, 1, head_dim), keys, values,
                                                  attn_mask=bias.view(batch_size, num_heads, 1, -1))  # fmt: skip
@@ -112,12 +122,21 @@ class _RingStore:
         context = context.view_as(query)
         return context if self._blind is None else context.masked_fill(self._blind, 0.0)
 
-    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
-        """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,): padding writes nothing (its slot
-        gets its old contents back, so no row count depends on the data and torch.compile traces it)."""
+    def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+              hidden: torch.Tensor | None = None):  # fmt: skip
+        """keys/values (G, B, H, d) of the new memory, positions (B,), valid (B,), and its hidden state (B, D) when the
+        memory carries them: padding writes nothing (its slot gets its old contents back, so no row count depends on
+        the data and torch.compile traces it)."""
         span = self.memory_span  # a ring of fewer slots holds no position ≥ its size, so `slots` fits it
         rows = torch.arange(positions.shape[0], device=positions.device)
-        slots = positions.clamp_min(0) % span
+        # (Padding has position −1 and writes nothing: slot 0; the zero initial memory's negative positions wrap.)
+        slots = torch.where(valid, positions, 0) % span
+        first = self.layers[0]
+        if hidden is not None:  # one set of hidden states for every key/value set (the first layer holds it)
+            kept = hidden.to(first.hidden.dtype)
+            if torch.compiler.is_compiling() or not bool(valid.all()):
+                kept = torch.where(valid[:, None], kept, first.hidden[rows, slots])
+            first.hidden[rows, slots] = kept
         for layer, undo in zip(self.layers, self.undo):
             if undo is not None:  # what this write overwrites (indexing copies), for rolling back
                 undo.append((slots, layer.keys[rows, :, slots], layer.values[rows, :, slots],
