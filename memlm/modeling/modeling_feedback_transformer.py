@@ -34,6 +34,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
+from ..kernels.expire_attention.reference import relative_position_index, relative_position_scores
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.compiled import (
     ACTIVATIONS,
@@ -57,7 +58,6 @@ from .layers import (
     RotaryEmbedding,
     make_mlp,
     make_norm,
-    relative_position_scores,
 )
 from .memory import (
     CountsOwnPositions,
@@ -633,11 +633,12 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if self.shared_bias:
             shared_bias = self._memory_bias(None, store.window(0, step), positions)
             shared_bias = shared_bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
-        # The learned relative positions' distances t − i (B, 1, W), the same for every layer of the step (slots hold
-        # the same positions in every key/value set).
+        # The learned relative positions' index of the distances t − i (B, 1, W), the same for every layer of the step
+        # (slots hold the same positions in every key/value set).
         relative_distance = None
         if not self.default_step and self.relative_positions is not None:
-            relative_distance = (positions[:, None] - store.window(0, step)[2])[:, None]
+            distance = (positions[:, None] - store.window(0, step)[2])[:, None]
+            relative_distance = relative_position_index(distance, self.memory_span)
         for layer_idx, layer in enumerate(self.layers):
             attention = layer.attention
             key = (layer_idx, step)

@@ -21,6 +21,7 @@ Shapes: query ``(B, H, T, d)``, key ``(B, H, N, d)``, value ``(B, H, N, d_v)``, 
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -123,17 +124,32 @@ def memory_statistics(
         return counts + (torch.where(key_valid, distances, 0).to(spans.dtype),)
 
 
-def relative_position_scores(table: torch.Tensor, query: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+class RelativeIndex(NamedTuple):
+    """Which learned relative position each score reads: `index` d − 1 clamped to the table, `inside` whether
+    1 ≤ d ≤ P (integer and bool tensors of the distances' shape). Made once for the queries that score the same keys
+    (a Feedback step's layers) by `relative_position_index`."""
+
+    index: torch.Tensor
+    inside: torch.Tensor
+
+
+def relative_position_index(distance: torch.Tensor, num_positions: int) -> RelativeIndex:
+    """The `RelativeIndex` of integer distances d = t − i for a table of `num_positions` rows."""
+    return RelativeIndex((distance - 1).clamp(0, num_positions - 1), (distance >= 1) & (distance <= num_positions))
+
+
+def relative_position_scores(table: torch.Tensor, query: torch.Tensor, distance) -> torch.Tensor:
     """The official code's learned relative positions (`key_pe`; Sukhbaatar et al., 2019, Sec. 3) scored:
     table (P, d) with row d − 1 holding p_d, query (..., d) and, per query, the distances d = t − i of the keys it
-    scores (..., W), integer, their leading dimensions broadcast to the query's → q · p_d, (..., W); 0 outside
-    1..P. The Feedback Transformer keeps its table as a bare parameter (`model.relative_positions`, the key its
-    checkpoints hold), Expire-Span in `memlm.modeling.layers.LearnedRelativePositions`."""
+    scores (..., W), integer (or their `RelativeIndex`), their leading dimensions broadcast to the query's → q · p_d,
+    (..., W); 0 outside 1..P. The Feedback Transformer keeps its table as a bare parameter
+    (`model.relative_positions`, the key its checkpoints hold), Expire-Span in
+    `memlm.modeling.layers.LearnedRelativePositions`."""
+    if not isinstance(distance, RelativeIndex):
+        distance = relative_position_index(distance, table.shape[0])
     by_distance = query @ table.to(query.dtype).mT  # (..., P): q · p_d for d = 1..P
-    inside = (distance >= 1) & (distance <= table.shape[0])
-    index = (distance - 1).clamp(0, table.shape[0] - 1)
-    index = index.expand(*by_distance.shape[:-1], index.shape[-1])
-    return torch.where(inside, by_distance.gather(-1, index), 0.0)
+    index = distance.index.expand(*by_distance.shape[:-1], distance.index.shape[-1])
+    return torch.where(distance.inside, by_distance.gather(-1, index), 0.0)
 
 
 def expire_span_attention_reference(
