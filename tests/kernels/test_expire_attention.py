@@ -470,12 +470,15 @@ def test_a_non_finite_key_reaches_only_the_queries_that_see_it(backend, where, o
     assert torch.equal(output[0], clean[0])
 
 
+@pytest.mark.parametrize("epsilon", [0.0, 1e-3])
+@pytest.mark.parametrize("positions_as", ["table", "scores"])
 @pytest.mark.parametrize("memory", ["carried", "block_only"])
-def test_the_official_options_with_a_position_table_give_the_scores_and_gradients_of_the_reference(memory):
-    """The learned relative positions given as their table (P, d) equal the same scores given as `position_scores`
-    (B, H, T, N), and with gradients the official options run a forward that keeps only its inputs and a backward
-    that computes the reference again: the output and every gradient (query, key, value, spans, the table) equal the
-    reference's under autograd, in float64."""
+def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(memory, positions_as, epsilon):
+    """The learned relative positions given as their table (P, d) or as `position_scores` (B, H, T, N); with
+    gradients the official options run a forward that keeps only its inputs and a backward written out
+    (`official.py`): the output and every gradient (query, key, value, spans, the table) equal the reference's under
+    autograd, in float64, with and without the renormalisation ε, and for queries that see no key (the first of a
+    block without memories, as attend_to_self=False hides its own)."""
     from memlm.kernels.expire_attention import relative_position_scores
 
     generator = torch.Generator().manual_seed(3)
@@ -486,16 +489,18 @@ def test_the_official_options_with_a_position_table_give_the_scores_and_gradient
     table = torch.randn(7, 5, generator=generator, dtype=torch.float64)
     query_positions = torch.arange(width, width + 6)[None].expand(2, -1)
     key_positions = torch.arange(6 + width)[None].expand(2, -1)
-    options = {"ramp": 2.0, "attend_to_self": False, "renormalization_epsilon": 1e-3}
+    options = {"ramp": 2.0, "attend_to_self": False, "renormalization_epsilon": epsilon}
+    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
     leaves = [tensor.clone().requires_grad_() for tensor in (query, key, value, spans, table)]
-    output = expire_span_attention(
-        *leaves[:4], query_positions, key_positions, relative_positions=leaves[4], **options
-    )
-    assert output.grad_fn is not None and "Recomputed" in type(output.grad_fn).__name__
+    if positions_as == "table":
+        positions = {"relative_positions": leaves[4]}
+    else:  # the same scores as a differentiable (B, H, T, N) input
+        positions = {"position_scores": relative_position_scores(leaves[4], leaves[0], distance)}
+    output = expire_span_attention(*leaves[:4], query_positions, key_positions, **positions, **options)
+    assert output.grad_fn is not None and "OfficialAttention" in type(output.grad_fn).__name__
     grad_output = torch.randn(output.shape, generator=generator, dtype=torch.float64)
     output.backward(grad_output)
     expected_leaves = [tensor.clone().requires_grad_() for tensor in (query, key, value, spans, table)]
-    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
     scores = relative_position_scores(expected_leaves[4], expected_leaves[0], distance)
     expected = expire_span_attention_reference(*expected_leaves[:4], query_positions, key_positions,
                                                position_scores=scores, **options)  # fmt: skip

@@ -18,6 +18,7 @@ import torch
 
 from memlm.kernels import check_triton_device, resolve_backend, sums_are_finite
 
+from .official import expire_span_attention_official
 from .reference import (
     expire_span_attention_reference,
     expire_span_mask,
@@ -25,7 +26,7 @@ from .reference import (
     relative_position_scores,
     visible_keys,
 )
-from .sdpa import expire_span_attention_sdpa, recomputed_in_backward
+from .sdpa import expire_span_attention_sdpa
 
 __all__ = [
     "expire_span_attention",
@@ -276,12 +277,7 @@ def _expire_span_attention(
             position_scores=position_scores, attend_to_self=attend_to_self,
             renormalization_epsilon=renormalization_epsilon, relative_positions=relative_positions,
         )  # fmt: skip
-        inputs = (query, key, value, spans, position_scores, relative_positions)
-        if dropout == 0 and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
-            return recomputed_in_backward(
-                expire_span_attention_reference, query, key, value, spans, query_positions, key_positions, **options
-            )
-        return expire_span_attention_reference(query, key, value, spans, query_positions, key_positions, **options)
+        return expire_span_attention_official(query, key, value, spans, query_positions, key_positions, **options)
     backend = resolve_backend(backend, query.device)
     implementation = expire_span_attention_reference if backend == "reference" else expire_span_attention_sdpa
     supported = (

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .reference import visible_keys
 
-__all__ = ["expire_span_attention_sdpa", "recomputed_in_backward"]
+__all__ = ["expire_span_attention_sdpa"]
 
 
 class _LogRamp(torch.autograd.Function):
@@ -146,39 +146,3 @@ def _attention(
     )
     return output if everyone_sees_a_key else output.masked_fill(~has_key[:, None], 0.0)
 
-
-def recomputed_in_backward(function, query, key, value, spans, query_positions, key_positions, **options):
-    """`function(query, key, value, spans, query_positions, key_positions, **options)` (an implementation of this
-    package) whose forward keeps only its inputs, the backward running it again with autograd: an attention's
-    (B, H, T, N) intermediates are alive one call at a time, not for every layer and block until the backward. Of the
-    options, `position_scores` and `relative_positions` get gradients too."""
-    extra = {name: options.pop(name) for name in ("position_scores", "relative_positions") if name in options}
-    return _Recomputed.apply(function, options, tuple(extra), query_positions, key_positions, query, key, value, spans,
-                             *extra.values())  # fmt: skip
-
-
-def _call(function, options, names, query_positions, key_positions, tensors):
-    query, key, value, spans, *extra = tensors
-    return function(query, key, value, spans, query_positions, key_positions, **options, **dict(zip(names, extra)))
-
-
-class _Recomputed(torch.autograd.Function):
-    """See `recomputed_in_backward`."""
-
-    @staticmethod
-    def forward(ctx, function, options, names, query_positions, key_positions, *tensors):
-        ctx.function, ctx.options, ctx.names = function, options, names
-        ctx.save_for_backward(query_positions, key_positions, *tensors)
-        with torch.no_grad():
-            return _call(function, options, names, query_positions, key_positions, tensors)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        query_positions, key_positions, *tensors = ctx.saved_tensors
-        needed = ctx.needs_input_grad[5:]
-        with torch.enable_grad():
-            inputs = [None if x is None else x.detach().requires_grad_(need) for x, need in zip(tensors, needed)]
-            output = _call(ctx.function, ctx.options, ctx.names, query_positions, key_positions, inputs)
-            wanted = [x for x in inputs if x is not None and x.requires_grad]
-            computed = iter(torch.autograd.grad(output, wanted, grad_output))
-        return (None,) * 5 + tuple(next(computed) if x is not None and x.requires_grad else None for x in inputs)
