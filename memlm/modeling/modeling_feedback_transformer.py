@@ -227,10 +227,10 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
     def __init__(self):
         super().__init__()
         # Bookkeeping, not memory: the memories before `recomputed_until` (B,) hold keys and values recomputed from
-        # their hidden states with the weights of `recomputed_version` (`memory.weights_version`),
-        # which a forward without gradients under the same weights reuses (`_starting_memory`). Anything that puts
-        # the memory back (a rollback, a restored snapshot) forgets it.
-        self.recomputed_until = self.recomputed_version = None
+        # their hidden states with the weights of the cache's `weights_version`, which a forward without gradients
+        # under the same weights reuses (`_starting_memory`); those after it, the last forward's, are projected again
+        # with `carry_first_layer_norm`.
+        self.recomputed_until = None
         # True: τ slots with slot = position mod τ (written in place by inference). False: a window of memories in any
         # order (what a training forward or the reference loop leaves), turned into a ring when inference needs one.
         self.ring = False
@@ -259,9 +259,8 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
         """Widen the ring to `slots` slots per row, its memories in the same slots (see the class docstring)."""
         size = self.keys.shape[2]
         for name in ("keys", "values", "positions", "valid", "hidden"):
-            old = getattr(
-                self, name
-            )  # keys, values (B, H, slots, d); positions, valid (B, slots); hidden (B, slots, D)
+            # keys, values (B, H, slots, d); positions, valid (B, slots); hidden (B, slots, D)
+            old = getattr(self, name)
             if old is None:  # no hidden states (`memory_carry="keys_values"`)
                 continue
             dim = 2 if old.dim() == 4 else 1
@@ -276,12 +275,7 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
         if self.recomputed_until is not None:  # rows reordered, repeated or selected with the memory's
             self.recomputed_until = function(self.recomputed_until)
 
-    def restore(self, snapshot):
-        super().restore(snapshot)
-        self.recomputed_version = None
-
     def roll_back(self, rollback: Rollback):
-        self.recomputed_version = None  # the next forward recomputes every carried memory's keys and values
         if not rollback.removes_tokens:
             return
         record = self.recorded[rollback.forward]
@@ -404,7 +398,8 @@ class FeedbackCache(MemoryCache):
         `memory_carry="hidden_states"`) is carried detached (truncated back-propagation through time): the next
         training forward takes it as its prefix, inference lays it out as a ring. Only the slots some row still sees
         within `reach` steps of its next position are kept. `first_positions` and `version`: where the forward's own
-        memories start, and the weights' version (`FeedbackCacheLayer.recomputed_until`)."""
+        memories start (`FeedbackCacheLayer.recomputed_until`), and the weights' version they were made with (the
+        cache's `weights_version`)."""
         recording = self.recording
         seen_windows = None
         if window is not None:
@@ -426,7 +421,8 @@ class FeedbackCache(MemoryCache):
                 # One set of hidden states for every key/value set, kept by the first.
                 layer.hidden = hidden.detach().clone() if hidden is not None and group == 0 else None
         for layer in self.layers:  # (the ring, written in place, too)
-            layer.recomputed_until, layer.recomputed_version = first_positions, version
+            layer.recomputed_until = first_positions
+        self.weights_version = version
         if recording:
             for group, layer in enumerate(self.layers):
                 if window is None:
@@ -833,6 +829,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         recording = cache.recording
         if recording:  # keep what a rollback into this forward needs (`FeedbackCache.crop`)
             cache.begin_recorded_forward(length, valid, allows_gradients=self.needs_tape)
+            # A recorded forward recomputes every carried memory (`_starting_memory`): a crop into it forgets the
+            # weights they were made with.
+            if self.recomputes_carried_memory:
+                cache.recomputed_while_recording = True
         if valid is None:
             valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         else:
@@ -932,8 +932,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             if (
                 not torch.is_grad_enabled()
                 and not cache.recording
-                and first.recomputed_version is not None
-                and first.recomputed_version == weights_version(self)
+                and cache.weights_version is not None
+                and cache.weights_version == weights_version(self)
             ):
                 return self._recompute_last_memories(cache, like)
         else:

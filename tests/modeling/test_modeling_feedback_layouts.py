@@ -572,8 +572,7 @@ def test_decoding_projects_again_only_what_the_weights_or_the_last_forward_chang
                 if index == change_at:
                     body.layers[0].input_layernorm.weight.add_(0.25)
                 if everything:
-                    for layer in cache.layers:
-                        layer.recomputed_version = None
+                    cache.weights_version = None  # unknown: every carried memory is projected again
                 projected.clear()
                 output = model(following[:, index : index + 1], cache=cache, use_cache=True)
                 cache = output.cache

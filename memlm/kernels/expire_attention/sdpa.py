@@ -145,4 +145,3 @@ def _attention(
         query, key, value, attn_mask=bias.to(query.dtype)[:, None], dropout_p=dropout, scale=scale
     )
     return output if everyone_sees_a_key else output.masked_fill(~has_key[:, None], 0.0)
-
