@@ -856,8 +856,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         memory_layers = cache.layers
         # Where this forward's memories start, per row (the carried hidden states' bookkeeping, `recomputed_until`).
         first_positions = cache.next_positions.clone() if self.carries_hidden_states else None
+        # The weights now (an optimizer step or a load changes it), which the cache's memories were or are made with.
+        version = weights_version(self) if self.carries_hidden_states else None
         if self.recomputes_carried_memory:
-            memory_layers = self._starting_memory(cache, fresh, inputs_embeds)
+            memory_layers = self._starting_memory(cache, fresh, inputs_embeds, version)
 
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
         top, all_states, window = self.recurrence(
@@ -869,7 +871,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if self.read_windows is not None and not torch.is_grad_enabled():
             # Without gradients the weights stay as they are: keep only the memories some layer still reads.
             reach = max(self.read_windows)
-        version = weights_version(self) if self.carries_hidden_states else None
         cache.end_forward(window, following, reach, length, first_positions, version)
 
         def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order
@@ -912,14 +913,15 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         scale = self.config.adaptive_span_loss_coefficient * self.memory_span
         return sum(layer.attention.span_ratio.mean() * scale for layer in self.layers)
 
-    def _starting_memory(self, cache: FeedbackCache, fresh: bool, like: torch.Tensor) -> list:
+    def _starting_memory(self, cache: FeedbackCache, fresh: bool, like: torch.Tensor, version: tuple | None) -> list:
         """The memory a forward starts from when its keys and values are computed here, from hidden states: the
         official initial memory (`initial_memory="zeros"`: τ zero hidden states at positions −τ … −1) when the cache
         is fresh, else the hidden states the cache carries (`memory_carry="hidden_states"`), their keys and values
         recomputed with the current weights (so that gradients reach the projections through them). Otherwise the
         cache's own layers. Without gradients, when the weights have not changed since the cache's keys were
         recomputed (decoding), only the memories the last forward made are projected again, and only with
-        `carry_first_layer_norm` (whose carried hidden states are normed once more than the ones it projected)."""
+        `carry_first_layer_norm` (whose carried hidden states are normed once more than the ones it projected).
+        `version`: the weights' `weights_version` now."""
         config, first = self.config, cache.layers[0]
         batch_size = like.shape[0]
         if fresh and config.initial_memory == "zeros":
@@ -933,7 +935,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 not torch.is_grad_enabled()
                 and not cache.recording
                 and cache.weights_version is not None
-                and cache.weights_version == weights_version(self)
+                and cache.weights_version == version
             ):
                 return self._recompute_last_memories(cache, like)
         else:

@@ -413,3 +413,33 @@ def test_recomputed_memories_are_reused_while_the_weights_stay_and_recomputed_wh
         expected = model(input_ids=input_ids[:, 13:14], cache=recomputing, use_cache=True).logits
     assert (changed - expected).abs().max() < 1e-12  # the carried memories as the new weights make them
     assert (stale - expected).abs().max() > 1e-6
+
+
+def test_a_crop_forgets_the_weights_the_memories_were_made_with_only_past_a_recomputation():
+    """A cache remembers the weights its memories were made with (`weights_version`). A crop keeps that while every
+    recorded forward found the memories made with the current weights; a crop reaching back past a forward that
+    recomputed them (the weights had changed) brings back older memories and forgets it, as a restored snapshot does;
+    the next forward then recomputes them."""
+    from memlm.modeling.memory import weights_version
+
+    model = _model(torch.float64, **OFFICIAL, recompute_memory=True)
+    input_ids = _input_ids(length=16)
+    with torch.no_grad():
+        cache = model(input_ids=input_ids[:, :8], use_cache=True).cache
+        made_with = weights_version(model.model)
+        assert cache.weights_version == made_with
+        snapshot = cache.snapshot()
+        cache.activate_past_recording()
+        model(input_ids=input_ids[:, 8:11], cache=cache, use_cache=True)
+        cache.crop(-2)
+        assert cache.weights_version == made_with  # the same weights throughout
+        for parameter in model.model.layers[0].parameters():  # an optimizer step, in place
+            parameter.add_(0.1)
+        model(input_ids=input_ids[:, 9:12], cache=cache, use_cache=True)  # recomputes every carried memory
+        assert cache.weights_version == weights_version(model.model)
+        cache.crop(-3)  # back to the memories made with the earlier weights
+        assert cache.weights_version is None
+        model(input_ids=input_ids[:, 9:10], cache=cache, use_cache=True)
+        assert cache.weights_version == weights_version(model.model)
+        cache.restore(snapshot)
+        assert cache.weights_version is None

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import activation_checkpointing_enable
 from memlm.kernels.feedback.through_time import DeferredWeightGradients, covers
+from memlm.modeling.memory import weights_version
 from tests.modeling.padding import LAYOUTS as PADDING_LAYOUTS
 from tests.modeling.padding import check_rows_alone, padding_mask
 from tests.tolerances import RECORDED_FLOAT32_LOGITS
@@ -303,7 +304,8 @@ def test_hidden_states_carried_use_the_current_weights():
         before = model(second, cache=copy.deepcopy(cache)).logits
         model.model.v_proj.weight.mul_(1.5)  # as an optimizer step would change them
         after = model(second, cache=copy.deepcopy(cache)).logits
-        values_now = model.model._starting_memory(cache, False, first.new_zeros(2, 1, 1, dtype=torch.float64))
+        like = first.new_zeros(2, 1, 1, dtype=torch.float64)
+        values_now = model.model._starting_memory(cache, False, like, weights_version(model.model))
     assert (before - after).abs().max() > 1e-3
     # the next forward reads values recomputed from the carried hidden states with the current weights
     torch.testing.assert_close(values_now[0].values, 1.5 * values_then, atol=1e-13, rtol=0)

@@ -7,7 +7,9 @@ Key ``i`` at absolute position ``i`` has a span ``e_i``; a query at position ``t
 :func:`expire_span_attention` validates its inputs and dispatches on the backend (see
 :func:`memlm.kernels.resolve_backend`): ``"torch"`` runs ``scaled_dot_product_attention`` with the bias
 ``log m`` (``sdpa.py``), ``"triton"`` a FlashAttention-style kernel that computes the mask inside and skips expired
-tiles (``triton_attention.py``), ``"reference"`` the explicit softmax-mask-renormalise of ``reference.py``.
+tiles (``triton_attention.py``), ``"reference"`` the explicit softmax-mask-renormalise of ``reference.py``. The
+official code's options (learned relative positions, no attention to self, the renormalisation ε) run
+``official.py`` on every backend: the reference's scores, differentiated by hand in training.
 :func:`expire_span_mask` is the mask itself, for the model's span loss and memory bookkeeping.
 """
 
@@ -187,8 +189,8 @@ def expire_span_attention(
             with the softmax over the keys with ``m > 0``.
         relative_positions: ``(P, d)``, the learned relative positions ``p_1 … p_P``: adds ``q_t · p_{t−i}`` for
             ``1 ≤ t − i ≤ P`` as ``position_scores`` would, without a ``(B, H, T, N)`` input. These official options
-            run the reference implementation whatever the backend; with gradients, its forward keeps only its inputs
-            and the backward computes it again (one block's weights alive at a time).
+            run ``official.py`` whatever the backend: the reference's scores, and with gradients (no dropout) a
+            forward that keeps only its inputs and a backward written out (one block's weights alive at a time).
 
     Returns:
         ``(B, H, T, d_v)`` in the query's dtype. On CPU tensors a non-finite key, value or span at position i leaves
