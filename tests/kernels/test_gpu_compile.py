@@ -65,16 +65,24 @@ def decoding_step(dtype, key_dim, value_dim):
         sum_rule(query, key, value, initial_state=state, output_final_state=True, backend="triton")
 
 
-def expire_attention(dtype, dim, spans=True, max_distance=None, length=160, memories=96):
-    """Forward and backward of Expire-Span attention over memories and the current block."""
+def expire_attention(dtype, dim, spans=True, max_distance=None, length=160, memories=96, official=None):
+    """Forward and backward of Expire-Span attention over memories and the current block; `official`: "relative"
+    or "pairs", the official code's options (SPEC §8) with the position terms as a table or per pair."""
     keys = memories + length
     query = _tensor(BATCH, HEADS, length, dim, dtype=dtype, requires_grad=True)
     key, value = (_tensor(BATCH, HEADS, keys, dim, dtype=dtype, requires_grad=True) for _ in range(2))
     span = (torch.rand(BATCH, keys, device="cuda") * 64).requires_grad_() if spans else None
     positions = torch.arange(memories, memories + length, device="cuda").expand(BATCH, length)
     key_positions = torch.arange(keys, device="cuda").expand(BATCH, keys)
+    options = {}
+    if official is not None:
+        options = dict(attend_to_self=False, renormalization_epsilon=1e-6)
+        if official == "relative":
+            options["relative_positions"] = _tensor(keys, dim, dtype=dtype, requires_grad=True)
+        else:
+            options["position_scores"] = _tensor(BATCH, HEADS, length, keys, dtype=dtype, requires_grad=True)
     output = expire_span_attention(query, key, value, span, positions, key_positions, ramp=16.0,
-                                   max_distance=max_distance, backend="triton")  # fmt: skip
+                                   max_distance=max_distance, backend="triton", **options)  # fmt: skip
     backward(output.float().sum())
 
 
@@ -88,6 +96,9 @@ def _scenarios():
             )
             scenarios[f"decoding-{name}-d{width}"] = (decoding_step, dict(dtype=dtype, key_dim=width, value_dim=width))
             scenarios[f"expire_attention-{name}-d{width}"] = (expire_attention, dict(dtype=dtype, dim=width))
+            for official in ("relative", "pairs"):
+                scenarios[f"expire_attention-{name}-d{width}-official-{official}"] = (
+                    expire_attention, dict(dtype=dtype, dim=width, official=official))  # fmt: skip
         # DeltaNet's widest memory: DPFP with ν = 3 at key_head_dim 128 gives d_k = 2·3·128 = 768.
         scenarios[f"delta_rule-{name}-dpfp3-dk768"] = (
             delta_rule_training,
@@ -120,6 +131,8 @@ CI_SCENARIOS = [
     "decoding-bf16-d128",
     "expire_attention-bf16-d128",
     "expire_attention-fp32-d64",
+    "expire_attention-bf16-d128-official-relative",
+    "expire_attention-fp32-d64-official-relative",
 ]
 SLOW_SCENARIOS = [name for name in SCENARIOS if name not in CI_SCENARIOS]
 # Scenarios whose kernels do not fit the GPUs yet, each with the defect (strict: the test fails once they fit, so

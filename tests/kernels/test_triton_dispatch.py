@@ -78,12 +78,23 @@ def _count_calls(monkeypatch, module, name: str) -> list:
     return calls
 
 
-def test_expire_span_model_with_triton_equals_torch(monkeypatch):
+# The official code's layout (SPEC §8; memlm.conversion.transformer_sequential), with a larger ε that matters.
+OFFICIAL_EXPIRE_SPAN = dict(
+    position_encoding="learned_relative", attend_to_self=False, initial_memory="zeros", renormalization_epsilon=1e-3,
+    span_loss_form="remaining_span", recompute_memory=True, norm_type="layernorm", norm_position="post",
+    final_norm=False, mlp_type="plain", mlp_bias=True, hidden_act="relu", lm_head_bias=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["default", "official"])
+def test_expire_span_model_with_triton_equals_torch(layout, monkeypatch):
     from memlm.kernels.expire_attention import triton_attention
 
     calls = _count_calls(monkeypatch, triton_attention, "expire_span_attention_triton")
     torch.manual_seed(0)
-    model = _perturbed(ExpireSpanForCausalLM(ExpireSpanConfig(**SIZES, max_span=16, ramp=4, block_size=8))).train()
+    options = OFFICIAL_EXPIRE_SPAN if layout == "official" else {}
+    config = ExpireSpanConfig(**SIZES, max_span=16, ramp=4, block_size=8, **options)
+    model = _perturbed(ExpireSpanForCausalLM(config)).train()
     input_ids = torch.randint(0, 256, (2, 20))
     results = {}
     for backend in ("torch", "triton"):

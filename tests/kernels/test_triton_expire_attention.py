@@ -4,6 +4,7 @@ Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRI
 with 16 x 16 tiles, so that every shape below crosses tiles and has tails. The CUDA tests use realistic shapes.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -309,6 +310,101 @@ def test_invisible_key_tiles_are_skipped(max_distance):
     assert expected_grads["spans"][:, 64:85].abs().max() > 1e-3
 
 
+# The official code's options (SPEC §8) in the kernels: name -> (make_inputs arguments, options). "table": rows of
+# learned relative positions (fewer than the distances, so that some pairs have none), "pairs": per-pair scores,
+# "duplicates": some keys share a position (two keys of one query then add to one relative position's gradient).
+OFFICIAL_CASES = {
+    "relative_positions": ({"length": 29, "memory": 16}, {"table": 20}),
+    "relative_beyond_the_table": ({"length": 29, "memory": 29, "key_dim": 32}, {"table": 7, "max_distance": 30}),
+    "position_scores": ({"length": 29, "memory": 16, "value_dim": 32}, {"pairs": True}),
+    "not_self": ({"length": 29, "memory": 16}, {"attend_to_self": False}),
+    "epsilon": ({"length": 29, "memory": 16}, {"renormalization_epsilon": 1e-2}),
+    "official_layout": (
+        {"length": 29, "memory": 16},
+        {"table": 40, "attend_to_self": False, "renormalization_epsilon": 1e-3, "max_distance": 35},
+    ),
+    "official_without_spans": (
+        {"length": 16, "memory": 29, "spans": False},
+        {"table": 40, "attend_to_self": False, "renormalization_epsilon": 1e-3},
+    ),
+    "official_decoding": (
+        {"length": 1, "memory": 29, "key_dim": 32},
+        {"table": 40, "attend_to_self": False, "renormalization_epsilon": 1e-3},
+    ),
+    "duplicate_positions": ({"length": 29, "memory": 16, "holes": False}, {"table": 40, "duplicates": True}),
+}
+
+
+def official_inputs(case, dtype=torch.float32):
+    """make_inputs with the case's position terms added to the differentiable tensors, and the other options."""
+    arguments, kwargs = OFFICIAL_CASES[case]
+    kwargs = dict(kwargs)
+    tensors, options, grad_output = make_inputs(**arguments, dtype=dtype)
+    generator = torch.Generator().manual_seed(7)
+    batch_size, num_heads, length, key_dim = tensors["query"].shape
+    if rows := kwargs.pop("table", None):
+        table = torch.randn(rows, key_dim, generator=generator)
+        tensors["relative_positions"] = table.to(dtype).requires_grad_()
+    if kwargs.pop("pairs", False):
+        scores = torch.randn(batch_size, num_heads, length, tensors["key"].shape[2], generator=generator)
+        tensors["position_scores"] = scores.to(dtype).requires_grad_()
+    if kwargs.pop("duplicates", False):
+        options["key_positions"] = options["key_positions"].clone()
+        options["key_positions"][:, :6] = options["key_positions"][:, 6:12]
+    return tensors, options, grad_output, kwargs
+
+
+@pytest.mark.parametrize("case", list(OFFICIAL_CASES))
+def test_official_options_match_reference_float32(case):
+    tensors, options, grad_output, kwargs = official_inputs(case)
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output, **kwargs)
+    expected, expected_grads = run(expire_span_attention_reference, tensors, options, grad_output, **kwargs)
+    assert relative_error(output, expected) < 1e-5
+    assert set(grads) == set(expected_grads) and len(grads) == len([t for t in tensors.values() if t is not None])
+    for name in grads:
+        assert grads[name].dtype == tensors[name].dtype and grads[name].shape == tensors[name].shape
+        assert relative_error(grads[name], expected_grads[name]) < 1e-5, name
+    # The options change the result: a kernel that ignored them would fail above.
+    plain = {name: tensors[name] for name in NAMES}
+    without = expire_span_attention_reference(**plain, **options, max_distance=kwargs.get("max_distance"))
+    assert relative_error(without, expected) > 1e-4
+
+
+def test_official_options_float16_close_to_float32_reference():
+    tensors, options, grad_output, kwargs = official_inputs("official_layout", dtype=torch.float16)
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output, **kwargs)
+    expected, expected_grads = run(
+        expire_span_attention_reference, float32_copies(tensors), options, grad_output, **kwargs
+    )
+    assert output.dtype == torch.float16
+    assert relative_error(output, expected) < 2e-3
+    for name in grads:
+        assert grads[name].dtype == torch.float16
+        assert relative_error(grads[name], expected_grads[name]) < 3e-3, name
+
+
+def test_official_options_dispatch_to_the_kernel(monkeypatch):
+    """backend="triton" runs the official options in the kernel, not official.py; both kinds of position term at
+    once (which the kernel refuses) run official.py."""
+    import memlm.kernels.expire_attention as dispatch
+
+    tensors, options, grad_output, kwargs = official_inputs("official_layout")
+    expected = expire_span_attention_triton(**tensors, **options, **kwargs)
+
+    def refuse(*arguments, **keywords):
+        raise AssertionError("official.py ran")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dispatch, "expire_span_attention_official", refuse)
+        assert torch.equal(dispatch.expire_span_attention(**tensors, **options, **kwargs, backend="triton"), expected)
+    both = dict(tensors, position_scores=torch.randn(*tensors["query"].shape[:3], tensors["key"].shape[2]))
+    with pytest.raises(ValueError, match=r"position_scores or relative_positions, not both"):
+        expire_span_attention_triton(**both, **options, **kwargs)
+    output = dispatch.expire_span_attention(**both, **options, **kwargs, backend="triton")
+    reference = expire_span_attention_reference(**both, **options, **kwargs)
+    assert relative_error(output, reference) < 1e-5
+
+
 def test_rejects_what_the_kernel_does_not_support():
     tensors, options, _ = make_inputs(length=3, memory=2)
     with pytest.raises(ValueError, match=r"dropout=0.1.*torch backend"):
@@ -334,6 +430,7 @@ def _tile_ranges_kernel(
     num_queries,
     num_keys,
     max_distance,
+    min_distance,
     ramp,
     HAS_SPANS: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
@@ -359,6 +456,7 @@ def _tile_ranges_kernel(
             query_in_range,
             num_keys,
             max_distance,
+            min_distance,
             ramp,
             HAS_SPANS,
             HAS_MAX_DISTANCE,
@@ -374,16 +472,26 @@ def _tile_ranges_kernel(
         if HAS_SPANS:
             spans = tl.load(Spans + keys, mask=key_in_range, other=0.0)
         first, end = _visible_query_tiles(
-            QueryPositions, key_positions, spans, num_queries, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE, BLOCK_M
+            QueryPositions,
+            key_positions,
+            spans,
+            num_queries,
+            max_distance,
+            min_distance,
+            ramp,
+            HAS_SPANS,
+            HAS_MAX_DISTANCE,
+            BLOCK_M,
         )
         tl.store(QueryRanges + (row * num_key_tiles + tile) * 2, first)
         tl.store(QueryRanges + (row * num_key_tiles + tile) * 2 + 1, end)
 
 
-def tile_visibility(query_positions, key_positions, spans, ramp, max_distance, block_m, block_n):
+def tile_visibility(query_positions, key_positions, spans, ramp, max_distance, block_m, block_n, min_distance=0):
     """Per (row, query tile, key tile), written out in torch from the kernel positions: whether some pair is
     visible with m > 0 in the kernel's float32 arithmetic, and the per-tile bound a tile-skipping kernel used
-    (the earliest query against the latest valid key, the longest remaining life at the earliest query)."""
+    (the earliest query against the latest valid key, the longest remaining life at the earliest query).
+    `min_distance` 1: no attention to the token itself (t − i ≥ 1)."""
     batch_size, num_queries = query_positions.shape
     num_keys = key_positions.shape[1]
     query_tiles, key_tiles = triton.cdiv(num_queries, block_m), triton.cdiv(num_keys, block_n)
@@ -396,11 +504,11 @@ def tile_visibility(query_positions, key_positions, spans, ramp, max_distance, b
             for key_tile in range(key_tiles):
                 keys = key_positions[row, key_tile * block_n : (key_tile + 1) * block_n]
                 distance = queries[:, None] - keys[None, :]
-                visible = distance >= 0
+                visible = distance >= min_distance
                 if max_distance is not None:
                     visible &= distance <= max_distance
                 valid = keys < far
-                tile_visible = bool(keys.min() <= queries.max())
+                tile_visible = bool(keys.min() + min_distance <= queries.max())
                 if max_distance is not None:
                     tile_visible &= bool(queries.min() - keys[valid].max() <= max_distance) if valid.any() else False
                 if spans is not None:
@@ -444,7 +552,8 @@ def test_loop_bounds_cover_every_visible_tile(seed):
     key_valid[0] = True
     spans = None if seed == 2 else torch.rand(batch_size, num_keys, generator=generator) ** 3 * 60
     queries, keys = _kernel_positions(query_positions, key_positions, key_valid)
-    options = _options(ramp, max_distance, 1.0, spans is not None)
+    attend_to_self = seed in (0, 2)
+    options = _options(ramp, max_distance, 1.0, spans is not None, attend_to_self)
     query_tiles, key_tiles = triton.cdiv(num_queries, block_m), triton.cdiv(num_keys, block_n)
     key_ranges = torch.full((batch_size, query_tiles, 2), -1, dtype=torch.int32)
     query_ranges = torch.full((batch_size, key_tiles, 2), -1, dtype=torch.int32)
@@ -457,13 +566,14 @@ def test_loop_bounds_cover_every_visible_tile(seed):
         num_queries,
         num_keys,
         options["max_distance"],
+        options["min_distance"],
         options["ramp"],
         HAS_SPANS=options["HAS_SPANS"],
         HAS_MAX_DISTANCE=options["HAS_MAX_DISTANCE"],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
     )
-    pairs, bound = tile_visibility(queries, keys, spans, ramp, max_distance, block_m, block_n)
+    pairs, bound = tile_visibility(queries, keys, spans, ramp, max_distance, block_m, block_n, options["min_distance"])
     assert torch.equal(key_ranges.long(), first_and_end(bound))
     assert torch.equal(query_ranges.long(), first_and_end(bound.transpose(1, 2)))
     inside = torch.arange(key_tiles)[None, None, :]
@@ -560,14 +670,18 @@ def test_launch_configurations_and_dot_precision():
     float32 dots are exact unless PyTorch's float32 matmuls may use TF32."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for width in range(2, 129, 2):
-            for capability in (None, 80, 86, 90):
-                configs = _launch_configs(dtype, width, width, capability)
+            for capability, positions in itertools.product((None, 80, 86, 90), (False, True)):
+                configs = _launch_configs(dtype, width, width, capability, positions)
                 assert set(configs) == {"forward", "key", "query"}
                 for kernel, candidates in configs.items():
-                    assert candidates and candidates == _launch_configs(dtype, width, width, capability)[kernel]
+                    again = _launch_configs(dtype, width, width, capability, positions)[kernel]
+                    assert candidates and candidates == again
                     assert candidates[0]["BLOCK_D"] >= width and candidates[0]["num_stages"] >= 1
     default = _launch_configs(torch.bfloat16, 64, 64)
     assert all(config["num_stages"] >= 2 for configs in default.values() for config in configs)
+    # A position term per pair takes smaller tiles where the default ones spill (checked in test_gpu_compile.py).
+    with_positions = _launch_configs(torch.bfloat16, 128, 128, 90, positions=True)
+    assert with_positions["key"][0]["BLOCK_M"] < _launch_configs(torch.bfloat16, 128, 128, 90)["key"][0]["BLOCK_M"]
     assert _dot_precision(torch.bfloat16) == "ieee" and _dot_precision(torch.float32) == "ieee"
     previous = torch.get_float32_matmul_precision()
     try:
@@ -619,11 +733,12 @@ kernels = {
     "query": triton_attention._backward_query_kernel,
 }
 pointers = {"QueryPositions": "*i32", "KeyPositions": "*i32", "Spans": "*fp32", "LogSumExp": "*fp32", "Delta": "*fp32"}
-pointers |= {"GradSpans": "*fp32"}
+pointers |= {"GradSpans": "*fp32", "Positions": "*fp32", "GradPositions": "*fp32"}
 for name, config in triton_attention._launch_configs(torch.bfloat16, 64, 64).items():
     kernel, config = kernels[name], dict(config[0])
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
     constants = config | {"HAS_SPANS": True, "HAS_MAX_DISTANCE": True, "DOT_PRECISION": "ieee"}
+    constants |= {"HAS_EPSILON": False, "POSITIONS": 0}
     constants |= {"SPANS_NEED_GRAD": True} if name == "key" else {}
     signature, attributes = {}, {}
     for index, argument in enumerate(kernel.arg_names):
@@ -634,11 +749,12 @@ for name, config in triton_attention._launch_configs(torch.bfloat16, 64, 64).ite
         elif argument[0].isupper():
             signature[argument] = pointers.get(argument, "*bf16")
             attributes[(index,)] = [["tt.divisibility", 16]]
-        elif argument in ("scale", "ramp", "inverse_ramp"):
+        elif argument in ("scale", "ramp", "inverse_ramp", "epsilon"):
             signature[argument] = "fp32"
         else:
             signature[argument] = "i32"
-            attributes[(index,)] = [["tt.divisibility", 16]] if argument != "max_distance" else []
+            plain = argument in ("max_distance", "min_distance", "num_positions")
+            attributes[(index,)] = [] if plain else [["tt.divisibility", 16]]
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attributes)
     compiled = triton.compile(source, target=GPUTarget("cuda", 80, 32), options=options)
     print(name, options["num_stages"], "cp.async" in compiled.asm["ptx"])
@@ -693,6 +809,33 @@ def test_cuda_matches_float32_reference(length, memory, key_dim, value_dim, dtyp
     assert output.dtype == dtype
     assert relative_error(output, expected) < tolerance
     for name in NAMES:
+        assert grads[name].dtype == dtype
+        assert relative_error(grads[name], expected_grads[name]) < tolerance, name
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(
+    ("key_dim", "dtype", "tolerance"),
+    [(64, torch.bfloat16, 2e-2), (128, torch.float16, 5e-3), (64, torch.float32, 2e-5)],
+)
+def test_cuda_official_options_match_float32_reference(key_dim, dtype, tolerance):
+    """The official code's options (learned relative positions over part of the distances, no attention to self,
+    ε) on the GPU's tiles, against the reference."""
+    tensors, options, grad_output = make_inputs(
+        length=512, memory=1536, key_dim=key_dim, value_dim=key_dim, max_span=2048, num_heads=4, dtype=dtype,
+        device="cuda",
+    )  # fmt: skip
+    options["ramp"] = 64.0
+    generator = torch.Generator().manual_seed(3)
+    tensors["relative_positions"] = torch.randn(1024, key_dim, generator=generator).to("cuda", dtype).requires_grad_()
+    kwargs = {"attend_to_self": False, "renormalization_epsilon": 1e-3, "max_distance": 1800}
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output, **kwargs)
+    expected, expected_grads = run(
+        expire_span_attention_reference, float32_copies(tensors), options, grad_output, **kwargs
+    )
+    assert relative_error(output, expected) < tolerance
+    for name in grads:
         assert grads[name].dtype == dtype
         assert relative_error(grads[name], expected_grads[name]) < tolerance, name
 

@@ -8,8 +8,8 @@ Key ``i`` at absolute position ``i`` has a span ``e_i``; a query at position ``t
 :func:`memlm.kernels.resolve_backend`): ``"torch"`` runs ``scaled_dot_product_attention`` with the bias
 ``log m`` (``sdpa.py``), ``"triton"`` a FlashAttention-style kernel that computes the mask inside and skips expired
 tiles (``triton_attention.py``), ``"reference"`` the explicit softmax-mask-renormalise of ``reference.py``. The
-official code's options (learned relative positions, no attention to self, the renormalisation ε) run
-``official.py`` on every backend: the reference's scores, differentiated by hand in training.
+official code's options (learned relative positions, no attention to self, the renormalisation ε) run inside the
+Triton kernel too; on the other backends ``official.py``: the reference's scores, differentiated by hand.
 :func:`expire_span_mask` is the mask itself, for the model's span loss and memory bookkeeping.
 """
 
@@ -189,8 +189,9 @@ def expire_span_attention(
             with the softmax over the keys with ``m > 0``.
         relative_positions: ``(P, d)``, the learned relative positions ``p_1 … p_P``: adds ``q_t · p_{t−i}`` for
             ``1 ≤ t − i ≤ P`` as ``position_scores`` would, without a ``(B, H, T, N)`` input. These official options
-            run ``official.py`` whatever the backend: the reference's scores, and with gradients (no dropout) a
-            forward that keeps only its inputs and a backward written out (one block's weights alive at a time).
+            run in the Triton kernel (``position_scores`` or ``relative_positions``, not both); on the other
+            backends ``official.py``: the reference's scores, and with gradients (no dropout) a forward that keeps
+            only its inputs and a backward written out (one block's weights alive at a time).
 
     Returns:
         ``(B, H, T, d_v)`` in the query's dtype. On CPU tensors a non-finite key, value or span at position i leaves
@@ -269,35 +270,29 @@ def _expire_span_attention(
     query, key, value, spans, query_positions, key_positions, *, ramp, key_valid, max_distance, scale, dropout,
     backend, position_scores, attend_to_self, renormalization_epsilon, relative_positions,
 ):  # fmt: skip
-    official = (
+    options = dict(ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout)
+    official = dict(
+        position_scores=position_scores, attend_to_self=attend_to_self,
+        renormalization_epsilon=renormalization_epsilon, relative_positions=relative_positions,
+    )  # fmt: skip
+    is_official = (
         position_scores is not None or relative_positions is not None or not attend_to_self
         or renormalization_epsilon > 0
     )  # fmt: skip
-    if official:
-        options = dict(
-            ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout,
-            position_scores=position_scores, attend_to_self=attend_to_self,
-            renormalization_epsilon=renormalization_epsilon, relative_positions=relative_positions,
-        )  # fmt: skip
-        return expire_span_attention_official(query, key, value, spans, query_positions, key_positions, **options)
     backend = resolve_backend(backend, query.device)
-    implementation = expire_span_attention_reference if backend == "reference" else expire_span_attention_sdpa
     supported = (
         query.dtype in (torch.float32, torch.float16, torch.bfloat16) and max(query.shape[-1], value.shape[-1]) <= 128
     )
-    if backend == "triton" and dropout == 0 and supported:
+    if backend == "triton" and dropout == 0 and supported and (position_scores is None or relative_positions is None):
         check_triton_device(query.device)
-        from .triton_attention import expire_span_attention_triton as implementation
-    return implementation(
-        query,
-        key,
-        value,
-        spans,
-        query_positions,
-        key_positions,
-        ramp=ramp,
-        key_valid=key_valid,
-        max_distance=max_distance,
-        scale=scale,
-        dropout=dropout,
-    )
+        from .triton_attention import expire_span_attention_triton
+
+        return expire_span_attention_triton(
+            query, key, value, spans, query_positions, key_positions, **options, **official
+        )
+    if is_official:
+        return expire_span_attention_official(
+            query, key, value, spans, query_positions, key_positions, **options, **official
+        )
+    implementation = expire_span_attention_reference if backend == "reference" else expire_span_attention_sdpa
+    return implementation(query, key, value, spans, query_positions, key_positions, **options)

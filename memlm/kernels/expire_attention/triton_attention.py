@@ -19,6 +19,15 @@ The backward recomputes the weights from the saved log-sum-exp ``L_t = log Σ_j 
 
 with the span gradient summed over the heads (one span per key, shared by the heads).
 
+The official code's options (SPEC §8) run in the same kernels. Its learned relative positions add q_t · p_{t−i} to
+the scores: q·P (B·H, T, P) is one product before the kernels (made again in the backward, not kept) and each
+pair loads its term from it (or from given per-pair scores); the term's gradient is dS, added atomically by the
+query kernel (two keys at one position share an entry), and dq += dS_P·P, dP = dS_Pᵀ·q follow as products.
+Without attention to the token itself a query sees t − i ≥ 1. The renormalisation ε, a'_ti = m_ti a_ti / (Σ_j m_tj
+a_tj + ε) with the softmax over the keys with m > 0, is o_t = Σ_i m_ti e^{s_ti} v_i / (Σ_j m_tj e^{s_tj} + ε Σ_j
+e^{s_tj}): the forward keeps the second sum too, L_t is the log of that denominator, and dS_ti gains −ε e^{s_ti − L_t}
+D_t (the span gradient is unchanged).
+
 Positions enter the kernel as int32 offsets from each row's first query; invalid key slots get a position later
 than every query, which makes them invisible by causality alone. Addresses are int64 wherever a token index
 meets a stride (tokens · heads · width passes 2^31 at a million tokens), and the grid is one axis of tiles ×
@@ -61,6 +70,7 @@ def _tile_is_visible(
     key_positions,
     spans,
     max_distance,
+    min_distance,
     ramp,
     HAS_SPANS: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
@@ -71,7 +81,8 @@ def _tile_is_visible(
     first_query = tl.min(tl.where(query_in_range, query_positions, _FAR), axis=0)
     last_query = tl.max(tl.where(query_in_range, query_positions, -_FAR), axis=0)
     key_valid = key_positions < _FAR
-    visible = tl.min(key_positions, axis=0) <= last_query  # some valid key is not in the future of every query
+    # Some valid key is not in the future of every query (t − i ≥ 1 without attention to the token itself).
+    visible = tl.min(key_positions, axis=0) + min_distance <= last_query
     if HAS_MAX_DISTANCE:
         latest_key = tl.max(tl.where(key_valid, key_positions, -_FAR), axis=0)
         visible = visible & (first_query - latest_key <= max_distance)
@@ -88,6 +99,7 @@ def _soft_mask(
     key_positions,
     spans,
     max_distance,
+    min_distance,
     ramp,
     inverse_ramp,
     HAS_SPANS: tl.constexpr,
@@ -95,7 +107,7 @@ def _soft_mask(
 ):
     """Per (query, key) pair of a tile: visible with m > 0, the soft mask m (Eq. 5), and on the open ramp."""
     distance = query_positions[:, None] - key_positions[None, :]  # t − i
-    visible = distance >= 0
+    visible = distance >= min_distance
     if HAS_MAX_DISTANCE:
         visible = visible & (distance <= max_distance)
     mask = tl.full(distance.shape, 1.0, tl.float32)
@@ -109,6 +121,29 @@ def _soft_mask(
     return visible, mask, on_ramp
 
 
+# The scores' position terms q_t · p (SPEC §8), a float32 input of the kernels: none, one per (query, key) pair
+# (B·H, T, N), or the learned relative positions scored per query and distance (B·H, T, P), column d − 1 for
+# 1 ≤ d = t − i ≤ P.
+_NO_POSITIONS = tl.constexpr(0)
+_PAIR_POSITIONS = tl.constexpr(1)
+_RELATIVE_POSITIONS = tl.constexpr(2)
+
+
+@triton.jit
+def _position_offsets(query_tokens, query_in_range, keys, query_positions, key_positions, visible, num_positions,
+                      POSITIONS: tl.constexpr):  # fmt: skip
+    """Where the position term of each visible pair of a tile is, in one (batch, head)'s rows of `num_positions`
+    columns, and which pairs have one (never a query past the last: a tile's tail rows may look visible)."""
+    has_term = visible & query_in_range[:, None]
+    if POSITIONS == _RELATIVE_POSITIONS:
+        distance = query_positions[:, None] - key_positions[None, :]  # t − i
+        has_term = has_term & (distance >= 1) & (distance <= num_positions)
+        column = tl.where(has_term, distance - 1, 0)
+    else:
+        column = tl.where(has_term, keys[None, :], 0)
+    return query_tokens[:, None] * num_positions + column, has_term
+
+
 @triton.jit
 def _visible_key_tiles(
     KeyPositions,
@@ -117,6 +152,7 @@ def _visible_key_tiles(
     query_in_range,
     num_keys,
     max_distance,
+    min_distance,
     ramp,
     HAS_SPANS: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
@@ -135,7 +171,15 @@ def _visible_key_tiles(
         if HAS_SPANS:
             spans = tl.load(Spans + keys, mask=key_in_range, other=0.0)
         visible = _tile_is_visible(
-            query_positions, query_in_range, key_positions, spans, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE
+            query_positions,
+            query_in_range,
+            key_positions,
+            spans,
+            max_distance,
+            min_distance,
+            ramp,
+            HAS_SPANS,
+            HAS_MAX_DISTANCE,
         )
         first = tl.where(visible, tl.minimum(first, tile), first)
         end = tl.where(visible, tile + 1, end)
@@ -149,6 +193,7 @@ def _visible_query_tiles(
     spans,
     num_queries,
     max_distance,
+    min_distance,
     ramp,
     HAS_SPANS: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
@@ -163,7 +208,15 @@ def _visible_query_tiles(
         query_in_range = queries < num_queries
         query_positions = tl.load(QueryPositions + queries, mask=query_in_range, other=0)
         visible = _tile_is_visible(
-            query_positions, query_in_range, key_positions, spans, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE
+            query_positions,
+            query_in_range,
+            key_positions,
+            spans,
+            max_distance,
+            min_distance,
+            ramp,
+            HAS_SPANS,
+            HAS_MAX_DISTANCE,
         )
         first = tl.where(visible, tl.minimum(first, tile), first)
         end = tl.where(visible, tile + 1, end)
@@ -186,6 +239,7 @@ def _forward_kernel(
     Spans,
     QueryPositions,
     KeyPositions,
+    Positions,
     Output,
     LogSumExp,
     query_stride_batch,
@@ -213,8 +267,13 @@ def _forward_kernel(
     ramp,
     inverse_ramp,
     max_distance,
+    min_distance,
+    epsilon,
+    num_positions,
     HAS_SPANS: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
+    HAS_EPSILON: tl.constexpr,
+    POSITIONS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -247,6 +306,8 @@ def _forward_kernel(
     KeyPositions += batch * num_keys
     if HAS_SPANS:
         Spans += batch * num_keys
+    if POSITIONS != _NO_POSITIONS:
+        Positions += batch_head.to(tl.int64) * num_queries * num_positions
     Key += batch * key_stride_batch + head * key_stride_head
     Value += batch * value_stride_batch + head * value_stride_head
     first, end = _visible_key_tiles(
@@ -256,6 +317,7 @@ def _forward_kernel(
         query_in_range,
         num_keys,
         max_distance,
+        min_distance,
         ramp,
         HAS_SPANS,
         HAS_MAX_DISTANCE,
@@ -264,6 +326,7 @@ def _forward_kernel(
 
     row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)  # max of the visible scores seen so far
     row_sum = tl.zeros([BLOCK_M], tl.float32)  # Σ_j m_tj e^{s_tj − row_max}
+    row_total = tl.zeros([BLOCK_M], tl.float32)  # Σ_j e^{s_tj − row_max}, for the official ε
     accumulator = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for key_start in range(first * BLOCK_N, end * BLOCK_N, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
@@ -284,20 +347,41 @@ def _forward_kernel(
             other=0.0,
         )
         visible, mask, _ = _soft_mask(
-            query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
+            query_positions,
+            key_positions,
+            spans,
+            max_distance,
+            min_distance,
+            ramp,
+            inverse_ramp,
+            HAS_SPANS,
+            HAS_MAX_DISTANCE,
         )
-        scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale  # s_ti
-        scores = tl.where(visible, scores, -float("inf"))
+        scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale
+        if POSITIONS != _NO_POSITIONS:  # + q_t · p_{t−i} (SPEC §8)
+            offsets, has_term = _position_offsets(
+                query_tokens, query_in_range, keys, query_positions, key_positions, visible, num_positions, POSITIONS
+            )
+            # Scaled before the sum: a tile added to a dot's result becomes its accumulator, for which the
+            # compiler keeps far more registers (hundreds of bytes of spills in the backward).
+            scores += tl.load(Positions + offsets, mask=has_term, other=0.0) * scale
+        scores = tl.where(visible, scores, -float("inf"))  # s_ti
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a row that has seen no key yet stays at 0
-        weights = tl.exp(scores - shift[:, None]) * mask  # m_ti e^{s_ti − max}, Eq. 4
+        unmasked = tl.exp(scores - shift[:, None])
+        weights = unmasked * mask  # m_ti e^{s_ti − max}, Eq. 4
         rescale = tl.exp(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+        if HAS_EPSILON:
+            row_total = row_total * rescale + tl.sum(unmasked, axis=1)
         accumulator = accumulator * rescale[:, None] + tl.dot(
             weights.to(value.dtype), value, input_precision=DOT_PRECISION
         )
         row_max = new_max
 
+    # The official ε: Σ m a + ε = (Σ m e^s + ε Σ e^s) / Σ e^s, the softmax over the keys with m > 0.
+    if HAS_EPSILON:
+        row_sum += epsilon * row_total
     # A query that sees no key with m > 0 outputs zeros, and L = +inf gives it zero weights in the backward.
     has_key = row_sum > 0
     row_sum = tl.where(has_key, row_sum, 1.0)
@@ -323,6 +407,7 @@ def _backward_key_kernel(
     Spans,
     QueryPositions,
     KeyPositions,
+    Positions,
     GradOutput,
     LogSumExp,
     Delta,
@@ -354,9 +439,14 @@ def _backward_key_kernel(
     ramp,
     inverse_ramp,
     max_distance,
+    min_distance,
+    epsilon,
+    num_positions,
     HAS_SPANS: tl.constexpr,
     SPANS_NEED_GRAD: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
+    HAS_EPSILON: tl.constexpr,
+    POSITIONS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -404,8 +494,19 @@ def _backward_key_kernel(
     GradOutput += batch * grad_output_stride_batch + head * grad_output_stride_head
     LogSumExp += batch_head.to(tl.int64) * num_queries
     Delta += batch_head.to(tl.int64) * num_queries
+    if POSITIONS != _NO_POSITIONS:
+        Positions += batch_head.to(tl.int64) * num_queries * num_positions
     first, end = _visible_query_tiles(
-        QueryPositions, key_positions, spans, num_queries, max_distance, ramp, HAS_SPANS, HAS_MAX_DISTANCE, BLOCK_M
+        QueryPositions,
+        key_positions,
+        spans,
+        num_queries,
+        max_distance,
+        min_distance,
+        ramp,
+        HAS_SPANS,
+        HAS_MAX_DISTANCE,
+        BLOCK_M,
     )
 
     grad_key = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -429,9 +530,24 @@ def _backward_key_kernel(
         log_sum_exp = tl.load(LogSumExp + queries, mask=query_in_range, other=float("inf"))
         delta = tl.load(Delta + queries, mask=query_in_range, other=0.0)
         visible, mask, on_ramp = _soft_mask(
-            query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
+            query_positions,
+            key_positions,
+            spans,
+            max_distance,
+            min_distance,
+            ramp,
+            inverse_ramp,
+            HAS_SPANS,
+            HAS_MAX_DISTANCE,
         )
         scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale
+        if POSITIONS != _NO_POSITIONS:
+            offsets, has_term = _position_offsets(
+                query_tokens, query_in_range, keys, query_positions, key_positions, visible, num_positions, POSITIONS
+            )
+            # Scaled before the sum: a tile added to a dot's result becomes its accumulator, for which the
+            # compiler keeps far more registers (hundreds of bytes of spills in the backward).
+            scores += tl.load(Positions + offsets, mask=has_term, other=0.0) * scale
         # a'_ti / m_ti = e^{s_ti − L_t}, bounded by 1 / m_ti; 0 for an invisible pair or a query with no key.
         unmasked = tl.exp(tl.where(visible, scores, -float("inf")) - log_sum_exp[:, None])
         weights = unmasked * mask  # a'_ti
@@ -439,6 +555,8 @@ def _backward_key_kernel(
         grad_weights = tl.dot(grad_output, tl.trans(value), input_precision=DOT_PRECISION)  # dP
         grad_unmasked = unmasked * (grad_weights - delta[:, None])  # dS / m
         grad_scores = grad_unmasked * mask  # dS, the gradient of s + log m
+        if HAS_EPSILON:  # the ε term of the official normaliser (see the module docstring)
+            grad_scores -= epsilon * unmasked * delta[:, None]
         grad_key += tl.dot(tl.trans(grad_scores.to(query.dtype)), query, input_precision=DOT_PRECISION)
         if SPANS_NEED_GRAD:
             # ∂ log m / ∂e = 1 / (R m) on the open ramp (Eq. 5), 0 elsewhere.
@@ -467,10 +585,12 @@ def _backward_query_kernel(
     Spans,
     QueryPositions,
     KeyPositions,
+    Positions,
     GradOutput,
     LogSumExp,
     Delta,
     GradQuery,
+    GradPositions,
     query_stride_batch,
     query_stride_head,
     query_stride_token,
@@ -496,8 +616,13 @@ def _backward_query_kernel(
     ramp,
     inverse_ramp,
     max_distance,
+    min_distance,
+    epsilon,
+    num_positions,
     HAS_SPANS: tl.constexpr,
     HAS_MAX_DISTANCE: tl.constexpr,
+    HAS_EPSILON: tl.constexpr,
+    POSITIONS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -543,6 +668,9 @@ def _backward_query_kernel(
     KeyPositions += batch * num_keys
     if HAS_SPANS:
         Spans += batch * num_keys
+    if POSITIONS != _NO_POSITIONS:
+        Positions += batch_head.to(tl.int64) * num_queries * num_positions
+        GradPositions += batch_head.to(tl.int64) * num_queries * num_positions
     Key += batch * key_stride_batch + head * key_stride_head
     Value += batch * value_stride_batch + head * value_stride_head
     first, end = _visible_key_tiles(
@@ -552,6 +680,7 @@ def _backward_query_kernel(
         query_in_range,
         num_keys,
         max_distance,
+        min_distance,
         ramp,
         HAS_SPANS,
         HAS_MAX_DISTANCE,
@@ -578,13 +707,32 @@ def _backward_query_kernel(
             other=0.0,
         )
         visible, mask, _ = _soft_mask(
-            query_positions, key_positions, spans, max_distance, ramp, inverse_ramp, HAS_SPANS, HAS_MAX_DISTANCE
+            query_positions,
+            key_positions,
+            spans,
+            max_distance,
+            min_distance,
+            ramp,
+            inverse_ramp,
+            HAS_SPANS,
+            HAS_MAX_DISTANCE,
         )
         scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale
+        if POSITIONS != _NO_POSITIONS:
+            offsets, has_term = _position_offsets(
+                query_tokens, query_in_range, keys, query_positions, key_positions, visible, num_positions, POSITIONS
+            )
+            # Scaled before the sum: a tile added to a dot's result becomes its accumulator, for which the
+            # compiler keeps far more registers (hundreds of bytes of spills in the backward).
+            scores += tl.load(Positions + offsets, mask=has_term, other=0.0) * scale
         unmasked = tl.exp(tl.where(visible, scores, -float("inf")) - log_sum_exp[:, None])
         grad_weights = tl.dot(grad_output, tl.trans(value), input_precision=DOT_PRECISION)
         grad_scores = unmasked * mask * (grad_weights - delta[:, None])
+        if HAS_EPSILON:
+            grad_scores -= epsilon * unmasked * delta[:, None]
         grad_query += tl.dot(grad_scores.to(key.dtype), key, input_precision=DOT_PRECISION)
+        if POSITIONS != _NO_POSITIONS:  # atomic: two keys at one position share a relative position's entry
+            tl.atomic_add(GradPositions + offsets, grad_scores * scale, mask=has_term)
 
     tl.store(
         GradQuery + (batch_head.to(tl.int64) * num_queries + query_tokens[:, None]) * key_dim + dims[None, :],
@@ -627,6 +775,18 @@ _SM90_CONFIGS = {
     ("key", "16-bit", 64): [(32, 64, 8, 3)],
     ("query", "16-bit", 64): [(64, 64, 4, 3)],
 }
+# With a position term (the official code's learned relative positions, SPEC §8) each pair's term is loaded too;
+# where that spills with the configurations above, these replace them (compiled and checked as above).
+_POSITIONS_GPU_CONFIGS = {
+    ("forward", "16-bit", 64): [(128, 32, 8, 3), (64, 32, 4, 3)],
+    ("forward", "16-bit", 128): [(128, 32, 8, 3), (64, 32, 8, 3)],
+    ("key", "16-bit", 128): [(16, 64, 8, 3), (16, 64, 8, 2), (16, 32, 8, 3)],
+    ("query", "16-bit", 64): [(64, 32, 8, 3), (128, 32, 8, 2), (32, 32, 4, 3)],
+    ("query", "16-bit", 128): [(64, 32, 8, 3), (32, 32, 4, 3)],
+    ("key", "tf32", 128): [(16, 32, 8, 2)],
+    ("forward", "ieee", 128): [(16, 32, 8, 1)],
+    ("key", "ieee", 128): [(16, 32, 4, 1)],
+}
 # Under Triton's interpreter (CPU tests): tiles of 16, so that small test shapes cross tiles and have tails.
 _INTERPRETER_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}
 # CUDA allows 2^31 − 1 blocks on a grid's first axis (65 535 on the others); the grid is that one axis.
@@ -640,11 +800,12 @@ def _head_blocks(key_dim: int, value_dim: int) -> dict:
     }
 
 
-def _launch_configs(dtype: torch.dtype, key_dim: int, value_dim: int, capability: int | None = None) -> dict:
+def _launch_configs(dtype: torch.dtype, key_dim: int, value_dim: int, capability: int | None = None,
+                    positions: bool = False) -> dict:  # fmt: skip
     """The GPU launch configurations of the forward, key-gradient and query-gradient kernels, default first.
 
     ``capability`` is the device's compute capability as 10 · major + minor (80, 90, ...); None (no device: ahead
-    of time) gives the candidates that fit every target."""
+    of time) gives the candidates that fit every target. ``positions``: the kernels load a position term."""
     blocks = _head_blocks(key_dim, value_dim)
     precision = _dot_precision(dtype)
     operands = "16-bit" if dtype != torch.float32 else precision
@@ -652,7 +813,9 @@ def _launch_configs(dtype: torch.dtype, key_dim: int, value_dim: int, capability
     configs = {}
     for kernel in ("forward", "key", "query"):
         shapes = list(_GPU_CONFIGS[(kernel, operands, width)])
-        if capability == 90:
+        if positions:
+            shapes = list(_POSITIONS_GPU_CONFIGS.get((kernel, operands, width), shapes))
+        elif capability == 90:
             shapes += _SM90_CONFIGS.get((kernel, operands, width), [])
         configs[kernel] = [
             {"BLOCK_M": rows, "BLOCK_N": columns, "num_warps": warps, "num_stages": stages, **blocks}
@@ -721,7 +884,7 @@ def _launch(name: str, kernel, arguments: tuple, options: dict, num_items: int, 
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
         capability = 10 * major + minor
-    configs = _launch_configs(dtype, key_dim, value_dim, capability)[name]
+    configs = _launch_configs(dtype, key_dim, value_dim, capability, options["POSITIONS"] != 0)[name]
     interpreted = _is_interpreted()
     if len(configs) > 1 and (capability is not None or interpreted):
         shapes = tuple((c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in configs)
@@ -750,7 +913,8 @@ def _kernel_positions(query_positions, key_positions, key_valid):
     return queries.contiguous(), keys.contiguous()
 
 
-def _options(ramp, max_distance, scale, has_spans) -> dict:
+def _options(ramp, max_distance, scale, has_spans, attend_to_self=True, epsilon=0.0, positions=0,
+             num_positions=0) -> dict:  # fmt: skip
     """The scalar arguments and switches shared by the three kernels."""
     # Distances between kernel positions are integers within ±2^30: t − i ≤ D ⇔ t − i ≤ ⌊D⌋, and a limit of
     # 2^30 or more never excludes a key.
@@ -760,47 +924,74 @@ def _options(ramp, max_distance, scale, has_spans) -> dict:
         "ramp": float(ramp),
         "inverse_ramp": 1.0 / float(ramp),
         "max_distance": int(math.floor(max_distance)) if has_max_distance else 0,
+        "min_distance": 0 if attend_to_self else 1,
+        "epsilon": float(epsilon),
+        "num_positions": int(num_positions),
         "HAS_SPANS": has_spans,
         "HAS_MAX_DISTANCE": has_max_distance,
+        "HAS_EPSILON": epsilon > 0,
+        "POSITIONS": positions,
     }
 
 
+def _position_terms(query, table, position_scores) -> tuple[torch.Tensor | None, int]:
+    """The kernels' position input, float32 (B·H, T, W) contiguous, and its layout: the learned relative positions
+    scored per query and distance, q_t · p_d (W = P), or the given per-pair scores (W = N)."""
+    if table is not None:
+        return (query.float() @ table.float().mT).contiguous(), _RELATIVE_POSITIONS.value
+    if position_scores is not None:
+        return position_scores.float().contiguous(), _PAIR_POSITIONS.value
+    return None, _NO_POSITIONS.value
+
+
 class _ExpireSpanAttention(torch.autograd.Function):
-    """Forward and FlashAttention-2 style backward of the Triton kernels; the span gradient is summed over heads."""
+    """Forward and FlashAttention-2 style backward of the Triton kernels; the span gradient is summed over heads.
+    The relative positions' scores q·p (B, H, T, P) are made again in the backward rather than kept."""
 
     @staticmethod
-    def forward(ctx, query, key, value, spans, query_positions, key_positions, ramp, max_distance, scale):
+    def forward(ctx, query, key, value, spans, query_positions, key_positions, ramp, max_distance, scale,
+                attend_to_self, epsilon, position_scores, table):  # fmt: skip
         batch_size, num_heads, num_queries, key_dim = query.shape
         num_keys, value_dim = key.shape[2], value.shape[3]
         spans_float = spans.detach().float().contiguous() if spans is not None else None
+        with torch.no_grad():
+            positions, layout = _position_terms(query, table, position_scores)
         output = torch.empty(batch_size, num_heads, num_queries, value_dim, dtype=query.dtype, device=query.device)
         log_sum_exp = torch.empty(batch_size, num_heads, num_queries, dtype=torch.float32, device=query.device)
-        options = _options(ramp, max_distance, scale, spans_float is not None)
+        num_positions = 0 if positions is None else positions.shape[-1]
+        options = _options(ramp, max_distance, scale, spans_float is not None, attend_to_self, epsilon, layout,
+                           num_positions)  # fmt: skip
         if batch_size * num_heads * num_queries > 0:
-            arguments = (query, key, value, spans_float, query_positions, key_positions, output, log_sum_exp)
-            arguments += (*_strides(query), *_strides(key), *_strides(value), *_strides(output))
+            arguments = (query, key, value, spans_float, query_positions, key_positions, positions, output)
+            arguments += (log_sum_exp, *_strides(query), *_strides(key), *_strides(value), *_strides(output))
             arguments += (num_heads, num_queries, num_keys, key_dim, value_dim)
             _launch("forward", _forward_kernel, arguments, options, num_queries, batch_size * num_heads, query.device)
-        ctx.save_for_backward(query, key, value, spans_float, query_positions, key_positions, output, log_sum_exp)
+        ctx.save_for_backward(query, key, value, spans_float, query_positions, key_positions, output, log_sum_exp,
+                              position_scores, table)  # fmt: skip
         ctx.options = options
         ctx.spans_dtype = spans.dtype if spans is not None else None
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, spans, query_positions, key_positions, output, log_sum_exp = ctx.saved_tensors
+        query, key, value, spans, query_positions, key_positions, output, log_sum_exp, position_scores, table = (
+            ctx.saved_tensors
+        )
         batch_size, num_heads, num_queries, key_dim = query.shape
         num_keys, value_dim = key.shape[2], value.shape[3]
         spans_need_grad = spans is not None and ctx.needs_input_grad[3]
         grad_output = grad_output.to(query.dtype)
         delta = (grad_output.float() * output.float()).sum(dim=-1).contiguous()  # D_t = Σ dO_t · O_t
+        positions, _ = _position_terms(query, table, position_scores)
+        grad_positions = None if positions is None else torch.zeros_like(positions)
         grad_query = torch.zeros_like(query, memory_format=torch.contiguous_format)
         grad_key = torch.zeros_like(key, memory_format=torch.contiguous_format)
         grad_value = torch.zeros_like(value, memory_format=torch.contiguous_format)
         grad_spans = None
         if spans_need_grad:
             grad_spans = torch.zeros(batch_size, num_heads, num_keys, dtype=torch.float32, device=query.device)
-        inputs = (query, key, value, spans, query_positions, key_positions, grad_output, log_sum_exp, delta)
+        inputs = (query, key, value, spans, query_positions, key_positions, positions, grad_output, log_sum_exp)
+        inputs += (delta,)
         shared = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_output))
         shared += (num_heads, num_queries, num_keys, key_dim, value_dim)
         batch_heads = batch_size * num_heads
@@ -809,11 +1000,18 @@ class _ExpireSpanAttention(torch.autograd.Function):
             options = {**ctx.options, "SPANS_NEED_GRAD": spans_need_grad}
             _launch("key", _backward_key_kernel, arguments, options, num_keys, batch_heads, query.device)
         if batch_heads * num_queries > 0 and num_keys > 0:
-            arguments = (*inputs, grad_query, *shared)
+            arguments = (*inputs, grad_query, grad_positions, *shared)
             _launch("query", _backward_query_kernel, arguments, ctx.options, num_queries, batch_heads, query.device)
         if grad_spans is not None:
             grad_spans = grad_spans.sum(dim=1).to(ctx.spans_dtype)  # one span per key, shared by the heads
-        return grad_query, grad_key, grad_value, grad_spans, None, None, None, None, None
+        grad_position_scores = grad_table = None
+        if table is not None:  # s = scale · (q·k + q·p_d): dq += Σ_d ds_d p_d, dp_d = Σ ds_d q
+            grad_query = (grad_query.float() + grad_positions @ table.float()).to(query.dtype)
+            grad_table = (grad_positions.flatten(0, -2).mT @ query.float().flatten(0, -2)).to(table.dtype)
+        elif position_scores is not None:
+            grad_position_scores = grad_positions.to(position_scores.dtype)
+        return (grad_query, grad_key, grad_value, grad_spans, None, None, None, None, None, None, None,
+                grad_position_scores, grad_table)  # fmt: skip
 
 
 def expire_span_attention_triton(
@@ -829,12 +1027,17 @@ def expire_span_attention_triton(
     max_distance: float | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
+    position_scores: torch.Tensor | None = None,
+    attend_to_self: bool = True,
+    renormalization_epsilon: float = 0.0,
+    relative_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expire-Span attention (paper Eqs. 4-5) with the Triton kernels. Inputs are otherwise not validated here.
 
     Same arguments and output as :func:`memlm.kernels.expire_attention.reference.expire_span_attention_reference`:
     ``(B, H, T, d_v)`` in the query's dtype, zeros for a query that sees no key. Differentiable with respect to
-    query, key, value and spans. float32, bfloat16 or float16 inputs (float32 accumulation; float32 dots are IEEE,
+    query, key, value and spans, and with the official code's options (SPEC §8) the position scores or the
+    table of relative positions (not both at once). float32, bfloat16 or float16 inputs (float32 accumulation; float32 dots are IEEE,
     or TF32 when ``torch.get_float32_matmul_precision()`` is not "highest"), widths up to 128; any strides. Positions
     within a row must lie within 2^29 of the row's first query.
 
@@ -857,8 +1060,14 @@ def expire_span_attention_triton(
             f"the Triton kernel supports key and value widths up to {_MAX_HEAD_DIM}, got {query.shape[-1]} and "
             f"{value.shape[-1]}; the torch backend has no such limit."
         )
+    if position_scores is not None and relative_positions is not None:
+        raise ValueError(
+            "the Triton Expire-Span kernel takes position_scores or relative_positions, not both; add the relative "
+            "positions' scores to position_scores (relative_position_scores) or use the torch backend."
+        )
     others = {"key": key, "value": value, "spans": spans, "query_positions": query_positions}
-    others |= {"key_positions": key_positions, "key_valid": key_valid}
+    others |= {"key_positions": key_positions, "key_valid": key_valid, "position_scores": position_scores}
+    others |= {"relative_positions": relative_positions}
     for name, tensor in others.items():
         if tensor is not None and tensor.device != query.device:
             raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}; put them on one device.")
@@ -866,5 +1075,6 @@ def expire_span_attention_triton(
         scale = query.shape[-1] ** -0.5
     query_positions, key_positions = _kernel_positions(query_positions, key_positions, key_valid)
     return _ExpireSpanAttention.apply(
-        query, key, value, spans, query_positions, key_positions, ramp, max_distance, scale
-    )
+        query, key, value, spans, query_positions, key_positions, ramp, max_distance, scale, attend_to_self,
+        renormalization_epsilon, position_scores, relative_positions,
+    )  # fmt: skip
