@@ -19,6 +19,7 @@ decoder layer → recurrence (the loop, a hub layer of 🤗's `kernels`) → cac
 FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerForCausalLM.
 """
 
+import functools
 import math
 import types
 from dataclasses import dataclass
@@ -34,7 +35,11 @@ from transformers.modeling_utils import slice_logits_to_keep
 from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
-from ..kernels.expire_attention.reference import relative_position_index, relative_position_scores
+from ..kernels.expire_attention.reference import (
+    relative_position_index,
+    relative_position_scores,
+    relative_position_scores_backward,
+)
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.compiled import (
     ACTIVATIONS,
@@ -47,7 +52,7 @@ from ..kernels.feedback.compiled import (
 )
 from ..kernels.feedback.compiled import compiled as compiled_function
 from ..kernels.feedback.reference import WeightsTransform
-from ..kernels.feedback.tape import ring_slots
+from ..kernels.feedback.tape import ScoreTerms, ring_slots
 from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import (
@@ -112,6 +117,16 @@ def adaptive_span_mask(span_ratio: torch.Tensor, distance: torch.Tensor, memory_
     operations (its template holds 1 − d for the window's slots): span_ratio (H,), distance (B, W) → (B, H, W)."""
     template = (1 - distance).to(span_ratio.dtype)[:, None]  # (B, 1, W)
     return ((template + span_ratio[None, :, None] * memory_span) / ramp + 1).clamp(0, 1)
+
+
+def adaptive_span_mask_backward(span_ratio: torch.Tensor, distance: torch.Tensor, memory_span: int, ramp,
+                                grad_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The gradient of `adaptive_span_mask` for the span ratios (H,), given the mask's (B, H, W): τ / R wherever the
+    clamp passes its input (0 ≤ · ≤ 1, as autograd's clamp), summed over the rows and slots."""
+    template = (1 - distance).to(span_ratio.dtype)[:, None]  # (B, 1, W)
+    ramp_position = (template + span_ratio[None, :, None] * memory_span) / ramp + 1
+    passes = (ramp_position >= 0) & (ramp_position <= 1)
+    return torch.where(passes, grad_mask.to(span_ratio.dtype), 0.0).sum((0, 2)) * memory_span / ramp
 
 
 def adaptive_span_window(span_ratio: torch.Tensor, memory_span: int, ramp, trim_step: int) -> int:
@@ -656,6 +671,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 bias = bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
             if self.default_step:
                 context = store.read(group, step, query, bias.to(query.dtype))
+            elif self.shared_bias:  # the official layouts: the bias and the transform built by the store's read
+                build = functools.partial(self._score_terms, layer_idx, store, group, step, positions)
+                span_ratio = getattr(attention, "span_ratio", None)
+                terms = ScoreTerms(build, self.relative_positions, span_ratio, (shared_bias, relative_distance))
+                context = store.read(group, step, query, None, terms=terms)
             else:
                 window = store.window(group, step)
                 if relative_distance is not None:  # the official position term q_t · p_{t−i} / √d
@@ -737,6 +757,47 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             record.memories[step], record.rotations[step] = memory, (cos, sin)
         return hidden_states, states
 
+    def _score_terms(self, layer_idx: int, store, group: int, step: int, positions: torch.Tensor, query: torch.Tensor,
+                     table: torch.Tensor | None, span_ratio: torch.Tensor | None, prepared=None):  # fmt: skip
+        """A step's bias (B·H, W) and `WeightsTransform` in the official layouts (a `ScoreTerms.build`): the
+        visibility, the learned relative positions q_t · p_{t−i} / √d from `table`, the adaptive span's trimmed window,
+        and its mask from `span_ratio`; and a function that turns the gradients of the bias and the mask into those of
+        the query, the table and the span ratios. `prepared`: the step's visibility bias and index of the distances,
+        which its layers share (made again when None, in the backward)."""
+        batch_size = positions.shape[0]
+        window = store.window(group, step)
+        distance = positions[:, None] - window[2]  # (B, W)
+        bias, relative = prepared if prepared is not None else (None, None)
+        if bias is None:
+            bias = self._memory_bias(None, window, positions).expand(batch_size, self.num_heads, -1).flatten(0, 1)
+        scale = self.head_dim**-0.5
+        heads_query = query.view(batch_size, -1, self.head_dim)
+        if table is not None:  # the official position term q_t · p_{t−i} / √d
+            if relative is None:
+                relative = relative_position_index(distance[:, None], self.memory_span)
+            bias = bias + relative_position_scores(table, heads_query, relative).flatten(0, 1) * scale
+        if self.read_windows is not None:  # the adaptive span's trimmed window: memories 1..n steps back
+            outside = (distance > self.read_windows[layer_idx])[:, None].expand(-1, self.num_heads, -1)
+            bias = bias.masked_fill(outside.flatten(0, 1), -math.inf)
+        attention = self.layers[layer_idx].attention
+        transform = self._attention_weights_transform(attention, window, positions, span_ratio)
+
+        def gradients(grad_bias, grad_mask, needs_table: bool, needs_span_ratio: bool):
+            grad_query = grad_table = grad_span_ratio = None
+            if table is not None:
+                grad_scores = grad_bias.view(batch_size, self.num_heads, -1) * scale
+                grad_query, grad_table = relative_position_scores_backward(table, heads_query, relative, grad_scores,
+                                                                           needs_table)  # fmt: skip
+                grad_query = grad_query.flatten(0, 1)
+            if grad_mask is not None and needs_span_ratio:
+                grad_span_ratio = adaptive_span_mask_backward(
+                    span_ratio, distance, self.memory_span, self.config.adaptive_span_ramp,
+                    grad_mask.view(batch_size, self.num_heads, -1),
+                )  # fmt: skip
+            return grad_query, grad_table, grad_span_ratio
+
+        return bias.to(query.dtype), transform, gradients
+
     def _project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (G, ..., H·d) of memories (..., D): with the shared projections once, else with each
         layer's own projections, or the shared ones after each layer's own input norm (`memory_normalization=
@@ -751,7 +812,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             values.append(self._linear(projections.v_proj, source))
         return torch.stack(keys), torch.stack(values)
 
-    def _attention_weights_transform(self, attention: FeedbackAttention, window, positions):
+    def _attention_weights_transform(self, attention: FeedbackAttention, window, positions, span_ratio=None):
         """What the official code does to the softmax weights (B·H, W) before reading the values, as a
         `WeightsTransform`, or None: the adaptive span's mask and renormalisation (Sukhbaatar et al., 2019), then
         dropout."""
@@ -763,7 +824,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if adaptive:
             _, _, slot_positions, _ = window
             distance = positions[:, None] - slot_positions  # (B, W)
-            mask = adaptive_span_mask(attention.span_ratio, distance, self.memory_span, self.config.adaptive_span_ramp)
+            span_ratio = attention.span_ratio if span_ratio is None else span_ratio
+            mask = adaptive_span_mask(span_ratio, distance, self.memory_span, self.config.adaptive_span_ramp)
             mask = mask.flatten(0, 1)  # (B·H, W)
         return WeightsTransform(mask, self.config.renormalization_epsilon, attention.dropout.p if dropout else 0.0)
 

@@ -22,6 +22,7 @@ from .reference import (
     expire_span_mask,
     relative_position_index,
     relative_position_scores,
+    relative_position_scores_backward,
     visible_keys,
 )
 
@@ -110,11 +111,8 @@ class _OfficialAttention(torch.autograd.Function):
         grad_key = grad_scores.mT @ q
         grad_table = None
         if table is not None:
-            index = relative.index.expand(*grad_scores.shape[:-1], relative.index.shape[-1])
-            by_distance = torch.zeros(*grad_scores.shape[:-1], table.shape[0], dtype=dtype, device=q.device)
-            by_distance.scatter_add_(-1, index, torch.where(relative.inside, grad_scores, 0.0))
-            grad_query = grad_query + by_distance @ table_in
-            grad_table = (by_distance.flatten(0, -2).mT @ q.flatten(0, -2)).to(table.dtype)
+            grad_positions, grad_table = relative_position_scores_backward(table_in, q, relative, grad_scores)
+            grad_query, grad_table = grad_query + grad_positions, grad_table.to(table.dtype)
         grad_spans = None
         if grad_mask is not None:  # Eq. 5: ∂m/∂e = 1/R strictly inside the ramp
             on_ramp = (mask > 0) & (mask < 1)

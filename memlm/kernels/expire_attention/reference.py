@@ -152,6 +152,23 @@ def relative_position_scores(table: torch.Tensor, query: torch.Tensor, distance)
     return torch.where(distance.inside, by_distance.gather(-1, index), 0.0)
 
 
+def relative_position_scores_backward(table: torch.Tensor, query: torch.Tensor, distance, grad_scores: torch.Tensor,
+                                      needs_table: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The gradients of `relative_position_scores` for the query and the table (None without `needs_table`), given
+    the scores' gradient (..., W): each score's gradient lands on its distance's row, dq = Σ_d g_d p_d and
+    dp_d = Σ g_d q (0 outside 1..P)."""
+    if not isinstance(distance, RelativeIndex):
+        distance = relative_position_index(distance, table.shape[0])
+    by_distance = grad_scores.new_zeros(*grad_scores.shape[:-1], table.shape[0])
+    index = distance.index.expand(*grad_scores.shape[:-1], distance.index.shape[-1])
+    by_distance.scatter_add_(-1, index, torch.where(distance.inside, grad_scores, 0.0))
+    grad_query = by_distance @ table.to(by_distance.dtype)
+    grad_table = None
+    if needs_table:
+        grad_table = (by_distance.flatten(0, -2).mT @ query.to(by_distance.dtype).flatten(0, -2)).to(table.dtype)
+    return grad_query, grad_table
+
+
 def expire_span_attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,

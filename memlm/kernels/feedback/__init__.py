@@ -123,13 +123,18 @@ def feedback_recurrence(
         if covers(model, inputs_embeds, keep_states):
             parameters = [parameter for _, parameter in recurrent_parameters(model)]
             top = _ThroughTime.apply(model, store, inputs_embeds, positions, valid, *parameters)
+            store.release()
             return top, [], store.last_memories()
     if training and DeferredWeightGradients.applies(model, inputs_embeds):
         model.deferred = DeferredWeightGradients(model, inputs_embeds.shape[0])
     try:
         return _step_loop(model, inputs_embeds, positions, valid, store, keep_states, not ring)
     finally:
+        if model.deferred is not None:
+            model.deferred.release()
         model.deferred = None
+        if not ring:
+            store.release()
 
 
 def _step_loop(model, inputs_embeds, positions, valid, store, keep_states: bool, leaves_window: bool):

@@ -87,12 +87,16 @@ class ListMemory:
             return None, None, empty, empty.bool()
         return None, None, self._joined("positions", 1), self._joined("valid", 1)
 
-    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor, transform=None) -> torch.Tensor:
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor | None, transform=None,
+             terms=None) -> torch.Tensor:  # fmt: skip
         """softmax(q·Kᵀ/√d + bias) · V for query (B·H, d) and bias (B·H, W); zero where no memory is visible (the
         paper's "no attention term" before the first memory). `transform`: a `WeightsTransform` applied to the
-        softmax weights (B·H, W) before they read the values (the adaptive span's mask, dropout on the weights)."""
+        softmax weights (B·H, W) before they read the values (the adaptive span's mask, dropout on the weights);
+        `terms` (a `memlm.kernels.feedback.tape.ScoreTerms`): what builds the bias and the transform instead."""
         if not len(self):
             return torch.zeros_like(query)
+        if terms is not None:
+            bias, transform = terms(query)
         keys = self._joined("keys", 2, lambda entry: entry[group]).flatten(0, 1)  # (B·H, W, d)
         values = self._joined("values", 2, lambda entry: entry[group]).flatten(0, 1)
         scores = torch.einsum("nd,nwd->nw", query, keys) * query.shape[-1] ** -0.5 + bias

@@ -14,6 +14,8 @@ per step, what the step's write overwrote, from which the cache rolls the ring b
 """
 
 import types
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -96,11 +98,14 @@ class _RingStore:
         layer = self.layers[group]
         return None, None, layer.positions[:, : self.filled], layer.valid[:, : self.filled]
 
-    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor, transform=None) -> torch.Tensor:
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor | None, transform=None,
+             terms=None) -> torch.Tensor:  # fmt: skip
         """`transform`: a `WeightsTransform` of the softmax weights (the official layouts' adaptive span), whose mask
-        covers the `window`'s slots."""
+        covers the `window`'s slots; `terms` (a `ScoreTerms`): what builds the bias and the transform instead."""
         if self.filled == 0:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
+        if terms is not None:
+            bias, transform = terms(query)
         layer = self.layers[group]
         batch_size, num_heads, _, head_dim = layer.keys.shape
         keys, values = layer.keys, layer.values  # (B, H, W, d)
@@ -216,6 +221,12 @@ class _Tape:
             self.keys[:, :, :, :prefix] = prefix_keys
             self.values[:, :, :, :prefix] = prefix_values
 
+    def release(self):
+        """The step loop is over: drop the last write's anchor, whose autograd node holds this tape (in its context)
+        while the tape held the node — a cycle through the graph that Python's garbage collector cannot see, which
+        kept every training forward's tape and graph alive (memory grew with every step of a training run)."""
+        self.anchor = None
+
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradient buffers of the keys and values, made at the first read's backward (autograd through the steps)."""
         if self._gradients is None:
@@ -233,13 +244,21 @@ class _Tape:
         start, end = self.bounds(step)
         return None, None, self.positions[:, start:end], self.valid[:, start:end]
 
-    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor, transform=None) -> torch.Tensor:
+    def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor | None, transform=None,
+             terms: "ScoreTerms | None" = None) -> torch.Tensor:  # fmt: skip
         """`transform`: a `WeightsTransform` of the softmax weights (the official layouts' adaptive span, dropout on
-        the weights), whose mask covers this step's window."""
+        the weights), whose mask covers this step's window. `terms` (then `bias` and `transform` are None): what
+        builds them from the tensors that learn, which a read with gradients calls again in its backward rather than
+        keep the step's (B·H, W) bias and mask."""
         start, end = self.bounds(step)
         self.last_weights = None
         if start == end:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
+        if terms is not None and torch.is_grad_enabled():
+            return _TapeTermsRead.apply(query, terms.table, terms.span_ratio, self.anchor, self, group, start, end,
+                                        terms.build, terms.prepared)  # fmt: skip
+        if terms is not None:
+            bias, transform = terms(query)
         if torch.is_grad_enabled():
             mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
             return _TapeRead.apply(query, bias, self.anchor, mask, self, group, start, end, transform)
@@ -295,6 +314,57 @@ class _TapeWrite(torch.autograd.Function):
         )
 
 
+def _read_forward(tape, group, start, end, query, bias, transform):
+    """A step's attention over the tape slice [start, end) without autograd: the output, the softmax weights p, the
+    renormalisation's denominator and the dropout's kept entries (bool), the latter two None when not used."""
+    keys = tape.keys[group, :, :, start:end].flatten(0, 1)  # (B·H, W, d), a view
+    weights = attention_weights(query, keys, bias)  # p = softmax(s)
+    read, denominator, kept = weights, None, None
+    mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
+    if mask is not None:  # r = p·m / (Σ p·m + ε); 0 where that sum is 0
+        read = weights * mask
+        denominator = read.sum(-1, keepdim=True).add_(transform.epsilon)
+        denominator.masked_fill_(denominator == 0, 1.0)
+        read = read.div_(denominator)
+    if transform is not None:
+        kept = transform.dropout_mask(read)
+        if kept is not None:  # w = r · dropout mask
+            read = read * kept
+            kept = kept > 0  # kept as bool (a quarter of the memory), scaled again in the backward
+    output = torch.bmm(read.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
+    return output, weights, denominator, kept
+
+
+def _read_backward(tape, group, start, end, grad_output, query, weights, mask, denominator, kept, dropout,
+                   needs_mask_gradient):  # fmt: skip
+    """The backward of `_read_forward` written out: adds the keys' and values' gradients into the tape's buffers and
+    returns the gradients of the query (through the keys), of the scores (= of the bias) and of the mask."""
+    if kept is not None:  # as `WeightsTransform.dropout_mask` drew it: 1 / (1 − p) where kept
+        kept = kept.to(weights.dtype).div_(1 - dropout)
+    keys = tape.keys[group, :, :, start:end].flatten(0, 1)
+    values = tape.values[group, :, :, start:end].flatten(0, 1)
+    scale = query.shape[-1] ** -0.5
+    renormalized = weights if mask is None else weights * mask / denominator  # r
+    read = renormalized if kept is None else renormalized * kept  # w
+    grad_read = torch.bmm(grad_output.unsqueeze(1), values.transpose(1, 2)).squeeze(1)  # dw (N, W)
+    grad_renormalized = grad_read if kept is None else grad_read * kept  # dr
+    grad_mask = None
+    if mask is None:
+        grad_weights = grad_renormalized
+    else:  # r = a / (Σa + ε), a = p·m: da = (dr − Σ dr·r) / (Σa + ε), then dp = da·m and dm = da·p
+        grad_masked = (grad_renormalized - (grad_renormalized * renormalized).sum(-1, keepdim=True)) / denominator
+        grad_weights = grad_masked * mask
+        grad_mask = grad_masked * weights if needs_mask_gradient else None
+    grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
+    grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
+    grad_keys, grad_values = tape.gradients()
+    grad_keys = grad_keys[group, :, :, start:end].flatten(0, 1)
+    grad_keys.addcmul_(grad_scores.unsqueeze(-1), (query * scale).unsqueeze(1))  # += dS ⊗ q / sqrt(d)
+    grad_values = grad_values[group, :, :, start:end].flatten(0, 1)
+    grad_values.addcmul_(read.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
+    return grad_query, grad_scores, grad_mask
+
+
 class _TapeRead(torch.autograd.Function):
     """Attention of one step over a slice of the tape. The backward is written out (softmax attention for a single
     query, and the official layouts' `WeightsTransform`: the adaptive span's mask and renormalisation, dropout on the
@@ -303,50 +373,77 @@ class _TapeRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, bias, anchor, mask, tape, group, start, end, transform):
         with torch.no_grad():
-            keys = tape.keys[group, :, :, start:end].flatten(0, 1)  # (B·H, W, d), a view
-            weights = attention_weights(query, keys, bias)  # p = softmax(s)
-            read, denominator, kept = weights, None, None
-            if mask is not None:  # r = p·m / (Σ p·m + ε); 0 where that sum is 0
-                read = weights * mask
-                denominator = read.sum(-1, keepdim=True).add_(transform.epsilon)
-                denominator.masked_fill_(denominator == 0, 1.0)
-                read = read.div_(denominator)
-            if transform is not None:
-                kept = transform.dropout_mask(read)
-                if kept is not None:  # w = r · dropout mask
-                    read = read * kept
-                    kept = kept > 0  # kept as bool (a quarter of the memory), scaled again in the backward
-            output = torch.bmm(read.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
+            output, weights, denominator, kept = _read_forward(tape, group, start, end, query, bias, transform)
         ctx.save_for_backward(query, weights, mask, denominator, kept)
-        ctx.tape, ctx.window, ctx.transform = tape, (group, start, end), transform
+        ctx.tape, ctx.window = tape, (group, start, end)
+        ctx.dropout = 0.0 if transform is None else transform.dropout
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         query, weights, mask, denominator, kept = ctx.saved_tensors
-        tape, (group, start, end) = ctx.tape, ctx.window
-        if kept is not None:  # as `WeightsTransform.dropout_mask` drew it: 1 / (1 − p) where kept
-            kept = kept.to(weights.dtype).div_(1 - ctx.transform.dropout)
-        keys = tape.keys[group, :, :, start:end].flatten(0, 1)
-        values = tape.values[group, :, :, start:end].flatten(0, 1)
-        scale = query.shape[-1] ** -0.5
-        renormalized = weights if mask is None else weights * mask / denominator  # r
-        read = renormalized if kept is None else renormalized * kept  # w
-        grad_read = torch.bmm(grad_output.unsqueeze(1), values.transpose(1, 2)).squeeze(1)  # dw (N, W)
-        grad_renormalized = grad_read if kept is None else grad_read * kept  # dr
-        grad_mask = None
-        if mask is None:
-            grad_weights = grad_renormalized
-        else:  # r = a / (Σa + ε), a = p·m: da = (dr − Σ dr·r) / (Σa + ε), then dp = da·m and dm = da·p
-            grad_masked = (grad_renormalized - (grad_renormalized * renormalized).sum(-1, keepdim=True)) / denominator
-            grad_weights = grad_masked * mask
-            grad_mask = grad_masked * weights if ctx.needs_input_grad[3] else None
-        grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
-        grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
-        grad_keys, grad_values = tape.gradients()
-        grad_keys = grad_keys[group, :, :, start:end].flatten(0, 1)
-        grad_keys.addcmul_(grad_scores.unsqueeze(-1), (query * scale).unsqueeze(1))  # += dS ⊗ q / sqrt(d)
-        grad_values = grad_values[group, :, :, start:end].flatten(0, 1)
-        grad_values.addcmul_(read.unsqueeze(-1), grad_output.unsqueeze(1))  # += w ⊗ dO
+        grad_query, grad_scores, grad_mask = _read_backward(
+            ctx.tape, *ctx.window, grad_output, query, weights, mask, denominator, kept, ctx.dropout,
+            ctx.needs_input_grad[3],
+        )  # fmt: skip
         grad_bias = grad_scores if ctx.needs_input_grad[1] else None
         return grad_query, grad_bias, torch.zeros((), device=query.device), grad_mask, None, None, None, None, None
+
+
+class ScoreTerms(NamedTuple):
+    """What a step of the official layouts adds to its scores and does to its weights, as a function of the tensors
+    that learn: `build(query, table, span_ratio, prepared)` → (bias (B·H, W), `WeightsTransform` or None, a function
+    of the bias's and the mask's gradients giving those of the query, the table and the span ratios), with `table` the
+    learned relative positions and `span_ratio` the adaptive span (each None when not used)."""
+
+    build: Callable
+    table: torch.Tensor | None
+    span_ratio: torch.Tensor | None
+    # What the step's layers share in the forward (`build`'s `prepared`); the backward builds it again.
+    prepared: object = None
+
+    def __call__(self, query: torch.Tensor):
+        """(bias, transform) for `query`, with what was prepared for the step."""
+        return self.build(query, self.table, self.span_ratio, self.prepared)[:2]
+
+
+class _TapeTermsRead(torch.autograd.Function):
+    """`_TapeRead` whose bias and mask are built by `ScoreTerms.build` from the query, the learned relative positions
+    and the adaptive span, in the forward and again in the backward: a step keeps its query (and the dropout's kept
+    entries) instead of window-sized scores, index and mask, so that training memory grows with tokens × hidden size.
+    The built terms are differentiated by the function `build` returns."""
+
+    @staticmethod
+    def forward(ctx, query, table, span_ratio, anchor, tape, group, start, end, build, prepared):
+        with torch.no_grad():
+            bias, transform, _ = build(query, table, span_ratio, prepared)
+            output, _, _, kept = _read_forward(tape, group, start, end, query, bias, transform)
+        ctx.save_for_backward(query, table, span_ratio, kept)
+        ctx.tape, ctx.window, ctx.build = tape, (group, start, end), build
+        ctx.dropout = 0.0 if transform is None else transform.dropout
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, table, span_ratio, kept = ctx.saved_tensors
+        tape, (group, start, end) = ctx.tape, ctx.window
+        bias, transform, gradients = ctx.build(query, table, span_ratio)
+        mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
+        keys = tape.keys[group, :, :, start:end].flatten(0, 1)
+        weights = attention_weights(query, keys, bias)
+        denominator = None
+        if mask is not None:
+            denominator = (weights * mask).sum(-1, keepdim=True).add_(transform.epsilon)
+            denominator.masked_fill_(denominator == 0, 1.0)
+        needs_span_ratio = span_ratio is not None and ctx.needs_input_grad[2]
+        grad_query, grad_scores, grad_mask = _read_backward(
+            tape, group, start, end, grad_output, query, weights, mask, denominator, kept, ctx.dropout,
+            mask is not None and needs_span_ratio,
+        )  # fmt: skip
+        grad_terms, grad_table, grad_span_ratio = gradients(
+            grad_scores, grad_mask, table is not None and ctx.needs_input_grad[1], needs_span_ratio
+        )
+        if grad_terms is not None:
+            grad_query = grad_query + grad_terms
+        anchor = torch.zeros((), device=query.device)
+        return grad_query, grad_table, grad_span_ratio, anchor, None, None, None, None, None, None

@@ -232,6 +232,11 @@ class DeferredWeightGradients:
     def linear(self, module: torch.nn.Linear, states: torch.Tensor) -> torch.Tensor:
         return _DeferredLinear.apply(states, self.token, self, id(module))
 
+    def release(self):
+        """The step loop is over: drop the token, whose autograd node holds this object (in its context) — a cycle
+        through the graph that Python's garbage collector cannot see (see `tape._Tape.release`)."""
+        self.token = None
+
     def add(self, key: int, grad_output: torch.Tensor, states: torch.Tensor):
         self.products.add(key, grad_output, states)
         bias = self.linears[key][1]
