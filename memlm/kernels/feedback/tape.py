@@ -314,6 +314,12 @@ class _TapeWrite(torch.autograd.Function):
         )
 
 
+def _renormalizer(masked: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Σ p·m + ε of masked weights p·m (N, W), 1 where it is 0 (such a row reads nothing)."""
+    denominator = masked.sum(-1, keepdim=True).add_(epsilon)
+    return denominator.masked_fill_(denominator == 0, 1.0)
+
+
 def _read_forward(tape, group, start, end, query, bias, transform):
     """A step's attention over the tape slice [start, end) without autograd: the output, the softmax weights p, the
     renormalisation's denominator and the dropout's kept entries (bool), the latter two None when not used."""
@@ -323,8 +329,7 @@ def _read_forward(tape, group, start, end, query, bias, transform):
     mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
     if mask is not None:  # r = p·m / (Σ p·m + ε); 0 where that sum is 0
         read = weights * mask
-        denominator = read.sum(-1, keepdim=True).add_(transform.epsilon)
-        denominator.masked_fill_(denominator == 0, 1.0)
+        denominator = _renormalizer(read, transform.epsilon)
         read = read.div_(denominator)
     if transform is not None:
         kept = transform.dropout_mask(read)
@@ -431,10 +436,7 @@ class _TapeTermsRead(torch.autograd.Function):
         mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
         keys = tape.keys[group, :, :, start:end].flatten(0, 1)
         weights = attention_weights(query, keys, bias)
-        denominator = None
-        if mask is not None:
-            denominator = (weights * mask).sum(-1, keepdim=True).add_(transform.epsilon)
-            denominator.masked_fill_(denominator == 0, 1.0)
+        denominator = None if mask is None else _renormalizer(weights * mask, transform.epsilon)
         needs_span_ratio = span_ratio is not None and ctx.needs_input_grad[2]
         grad_query, grad_scores, grad_mask = _read_backward(
             tape, group, start, end, grad_output, query, weights, mask, denominator, kept, ctx.dropout,
