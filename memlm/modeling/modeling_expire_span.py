@@ -121,6 +121,37 @@ class ExpireSpanPredictor(nn.Linear):
         super().__init__(hidden_size, 1, bias=True)
 
 
+class _ReusedProjection(torch.autograd.Function):
+    """A block's own keys (or values) `output` (B, H, N, d) = inputs · Wᵀ, reused as the memories that later blocks read
+    with `recompute_memory`: the same values (the inputs are the same values, detached from what made them), and the
+    gradients projecting again would give, to W and to `inputs` (a pre-norm's parameters), without the product."""
+
+    @staticmethod
+    def forward(ctx, output, inputs, weight):
+        ctx.save_for_backward(inputs, weight)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs, weight = ctx.saved_tensors
+        batch_size, num_heads, length, head_dim = grad_output.shape
+        grad = grad_output.transpose(1, 2).reshape(batch_size * length, num_heads * head_dim)
+        grad_inputs = (grad @ weight).view(inputs.shape) if ctx.needs_input_grad[1] else None
+        grad_weight = grad.mT @ inputs.reshape(batch_size * length, -1) if ctx.needs_input_grad[2] else None
+        return None, grad_inputs, grad_weight
+
+
+def _reusable(projection: nn.Module) -> bool:
+    """Whether a projection is a plain bias-free nn.Linear with a plain weight (not LoRA-wrapped, not quantized)."""
+    weight = getattr(projection, "weight", None)
+    return (
+        type(projection) is nn.Linear
+        and projection.bias is None
+        and isinstance(weight, nn.Parameter)
+        and type(weight.data) is torch.Tensor
+    )
+
+
 @use_kernel_forward_from_hub("ExpireSpanAttention")
 class ExpireSpanAttention(HubLayerMixin, nn.Module):
     """Multi-head attention over the layer's memories and the current block, masked by the learned spans."""
@@ -165,9 +196,29 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
     def make_memory(self, hidden_states, positions, valid, cos, sin, layer_inputs=None) -> ExpireSpanMemory:
         """The memories of hidden_states (B, N, D) (normed as the attention reads them) at `positions` (B, N);
         `layer_inputs`: the layer inputs they came from, kept with `recompute_memory`."""
-        _, key, value = self.project(hidden_states, cos, sin)
+        batch_size, length, _ = hidden_states.shape
+        shape = (batch_size, length, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        if cos is not None:
+            key = apply_rotary(key, cos, sin)
         spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
         return ExpireSpanMemory(key, value, positions, valid, spans, hidden_states, layer_inputs)
+
+    def remade_memory(self, own: ExpireSpanMemory, hidden_states: torch.Tensor) -> ExpireSpanMemory:
+        """`make_memory(hidden_states, …)` for a block's own memories `own`, where hidden_states (B, N, D) holds the
+        values of the attention inputs that made them, detached from the layer inputs: the block's keys and values are
+        reused as they are (`_ReusedProjection`) when no rotation and plain projections allow it, else computed again.
+        """
+        reusable = not torch.is_autocast_enabled(hidden_states.device.type) and all(
+            _reusable(projection) for projection in (self.k_proj, self.v_proj)
+        )
+        if not reusable:
+            return self.make_memory(hidden_states, own.positions, own.valid, None, None, own.hidden_states)
+        key = _ReusedProjection.apply(own.keys.detach(), hidden_states, self.k_proj.weight)
+        value = _ReusedProjection.apply(own.values.detach(), hidden_states, self.v_proj.weight)
+        spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
+        return ExpireSpanMemory(key, value, own.positions, own.valid, spans, hidden_states, own.hidden_states)
 
     def forward(
         self,
@@ -292,15 +343,23 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         """The memories after a block of `length` tokens (rotated by `cos`, `sin`) as the next block of the same
         forward reads them: without gradient to the hidden states that made them (the official code carries them
         detached). With `recompute_memory` under autograd, the block's own memories (the last slots) are computed
-        again from their detached layer inputs, once: later blocks' losses then reach the norm, the projections and
+        again from their detached layer inputs, once (`ExpireSpanAttention.remade_memory`: the block's keys and values
+        reused, with the gradients of that computation): later blocks' losses then reach the norm, the projections and
         the span predictor through them, as through the official code's recomputation at every block (the earlier
         memories already are such recomputations, or the zero initial memory). Part of the layer's forward, where
         FSDP has gathered its weights."""
-        inputs = memory.hidden_states
-        if inputs is None or not (torch.is_grad_enabled() and inputs.requires_grad):
+        made = (memory.keys, memory.values, memory.spans)  # with gradient to the weights (or the layer inputs)
+        if memory.hidden_states is None or not (
+            torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in made)
+        ):
             return memory.detached(keep_span_inputs)
         own = memory.slots(memory.width - length, length)
-        recomputed = self.memory_of(own.hidden_states.detach(), own.positions, own.valid, cos, sin)
+        inputs = own.hidden_states.detach()
+        if cos is None:  # the block's keys and values as they are, with the gradients of a recomputation
+            attention_input = sublayer_input(inputs, self.input_layernorm, self.norm_position)
+            recomputed = self.attention.remade_memory(dataclasses.replace(own, hidden_states=inputs), attention_input)
+        else:
+            recomputed = self.memory_of(inputs, own.positions, own.valid, cos, sin)
         joined = memory.slots(0, memory.width - length).append(recomputed)
         return dataclasses.replace(joined, span_inputs=None)
 
@@ -394,6 +453,7 @@ class ExpireSpanCacheLayer(MemoryCacheLayer):
         self.memory = memory.restore()
         del self.recorded[recorded:]
 
+    @torch.no_grad()  # cache bookkeeping: the memories are pruned and appended as decoding does
     def roll_back(self, rollback: Rollback):
         if not rollback.removes_tokens:
             return

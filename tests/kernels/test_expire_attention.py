@@ -471,18 +471,19 @@ def test_a_non_finite_key_reaches_only_the_queries_that_see_it(backend, where, o
 
 
 @pytest.mark.parametrize("epsilon", [0.0, 1e-3])
-@pytest.mark.parametrize("positions_as", ["table", "scores"])
-@pytest.mark.parametrize("memory", ["carried", "block_only"])
+@pytest.mark.parametrize("positions_as", ["table", "scores", "both"])
+@pytest.mark.parametrize("memory", ["carried", "block_only", "holes"])
 def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(memory, positions_as, epsilon):
-    """The learned relative positions given as their table (P, d) or as `position_scores` (B, H, T, N); with
-    gradients the official options run a forward that keeps only its inputs and a backward written out
+    """The learned relative positions given as their table (P, d), as `position_scores` (B, H, T, N) or half each;
+    with gradients the official options run a forward that keeps only its inputs and a backward written out
     (`official.py`): the output and every gradient (query, key, value, spans, the table) equal the reference's under
-    autograd, in float64, with and without the renormalisation ε, and for queries that see no key (the first of a
-    block without memories, as attend_to_self=False hides its own)."""
+    autograd, in float64, with and without the renormalisation ε, for queries that see no key (the first of a block
+    without memories, as attend_to_self=False hides its own), and for a memory with holes (invalid slots, keys out of
+    order, a maximum distance, attention to self); without gradients the forward gives the reference's output."""
     from memlm.kernels.expire_attention import relative_position_scores
 
     generator = torch.Generator().manual_seed(3)
-    width = 8 if memory == "carried" else 0
+    width = 0 if memory == "block_only" else 8
     query = torch.randn(2, 3, 6, 5, generator=generator, dtype=torch.float64)
     key, value = (torch.randn(2, 3, 6 + width, 5, generator=generator, dtype=torch.float64) for _ in range(2))
     spans = torch.rand(2, 6 + width, generator=generator, dtype=torch.float64) * 9
@@ -490,13 +491,23 @@ def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(me
     query_positions = torch.arange(width, width + 6)[None].expand(2, -1)
     key_positions = torch.arange(6 + width)[None].expand(2, -1)
     options = {"ramp": 2.0, "attend_to_self": False, "renormalization_epsilon": epsilon}
+    if memory == "holes":
+        key_positions = torch.cat([torch.randperm(width, generator=generator)[None].expand(2, -1),
+                                   query_positions], dim=1)  # fmt: skip
+        key_valid = torch.rand(2, 6 + width, generator=generator) > 0.3
+        options |= {"attend_to_self": True, "key_valid": key_valid, "max_distance": 9.0}
     distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
     leaves = [tensor.clone().requires_grad_() for tensor in (query, key, value, spans, table)]
-    if positions_as == "table":
-        positions = {"relative_positions": leaves[4]}
-    else:  # the same scores as a differentiable (B, H, T, N) input
-        positions = {"position_scores": relative_position_scores(leaves[4], leaves[0], distance)}
-    output = expire_span_attention(*leaves[:4], query_positions, key_positions, **positions, **options)
+
+    def positions(leaves):
+        scores = relative_position_scores(leaves[4], leaves[0], distance)
+        if positions_as == "table":
+            return {"relative_positions": leaves[4]}
+        if positions_as == "scores":  # the same scores as a differentiable (B, H, T, N) input
+            return {"position_scores": scores}
+        return {"relative_positions": leaves[4] / 2, "position_scores": scores / 2}
+
+    output = expire_span_attention(*leaves[:4], query_positions, key_positions, **positions(leaves), **options)
     assert output.grad_fn is not None and "OfficialAttention" in type(output.grad_fn).__name__
     grad_output = torch.randn(output.shape, generator=generator, dtype=torch.float64)
     output.backward(grad_output)
@@ -508,4 +519,30 @@ def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(me
     assert (output - expected).abs().max() < 1e-13
     for ours, theirs in zip(leaves, expected_leaves):
         assert (ours.grad - theirs.grad).abs().max() < 1e-12
-    assert leaves[4].grad.abs().max() > 0  # the table learns
+    assert leaves[4].grad.abs().max() > 0 and leaves[3].grad.abs().max() > 0  # the table and the spans learn
+    with torch.no_grad():
+        inference = expire_span_attention(*leaves[:4], query_positions, key_positions, **positions(leaves), **options)
+    assert (inference - expected).abs().max() < 1e-13
+
+
+def test_the_official_options_in_float32_stay_close_to_the_float64_reference():
+    """The official path computes in float32 for float32 inputs (scores accumulated onto log m, the ε sum): its
+    output and gradients stay within float32 rounding of the float64 reference, with spans long and short."""
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(2, 4, 32, 16, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(2, 4, 96, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    spans = torch.rand(2, 96, generator=generator, dtype=torch.float64) * 80
+    table = torch.randn(48, 16, generator=generator, dtype=torch.float64) / 4
+    query_positions = torch.arange(64, 96)[None].expand(2, -1)
+    key_positions = torch.arange(96)[None].expand(2, -1)
+    options = {"ramp": 8.0, "attend_to_self": False, "renormalization_epsilon": 1e-3}
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        leaves = [tensor.detach().to(dtype).requires_grad_() for tensor in (query, key, value, spans, table)]
+        call = expire_span_attention if dtype == torch.float32 else expire_span_attention_reference
+        output = call(*leaves[:4], query_positions, key_positions, relative_positions=leaves[4], **options)
+        output.backward(torch.ones_like(output))
+        results.append([output] + [leaf.grad for leaf in leaves])
+    for expected, ours in zip(*results):
+        # float32 rounding (2^-24 relative) accumulated over 96 keys and a few passes
+        torch.testing.assert_close(ours.double(), expected, rtol=1e-4, atol=1e-4)

@@ -40,6 +40,7 @@ def assert_same(first: ExpireSpanMemory, second: ExpireSpanMemory):
             assert torch.equal(tensor, other), name
 
 
+@torch.no_grad()  # decoding: appends write into a preallocated buffer
 def test_in_place_appends_equal_concatenation():
     memory, joined = make_memory(0, 3), make_memory(0, 3)
     for step in range(3, 200):
@@ -49,6 +50,7 @@ def test_in_place_appends_equal_concatenation():
     assert memory.buffer is not None and memory.buffer.capacity < 2 * memory.width  # preallocated, not a copy a step
 
 
+@torch.no_grad()
 def test_an_older_prefix_never_overwrites_a_newer_one():
     base = make_memory(0, 4).append(make_memory(4, 1))
     first = base.append(make_memory(5, 1, seed=1))
@@ -58,11 +60,20 @@ def test_an_older_prefix_never_overwrites_a_newer_one():
     assert_same(second, make_memory(0, 4)._joined(make_memory(4, 1))._joined(make_memory(5, 1, seed=2)))
 
 
-def test_appends_that_need_gradients_concatenate():
+def test_appends_with_gradients_enabled_concatenate():
+    """With gradients enabled, even memories that need none (an attention's queries may, and its backward reads the
+    memories later) are concatenated and pruned into new tensors, never written in place."""
     memory = make_memory(0, 3, requires_grad=True).append(make_memory(3, 1))
     assert memory.buffer is None and memory.keys.requires_grad
+    plain = make_memory(0, 3).append(make_memory(3, 1))
+    assert plain.buffer is None
     with torch.no_grad():
         assert make_memory(0, 3, requires_grad=True).append(make_memory(3, 1)).buffer is not None
+        buffered = make_memory(0, 3).append(make_memory(3, 1))
+    valid = buffered.valid
+    buffered.buffer.next_check = 0  # a check is due
+    pruned = buffered.prune(lambda: torch.ones_like(valid))
+    assert valid.all() and not pruned.valid.any()  # with gradients enabled the old validity is left as it was
 
 
 def test_detached_drops_gradients_and_span_inputs():
@@ -95,6 +106,7 @@ def test_expired_memories_are_those_no_later_query_reads(spans):
     assert not dead[1].any()
 
 
+@torch.no_grad()  # decoding
 def decode(memory, steps, spans=True, start=None):
     """Decode `steps` tokens: prune for the next query, then append its memory, as a layer does."""
     start = memory.width if start is None else start
@@ -127,7 +139,8 @@ def test_lazy_pruning_marks_dead_memories_invalid_in_place():
     first = torch.full((2,), 40)
     memory.buffer.next_check = 0  # force a check now
     dead = expired_memories(memory.positions, memory.spans, first, RAMP, max_span=5)
-    pruned = memory.prune(lambda: dead)
+    with torch.no_grad():
+        pruned = memory.prune(lambda: dead)
     assert not (pruned.valid & expired_memories(pruned.positions, pruned.spans, first, RAMP, max_span=5)).any()
 
 

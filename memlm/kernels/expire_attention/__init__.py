@@ -290,9 +290,12 @@ def _expire_span_attention(
         return expire_span_attention_triton(
             query, key, value, spans, query_positions, key_positions, **options, **official
         )
-    if is_official:
+    if is_official and backend != "reference":
         return expire_span_attention_official(
             query, key, value, spans, query_positions, key_positions, **options, **official
         )
-    implementation = expire_span_attention_reference if backend == "reference" else expire_span_attention_sdpa
-    return implementation(query, key, value, spans, query_positions, key_positions, **options)
+    if backend == "reference":
+        return expire_span_attention_reference(
+            query, key, value, spans, query_positions, key_positions, **options, **official
+        )
+    return expire_span_attention_sdpa(query, key, value, spans, query_positions, key_positions, **options)

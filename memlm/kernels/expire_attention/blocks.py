@@ -58,9 +58,11 @@ def run_layer_over_blocks(layer, hidden_states, blocks: list[Block], memory, kee
     Returns the layer's output (B, T, D), its memories after the last block (detached: truncated back-propagation
     through time, as the official code carries them), the spans of each block, and the summed span loss and reads."""
     outputs, spans, span_loss_sum, read_count = [], [], 0, 0
+    # One split, not a slice per block: a slice's gradient is a zero tensor of the whole input per block.
+    inputs = hidden_states.split([block.positions.shape[1] for block in blocks], dim=1)
     for index, block in enumerate(blocks):
         output, memory, block_spans, block_span_loss, block_read = layer(
-            hidden_states[:, block.tokens], block.positions, block.valid, block.cos, block.sin, memory=memory,
+            inputs[index], block.positions, block.valid, block.cos, block.sin, memory=memory,
             first_positions=block.first_positions, recompute_memory=recompute_memory and index == 0,
             keep_span_inputs=keep_span_inputs, **options,
         )  # fmt: skip

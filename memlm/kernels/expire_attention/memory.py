@@ -117,10 +117,10 @@ class ExpireSpanMemory:
 
     def append(self, other: "ExpireSpanMemory") -> "ExpireSpanMemory":
         """These memories followed by `other`'s. Span inputs are kept only when both sides have them. Without
-        gradients (decoding), `other` is written in place into the buffer when this memory is its newest prefix."""
-        tensors = (*self.tensors().values(), *other.tensors().values())
-        needs_grad = torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
-        if torch.compiler.is_compiling() or needs_grad:
+        gradients (decoding), `other` is written in place into the buffer when this memory is its newest prefix.
+        With gradients enabled, never in place: an attention's backward may read these memories (its keys and their
+        validity, even when only its queries need gradients) after later blocks have appended and pruned."""
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():
             return self._joined(other)
         return self._appended_in_place(other)
 
@@ -194,7 +194,12 @@ class ExpireSpanMemory:
         (1 − COMPACT_FRACTION) + check_interval + the block. Compiled, the dead are only masked (how many a row
         keeps is data, which torch.compile cannot trace); the caller compacts afterwards."""
         buffer = self.buffer
-        lazy = not torch.compiler.is_compiling() and buffer is not None and buffer.used == self.width
+        lazy = (
+            not torch.compiler.is_compiling()
+            and not torch.is_grad_enabled()  # marking in place is for decoding; see `append`
+            and buffer is not None
+            and buffer.used == self.width
+        )
         if lazy and self.width < buffer.next_check:
             return self
         keep = self.valid if dead is None else self.valid & ~dead()

@@ -2,29 +2,30 @@
 
 The official model (facebookresearch/transformer-sequential) adds learned relative positions to the scores, hides
 key t from query t and renormalises with an ε (see `reference.py`); no fused kernel of PyTorch takes these, so the
-scores (B, H, T, N) are written out as the reference writes them. In training, the forward keeps only its inputs and
-the backward computes the weights again once and differentiates them by hand (paper Eq. 4 with the official ε):
+scores (B, H, T, N) are written out, in as few passes over them as the arithmetic allows. With s the scaled scores
+(positions included) and m the soft mask (Eq. 5), the official weights (Eq. 4 with its ε; its softmax runs over the
+keys with m > 0) are
 
-    a = softmax(s) over the visible keys,  w = m·a / (Σ m·a + ε),  o = w·V
-    dw = dO·Vᵀ,  g = (dw − Σ dw·w) / (Σ m·a + ε),  da = g·m,  dm = Σ_heads g·a
-    ds = a·(da − Σ a·da),  dq = scale·ds·K (+ the positions' term),  dK = scale·dsᵀ·q,  dV = wᵀ·dO
-    de_i = Σ_t dm_ti / R where 0 < m_ti < 1 (Eq. 5)
+    w_i = m_i e^{s_i} / (Σ_j m_j e^{s_j} + ε Σ_{j: m_j > 0} e^{s_j}) = w¹_i / (1 + ε Σ_j w¹_j / m_j),
+    w¹ = softmax(s + log m),  log 0 = −inf (hidden keys too),
+
+so a forward is one product q·kᵀ accumulated onto the bias log m (+ the positions' term), one softmax and, with ε,
+one weighted sum. In training the forward keeps its inputs and output; the backward computes w again and, with
+g_i = dO·v_i, G = Σ_j w_j g_j = dO·o (no pass over the pairs) and u_i = w_i / m_i,
+
+    ds_i = w_i (g_i − G) − ε G u_i,   dm_i = Σ_heads u_i (g_i − G),   dq = scale·ds·K (+ positions),
+    dK = scale·dsᵀ·q,   dV = wᵀ·dO,   de_i = Σ_t dm_ti / R where 0 < m_ti < 1 (Eq. 5)
 
 so that one (query, key) tensor per step of this chain is alive at a time, for one layer and block. Tested against
 the reference under autograd in float64 (tests/kernels/test_expire_attention.py).
 """
 
+from typing import NamedTuple
+
 import torch
 
-from .reference import (
-    _compute_dtype,
-    expire_span_attention_reference,
-    expire_span_mask,
-    relative_position_index,
-    relative_position_scores,
-    relative_position_scores_backward,
-    visible_keys,
-)
+from .reference import _compute_dtype, expire_span_attention_reference, visible_keys
+from .sdpa import log_clamped
 
 __all__ = ["expire_span_attention_official"]
 
@@ -33,90 +34,151 @@ def expire_span_attention_official(query, key, value, spans, query_positions, ke
                                    max_distance=None, scale=None, dropout=0.0, position_scores=None,
                                    attend_to_self=True, renormalization_epsilon=0.0,
                                    relative_positions=None):  # fmt: skip
-    """As `expire_span_attention_reference`; with gradients (and no dropout) through `_OfficialAttention`."""
-    options = dict(ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout,
-                   position_scores=position_scores, attend_to_self=attend_to_self,
-                   renormalization_epsilon=renormalization_epsilon, relative_positions=relative_positions)  # fmt: skip
-    inputs = (query, key, value, spans, position_scores, relative_positions)
-    if dropout > 0 or not torch.is_grad_enabled() or not any(x is not None and x.requires_grad for x in inputs):
+    """As `expire_span_attention_reference` (which runs attention dropout); with gradients through
+    `_OfficialAttention`."""
+    if dropout > 0:
+        options = dict(ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout,
+                       position_scores=position_scores, attend_to_self=attend_to_self,
+                       renormalization_epsilon=renormalization_epsilon, relative_positions=relative_positions)  # fmt: skip
         return expire_span_attention_reference(query, key, value, spans, query_positions, key_positions, **options)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     settings = (ramp, key_valid, max_distance, scale, attend_to_self, renormalization_epsilon)
+    inputs = (query, key, value, spans, position_scores, relative_positions)
+    if not torch.is_grad_enabled() or not any(x is not None and x.requires_grad for x in inputs):
+        dtype = _compute_dtype(query, key, value, spans)
+        cast = [None if x is None else x.to(dtype) for x in (query, key, value, position_scores, relative_positions)]
+        pairs = _pair_terms(settings, query_positions, key_positions, spans, dtype, relative_positions, False)
+        weights = _weights(settings, pairs, cast[0], cast[1], cast[3], _extended(cast[4]))
+        return (weights @ cast[2]).to(query.dtype)
     return _OfficialAttention.apply(settings, query_positions, key_positions, query, key, value, spans,
                                     position_scores, relative_positions)  # fmt: skip
 
 
-def _weights(settings, query_positions, key_positions, query, key, spans, position_scores, table):
-    """The weights w (B, H, T, N), the softmax a, the mask m (B, T, N), the denominator and what the backward needs
-    of the positions, as the reference computes them."""
-    ramp, key_valid, max_distance, scale, attend_to_self, epsilon = settings
-    visible = visible_keys(query_positions, key_positions, key_valid, max_distance, attend_to_self)
-    mask = expire_span_mask(None if spans is None else spans.detach(), query_positions, key_positions, ramp)
-    mask = mask.to(query.dtype)
-    if epsilon > 0:
-        visible = visible & (mask > 0)  # the official softmax leaves out the keys with m = 0
-    scores = query @ key.mT
-    relative = None
+class _PairTerms(NamedTuple):
+    """What the heads share per (query, key) pair, (B, 1, T, N) each: the bias log m (−inf where the key is hidden
+    or m = 0), 1/m where the bias is finite (0 elsewhere; None when neither ε nor a span gradient needs it), whether
+    0 < m < 1 (for the span gradient, else None), the row of [table; 0] each pair's position term reads (None
+    without a table), and which queries see a key at all ((B, 1, T, 1), None when all do)."""
+
+    bias: torch.Tensor
+    inverse: torch.Tensor | None
+    on_ramp: torch.Tensor | None
+    position_row: torch.Tensor | None
+    sees: torch.Tensor | None
+
+
+def _pair_terms(settings, query_positions, key_positions, spans, dtype, table, span_gradient) -> _PairTerms:
+    ramp, key_valid, max_distance, _, attend_to_self, epsilon = settings
+    visible = visible_keys(query_positions, key_positions, key_valid, max_distance, attend_to_self)[:, None]
+    inverse = on_ramp = None
+    if spans is None:
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+        if epsilon > 0:
+            inverse = visible.to(dtype)
+    else:
+        # m = clamp(1 + (e_i − (t − i)) / R, 0, 1) (Eq. 5), positions taken from each row's first query so that the
+        # float terms stay small.
+        origin = query_positions.amin(dim=1, keepdim=True)
+        key_term = (spans.detach().to(dtype) + (key_positions - origin)).div_(ramp).add_(1)
+        query_term = (query_positions - origin).to(dtype).div_(ramp)
+        mask = (key_term[:, None, None, :] - query_term[:, None, :, None]).clamp_(0, 1)  # (B, 1, T, N)
+        if span_gradient:
+            on_ramp = (mask > 0) & (mask < 1)
+        visible = visible & (mask > 0)  # a key with m = 0 has weight 0, and the official softmax leaves it out
+        if epsilon > 0 or span_gradient:
+            inverse = torch.where(visible, mask.reciprocal(), 0.0)
+        bias = log_clamped(mask).masked_fill_(~visible, float("-inf"))
+    sees = visible.any(-1, keepdim=True)
+    if bool(sees.all()):
+        sees = None
+    else:  # a row of −inf would make the softmax NaN: score it 0 and zero its weights afterwards
+        bias = torch.where(sees, bias, 0.0)
+    position_row = None
     if table is not None:
-        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, T, N)
-        relative = relative_position_index(distance, table.shape[0])
-        scores = scores + relative_position_scores(table, query, relative)
-    if position_scores is not None:
-        scores = scores + position_scores.to(query.dtype)
-    scores = scores.mul_(scale).masked_fill_(~visible[:, None], float("-inf"))
-    sees = visible.any(-1, keepdim=True)[:, None]  # (B, 1, T, 1): a query that sees no key scores 0, weighs 0
-    attention = torch.where(sees, scores, 0.0).softmax(dim=-1).mul_(visible[:, None])  # a
-    weights = attention * mask[:, None]  # m·a
-    normaliser = weights.sum(dim=-1, keepdim=True)
-    denominator = normaliser + epsilon if epsilon > 0 else torch.where(normaliser > 0, normaliser, 1.0)
-    return weights.div_(denominator), attention, mask, denominator, relative
+        count = table.shape[0]
+        row = (query_positions[:, None, :, None] - key_positions[:, None, None, :]).sub_(1)  # d − 1
+        position_row = row.masked_fill_((row < 0) | (row >= count), count)  # row P of [table; 0] scores 0
+    return _PairTerms(bias, inverse, on_ramp, position_row, sees)
+
+
+def _extended(table):
+    """[table; 0]: (P + 1, d), the last row read by the pairs at distances outside 1..P."""
+    return None if table is None else torch.cat([table, table.new_zeros(1, table.shape[1])])
+
+
+def _weights(settings, pairs: _PairTerms, query, key, position_scores, table) -> torch.Tensor:
+    """The official weights w (B, H, T, N) (see the module docstring)."""
+    scale, epsilon = settings[3], settings[5]
+    batch_size, num_heads, length, _ = query.shape
+    shape = (batch_size, num_heads, length, key.shape[2])
+    if table is not None:  # the positions' term q_t · p_{t−i}, gathered from q·[table; 0]ᵀ
+        by_distance = query @ table.mT
+        terms = by_distance.gather(-1, pairs.position_row.expand(shape))
+        if position_scores is not None:
+            terms += position_scores
+        scores = torch.add(pairs.bias, terms, alpha=scale)
+    elif position_scores is not None:
+        scores = torch.add(pairs.bias, position_scores, alpha=scale)
+    else:
+        scores = pairs.bias.expand(shape).contiguous()
+    scores = scores.view(-1, length, shape[-1]).baddbmm_(query.flatten(0, 1), key.flatten(0, 1).mT, alpha=scale)
+    weights = scores.view(shape).softmax(dim=-1)  # w¹ = softmax(s + log m)
+    if epsilon > 0:
+        weights /= torch.linalg.vecdot(weights, pairs.inverse).unsqueeze(-1).mul_(epsilon).add_(1)
+    if pairs.sees is not None:
+        weights.mul_(pairs.sees)
+    return weights
 
 
 class _OfficialAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, settings, query_positions, key_positions, query, key, value, spans, position_scores, table):
         dtype = _compute_dtype(query, key, value, spans)
-        scale = query.shape[-1] ** -0.5 if settings[3] is None else settings[3]
-        settings = (*settings[:3], scale, *settings[4:])
         with torch.no_grad():
             cast = [None if x is None else x.to(dtype) for x in (query, key, value, position_scores, table)]
-            weights = _weights(settings, query_positions, key_positions, cast[0], cast[1], spans, cast[3],
-                               cast[4])[0]  # fmt: skip
-            output = (weights @ cast[2]).to(query.dtype)
-        ctx.settings, ctx.dtype = settings, dtype
-        ctx.save_for_backward(query_positions, key_positions, query, key, value, spans, position_scores, table)
-        return output
+            pairs = _pair_terms(settings, query_positions, key_positions, spans, dtype, table, False)
+            output = _weights(settings, pairs, cast[0], cast[1], cast[3], _extended(cast[4])) @ cast[2]
+        ctx.settings, ctx.dtype = (*settings[:1], None, *settings[2:]), dtype  # the validity is saved, checked
+        ctx.save_for_backward(query_positions, key_positions, settings[1], query, key, value, spans, position_scores,
+                              table, output)  # fmt: skip
+        return output.to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
-        query_positions, key_positions, query, key, value, spans, position_scores, table = ctx.saved_tensors
-        settings, dtype = ctx.settings, ctx.dtype
-        ramp, scale = settings[0], settings[3]
-        inputs = [None if x is None else x.detach().to(dtype) for x in (query, key, value, position_scores, table)]
-        q, k, v, scores_in, table_in = inputs
-        weights, attention, mask, denominator, relative = _weights(
-            settings, query_positions, key_positions, q, k, spans, scores_in, table_in
+        query_positions, key_positions, key_valid, query, key, value, spans, position_scores, table, output = (
+            ctx.saved_tensors
         )
+        settings, dtype = (*ctx.settings[:1], key_valid, *ctx.settings[2:]), ctx.dtype
+        ramp, scale, epsilon = settings[0], settings[3], settings[5]
+        span_gradient = spans is not None and ctx.needs_input_grad[6]
+        q, k, v, scores_in, table_in = (
+            None if x is None else x.detach().to(dtype) for x in (query, key, value, position_scores, table)
+        )
+        extended = _extended(table_in)
+        pairs = _pair_terms(settings, query_positions, key_positions, spans, dtype, table, span_gradient)
+        weights = _weights(settings, pairs, q, k, scores_in, extended)
         grad_output = grad_output.to(dtype)
         grad_value = weights.mT @ grad_output
-        grad_weights = grad_output @ v.mT  # dw
-        grad_masked = (grad_weights - (grad_weights * weights).sum(-1, keepdim=True)).div_(denominator)  # g
-        del weights, grad_weights
-        grad_attention = grad_masked * mask[:, None]  # da = g·m
-        grad_mask = (grad_masked * attention).sum(1) if spans is not None and ctx.needs_input_grad[6] else None
-        del grad_masked
-        grad_scores = attention * (grad_attention - (attention * grad_attention).sum(-1, keepdim=True))  # ds
-        del attention, grad_attention
-        grad_scores.mul_(scale)  # d(q·k + position terms)
-        grad_query = grad_scores @ k
-        grad_key = grad_scores.mT @ q
+        total = torch.linalg.vecdot(grad_output, output).unsqueeze(-1)  # G = Σ_j w_j g_j = dO·o
+        grad_scores = (grad_output @ v.mT).sub_(total).mul_(weights)  # w (g − G)
+        grad_spans = None
+        if span_gradient:  # dm = Σ_heads u (g − G), u = w / m; Eq. 5: ∂m/∂e = 1/R strictly inside the ramp
+            grad_mask = grad_scores.sum(1, keepdim=True).mul_(pairs.inverse).masked_fill_(~pairs.on_ramp, 0.0)
+            grad_spans = (grad_mask.sum((1, 2)) / ramp).to(spans.dtype)
+        if epsilon > 0:  # − ε G u
+            grad_scores.addcmul_(weights.mul_(pairs.inverse), total, value=-epsilon)
+        del weights
+        grad_query = (grad_scores @ k).mul_(scale)  # d(q·k + position terms) = scale · ds
+        grad_key = (grad_scores.mT @ q).mul_(scale)
         grad_table = None
         if table is not None:
-            grad_positions, grad_table = relative_position_scores_backward(table_in, q, relative, grad_scores)
-            grad_query, grad_table = grad_query + grad_positions, grad_table.to(table.dtype)
-        grad_spans = None
-        if grad_mask is not None:  # Eq. 5: ∂m/∂e = 1/R strictly inside the ramp
-            on_ramp = (mask > 0) & (mask < 1)
-            grad_spans = (torch.where(on_ramp, grad_mask, 0.0).sum(1) / ramp).to(spans.dtype)
-        grad_position_scores = None if position_scores is None else grad_scores.to(position_scores.dtype)
+            by_distance = grad_scores.new_zeros(*grad_scores.shape[:-1], extended.shape[0])
+            by_distance.scatter_add_(-1, pairs.position_row.expand(grad_scores.shape), grad_scores)
+            by_distance = by_distance[..., :-1].mul_(scale)
+            grad_query += by_distance @ table_in
+            grad_table = (by_distance.flatten(0, -2).mT @ q.flatten(0, -2)).to(table.dtype)
+        grad_position_scores = None
+        if position_scores is not None:
+            grad_position_scores = (grad_scores * scale).to(position_scores.dtype)
         return (None, None, None, grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
                 grad_spans, grad_position_scores, grad_table)  # fmt: skip
