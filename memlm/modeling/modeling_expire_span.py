@@ -339,6 +339,15 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         cos, sin = rotary_embedding(memory.positions) if rotary_embedding is not None else (None, None)
         return self.memory_of(memory.hidden_states, memory.positions, memory.valid, cos, sin)
 
+    def with_current_spans(self, memory: ExpireSpanMemory) -> ExpireSpanMemory:
+        """The memory with the spans its layer inputs get from the current weights, without gradient: what `prune`
+        decides on before `recompute` (which computes them again, with gradient, for the memories that live on)."""
+        if self.attention.span_predictor is None:
+            return memory
+        with torch.no_grad():
+            inputs = sublayer_input(memory.hidden_states, self.input_layernorm, self.norm_position)
+            return dataclasses.replace(memory, spans=self.attention.predict_spans(inputs))
+
     def next_block_memory(self, memory: ExpireSpanMemory, length: int, cos, sin, keep_span_inputs: bool):
         """The memories after a block of `length` tokens (rotated by `cos`, `sin`) as the next block of the same
         forward reads them: without gradient to the hidden states that made them (the official code carries them
@@ -389,11 +398,17 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         and the block's own, from which a rollback rebuilds the memories after any of the block's tokens.
         `recompute_memory`: compute the memories' keys, values and spans again from their hidden states first."""
         recompute = self.attention.config.recompute_memory
-        if memory is not None and recompute_memory and memory.hidden_states is not None:
+        recomputing = memory is not None and recompute_memory and memory.hidden_states is not None
+        found = None
+        if recomputing and recording is None:  # pruned first: only the memories that live on are projected again
+            memory = self.prune(self.with_current_spans(memory), first_positions, delete_expired)
             memory = self.recompute(memory, rotary_embedding)
-        found = MemorySnapshot.of(memory) if recording is not None else None
-        if memory is not None:
-            memory = self.prune(memory, first_positions, delete_expired)
+        else:
+            if recomputing:
+                memory = self.recompute(memory, rotary_embedding)
+            found = MemorySnapshot.of(memory) if recording is not None else None
+            if memory is not None:
+                memory = self.prune(memory, first_positions, delete_expired)
         mixed, memory, spans, span_loss_sum, read = self.attention(
             sublayer_input(hidden_states, self.input_layernorm, self.norm_position), positions, token_valid, cos, sin,
             memory, max_distance, counted_positions, relative_positions, hidden_states if recompute else None,
