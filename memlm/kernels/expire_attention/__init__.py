@@ -9,7 +9,7 @@ Key ``i`` at absolute position ``i`` has a span ``e_i``; a query at position ``t
 ``log m`` (``sdpa.py``), ``"triton"`` a FlashAttention-style kernel that computes the mask inside and skips expired
 tiles (``triton_attention.py``), ``"reference"`` the explicit softmax-mask-renormalise of ``reference.py``. The
 official code's options (learned relative positions, no attention to self, the renormalisation ε) run inside the
-Triton kernel too; on the other backends ``official.py``: the reference's scores, differentiated by hand.
+Triton kernel too; on the ``torch`` backend ``official.py``: the scores written out, differentiated by hand.
 :func:`expire_span_mask` is the mask itself, for the model's span loss and memory bookkeeping.
 """
 
@@ -190,8 +190,9 @@ def expire_span_attention(
         relative_positions: ``(P, d)``, the learned relative positions ``p_1 … p_P``: adds ``q_t · p_{t−i}`` for
             ``1 ≤ t − i ≤ P`` as ``position_scores`` would, without a ``(B, H, T, N)`` input. These official options
             run in the Triton kernel (``position_scores`` or ``relative_positions``, not both); on the other
-            backends ``official.py``: the reference's scores, and with gradients (no dropout) a forward that keeps
-            only its inputs and a backward written out (one block's weights alive at a time).
+            backends ``official.py``: the scores written out in few passes, and with gradients (no dropout) a
+            forward that keeps only its inputs and output and a backward written out (one block's weights alive at a
+            time).
 
     Returns:
         ``(B, H, T, d_v)`` in the query's dtype. On CPU tensors a non-finite key, value or span at position i leaves
