@@ -185,23 +185,23 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         """Queries, keys and values (B, H, T, d) of hidden_states (B, T, D), queries and keys rotated with rotary
         positions (cos and sin None otherwise)."""
         batch_size, length, _ = hidden_states.shape
-        shape = (batch_size, length, self.num_heads, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(batch_size, length, self.num_heads, self.head_dim).transpose(1, 2)
         if cos is not None:
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        return query, key, value
+            query = apply_rotary(query, cos, sin)
+        return (query, *self.project_memory(hidden_states, cos, sin))
 
-    def make_memory(self, hidden_states, positions, valid, cos, sin, layer_inputs=None) -> ExpireSpanMemory:
-        """The memories of hidden_states (B, N, D) (normed as the attention reads them) at `positions` (B, N);
-        `layer_inputs`: the layer inputs they came from, kept with `recompute_memory`."""
+    def project_memory(self, hidden_states: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """Keys (rotated as in `project`) and values (B, H, N, d) of hidden_states (B, N, D)."""
         batch_size, length, _ = hidden_states.shape
         shape = (batch_size, length, self.num_heads, self.head_dim)
         key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        if cos is not None:
-            key = apply_rotary(key, cos, sin)
+        return (key if cos is None else apply_rotary(key, cos, sin)), value
+
+    def make_memory(self, hidden_states, positions, valid, cos, sin, layer_inputs=None) -> ExpireSpanMemory:
+        """The memories of hidden_states (B, N, D) (normed as the attention reads them) at `positions` (B, N);
+        `layer_inputs`: the layer inputs they came from, kept with `recompute_memory`."""
+        key, value = self.project_memory(hidden_states, cos, sin)
         spans = self.predict_spans(hidden_states) if self.span_predictor is not None else None
         return ExpireSpanMemory(key, value, positions, valid, spans, hidden_states, layer_inputs)
 

@@ -4,6 +4,8 @@ post-norm, plain biased MLP, biases, dropouts), an independent head width, the l
 attention to self, the zero initial memory, the official span-loss value and renormalisation, memories recomputed
 from hidden states, noisy spans and layer drop, float64 throughout."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -368,6 +370,12 @@ def test_recomputed_memories_train_the_same_in_one_forward_as_block_by_block(nor
             lora = peft.LoraConfig(r=2, target_modules=targets, init_lora_weights=False)
             torch.manual_seed(0)
             model = peft.get_peft_model(model, lora)
+        projected = []  # the rows layer 0's key projection sees
+        base = model if projections == "plain" else model.get_base_model()
+        key_projection = base.model.layers[0].attention.k_proj
+        key_projection.register_forward_hook(
+            lambda module, inputs, output, rows=projected: rows.append(inputs[0].shape[1])
+        )
         cache, losses = None, []
         for piece in pieces:
             output = model(input_ids=input_ids[:, piece], cache=cache, use_cache=True)
@@ -375,6 +383,8 @@ def test_recomputed_memories_train_the_same_in_one_forward_as_block_by_block(nor
             output.logits.square().sum().backward()
             cache, losses = output.cache, losses + [output.logits.detach()]
         gradients.append({name: parameter.grad for name, parameter in model.named_parameters()})
+        if len(pieces) == 1 and projections != "lora_key_value":  # the zero initial memory, then each block once
+            assert projected == [base.config.initial_memory_size, 6, 6, 6, 3], projected
         if len(pieces) == 1:
             whole, whole_cache = losses[0], cache
     assert (torch.cat(losses, 1) - whole).abs().max() < 1e-12
@@ -386,6 +396,31 @@ def test_recomputed_memories_train_the_same_in_one_forward_as_block_by_block(nor
     for ours, theirs in zip(whole_cache.layers, cache.layers):  # the same memories carried on, detached
         assert not ours.memory.keys.requires_grad and not ours.memory.hidden_states.requires_grad
         assert (ours.memory.keys - theirs.memory.keys).abs().max() < 1e-12
+
+
+def test_carried_memories_are_pruned_on_the_spans_of_the_current_weights():
+    """With `recompute_memory`, carried memories are pruned before they are projected again (only those that live on
+    are projected), on the spans the current weights give them: after the span predictor changed, a training forward
+    reads the memories the new spans keep, as the order recompute-then-prune (the one a recording cache keeps) does.
+    The cache is made with short spans (most memories dead), then the spans are made long."""
+    model = _model(torch.float64, **OFFICIAL, recompute_memory=True).train()
+    input_ids = _input_ids(length=24)
+    for layer in model.model.layers:
+        layer.attention.span_predictor.bias.data.fill_(-6.0)  # spans of ~0.03 · 12 tokens
+    with torch.no_grad():
+        cache = model(input_ids=input_ids[:, :18], use_cache=True).cache
+    for layer in model.model.layers:
+        layer.attention.span_predictor.bias.data.fill_(6.0)  # spans of ~12 tokens: the memories live again
+    results = []
+    for recording in (False, True):
+        carried = copy.deepcopy(cache)
+        if recording:
+            carried.activate_past_recording()
+        results.append(model(input_ids=input_ids[:, 18:], cache=carried, use_cache=True).logits)
+    assert (results[0] - results[1]).abs().max() < 1e-12
+    with torch.no_grad():
+        fresh = model(input_ids=input_ids[:, 18:], use_cache=True).logits
+    assert (results[0] - fresh).abs().max() > 1e-3  # the carried memories are read
 
 
 def test_recomputed_memories_are_reused_while_the_weights_stay_and_recomputed_when_they_change():

@@ -291,12 +291,12 @@ def _expire_span_attention(
         return expire_span_attention_triton(
             query, key, value, spans, query_positions, key_positions, **options, **official
         )
-    if is_official and backend != "reference":
-        return expire_span_attention_official(
-            query, key, value, spans, query_positions, key_positions, **options, **official
-        )
     if backend == "reference":
         return expire_span_attention_reference(
+            query, key, value, spans, query_positions, key_positions, **options, **official
+        )
+    if is_official:
+        return expire_span_attention_official(
             query, key, value, spans, query_positions, key_positions, **options, **official
         )
     return expire_span_attention_sdpa(query, key, value, spans, query_positions, key_positions, **options)

@@ -87,7 +87,7 @@ def _pair_terms(settings, query_positions, key_positions, spans, dtype, table, s
         visible = visible & (mask > 0)  # a key with m = 0 has weight 0, and the official softmax leaves it out
         if epsilon > 0 or span_gradient:
             inverse = torch.where(visible, mask.reciprocal(), 0.0)
-        bias = log_clamped(mask).masked_fill_(~visible, float("-inf"))
+        bias = log_clamped(mask, ~visible)
     sees = visible.any(-1, keepdim=True)
     if bool(sees.all()):
         sees = None

@@ -30,13 +30,14 @@ from .reference import visible_keys
 __all__ = ["expire_span_attention_sdpa"]
 
 
-def log_clamped(ramp_position: torch.Tensor) -> torch.Tensor:
-    """log(clamp(x, 0, 1)) in a new tensor, −inf at x <= 0. The logarithm of 0 takes a slow path in PyTorch's CPU
-    kernels (about ten times the time of any other value, measured with torch 2.13), and most pairs of an expiring
-    memory have m = 0: the logarithm is taken of x clamped to the smallest normal number, and the −inf written after.
-    """
+def log_clamped(ramp_position: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """log(clamp(x, 0, 1)) in a new tensor, −inf at x <= 0 and where `hidden` (a bool mask that covers x <= 0 too,
+    when given). The logarithm of 0 takes a slow path in PyTorch's CPU kernels (about ten times the time of any other
+    value, measured with torch 2.13), and most pairs of an expiring memory have m = 0: the logarithm is taken of x
+    clamped to the smallest normal number, and the −inf written after."""
     tiny = torch.finfo(ramp_position.dtype).tiny
-    return ramp_position.clamp(tiny, 1).log_().masked_fill_(ramp_position <= 0, float("-inf"))
+    hidden = ramp_position <= 0 if hidden is None else hidden
+    return ramp_position.clamp(tiny, 1).log_().masked_fill_(hidden, float("-inf"))
 
 
 class _LogRamp(torch.autograd.Function):
@@ -77,7 +78,7 @@ def expire_span_bias(spans, query_positions, key_positions, ramp, key_valid=None
     if torch.is_grad_enabled() and spans.requires_grad:
         log_mask = _LogRamp.apply(ramp_position)  # log m_ti, Eq. 5
         return log_mask.masked_fill(~visible, float("-inf"))
-    return log_clamped(ramp_position).masked_fill_(~visible, float("-inf"))
+    return log_clamped(ramp_position, ~visible | (ramp_position <= 0))
 
 
 def expire_span_attention_sdpa(
