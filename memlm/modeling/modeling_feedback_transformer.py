@@ -244,7 +244,7 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
         # Bookkeeping, not memory: the memories before `recomputed_until` (B,) hold keys and values recomputed from
         # their hidden states with the weights of the cache's `weights_version`, which a forward without gradients
         # under the same weights reuses (`_starting_memory`); those after it, the last forward's, are projected again
-        # with `carry_first_layer_norm`.
+        # with `carry_first_layer_norm` (None after a one-token forward: its memory is projected so already).
         self.recomputed_until = None
         # True: τ slots with slot = position mod τ (written in place by inference). False: a window of memories in any
         # order (what a training forward or the reference loop leaves), turned into a ring when inference needs one.
@@ -567,6 +567,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.needs_tape = (
             config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
         )
+        # While a one-token forward without gradients runs with `carry_first_layer_norm`: its step projects the keys
+        # and values of its memory from the hidden state it carries, which is what the next forward would project
+        # again (`_recompute_last_memories`; no step of this forward reads them).
+        self.projects_carried_memory = False
         # While a step loop runs with autograd: its linear layers' weight gradients, gathered over the steps
         # (`DeferredWeightGradients`, set by `memlm.kernels.feedback`).
         self.deferred = None
@@ -736,22 +740,22 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             stack = torch.stack(states)
             mixture = torch.einsum("l,lbd->bd", weights, stack)
             memory = self.memory_norm(mixture) if self.memory_norm is not None else mixture
-            if record is not None:
-                keys, values = torch.stack([F.linear(memory, weight) for weight in record.key_value]).chunk(2, dim=-1)
-            else:
-                keys, values = self._project_memory(memory)
-            keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
-            values = values.view(values.shape[0], batch_size, -1, self.head_dim)
-            if cos is not None:
-                keys = rotate(keys, *rotation)
+        carried = None
         if self.carries_hidden_states:
             # What the next forward starts from (and recomputes keys and values of): the memory, or with
             # `carry_first_layer_norm` the memory after the first layer's input norm, as the official pre-norm code
             # stores it.
             carried = self.layers[0].input_layernorm(memory) if self.carry_first_layer_norm else memory
-            store.write(step, keys, values, positions, valid, hidden=carried)
-        else:
-            store.write(step, keys, values, positions, valid)
+        if not compiled:
+            if record is not None:
+                keys, values = torch.stack([F.linear(memory, weight) for weight in record.key_value]).chunk(2, dim=-1)
+            else:
+                keys, values = self._project_memory(carried if self.projects_carried_memory else memory)
+            keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
+            values = values.view(values.shape[0], batch_size, -1, self.head_dim)
+            if cos is not None:
+                keys = rotate(keys, *rotation)
+        store.write(step, keys, values, positions, valid, hidden=carried)
         if record is not None:
             record.mixtures[step], record.stacks[step] = mixture, stack
             record.memories[step], record.rotations[step] = memory, (cos, sin)
@@ -916,18 +920,27 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 for layer in self.layers
             ]  # fmt: skip
         memory_layers = cache.layers
-        # Where this forward's memories start, per row (the carried hidden states' bookkeeping, `recomputed_until`).
-        first_positions = cache.next_positions.clone() if self.carries_hidden_states else None
+        # Where this forward's memories start, per row (the carried hidden states' bookkeeping, `recomputed_until`);
+        # None when its one memory is projected as the next forward would (`projects_carried_memory`).
+        self.projects_carried_memory = (
+            self.carry_first_layer_norm and length == 1 and not torch.is_grad_enabled() and not recording
+        )
+        first_positions = None
+        if self.carries_hidden_states and not self.projects_carried_memory:
+            first_positions = cache.next_positions.clone()
         # The weights now (an optimizer step or a load changes it), which the cache's memories were or are made with.
         version = weights_version(self) if self.carries_hidden_states else None
         if self.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds, version)
 
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
-        top, all_states, window = self.recurrence(
-            self, inputs_embeds, positions, valid, memory_layers, cache.next_positions, padding_steps,
-            output_hidden_states, carry_from=cache.next_positions if recording else None,
-        )  # fmt: skip
+        try:
+            top, all_states, window = self.recurrence(
+                self, inputs_embeds, positions, valid, memory_layers, cache.next_positions, padding_steps,
+                output_hidden_states, carry_from=cache.next_positions if recording else None,
+            )  # fmt: skip
+        finally:
+            self.projects_carried_memory = False
         following = cache.next_positions + valid.sum(1)  # each row's next position after this call
         reach = config.memory_span
         if self.read_windows is not None and not torch.is_grad_enabled():
@@ -982,7 +995,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         recomputed with the current weights (so that gradients reach the projections through them). Otherwise the
         cache's own layers. Without gradients, when the weights have not changed since the cache's keys were
         recomputed (decoding), only the memories the last forward made are projected again, and only with
-        `carry_first_layer_norm` (whose carried hidden states are normed once more than the ones it projected).
+        `carry_first_layer_norm` (whose carried hidden states are normed once more than the ones it projected), and none
+        after a one-token forward (`projects_carried_memory`).
         `version`: the weights' `weights_version` now."""
         config, first = self.config, cache.layers[0]
         batch_size = like.shape[0]
@@ -1036,8 +1050,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         `recomputed_until`) projected again from their carried hidden states, in place (`carry_first_layer_norm`
         only: without it they are what a recomputation would give)."""
         first = cache.layers[0]
+        if not self.carry_first_layer_norm or first.recomputed_until is None:  # (None: none to project again)
+            return cache.layers
         renewed = first.valid & (first.positions >= first.recomputed_until[:, None])  # (B, W)
-        if not self.carry_first_layer_norm or not bool(renewed.any()):
+        if not bool(renewed.any()):
             return cache.layers
         columns = renewed.any(0).nonzero()[:, 0]
         keys, values = self._project_hidden(first.hidden[:, columns].to(like.dtype), first.positions[:, columns])

@@ -555,8 +555,9 @@ def test_the_step_loop_defers_its_weight_gradients_only_for_plain_linear_layers(
 @pytest.mark.parametrize("layout", ["official_pre_norm", "official_post_norm_shared"])
 def test_decoding_projects_again_only_what_the_weights_or_the_last_forward_changed(layout, monkeypatch):
     """Without gradients and under unchanged weights, a forward reuses the carried keys and values: it projects again
-    only the memories the last forward made, and only with `carry_first_layer_norm`. The logits are those of
-    recomputing every carried memory; after an in-place change of a weight, every memory is projected again."""
+    only the memories the last forward made, and only with `carry_first_layer_norm` (none after a forward of one
+    token, which projects its own memory so). The logits are those of recomputing every carried memory; after an
+    in-place change of a weight, every memory is projected again."""
     model = _model(layout)
     body = model.model
     prompt, following = torch.randint(0, 40, (2, 7)), torch.randint(0, 40, (2, 6))
@@ -589,9 +590,10 @@ def test_decoding_projects_again_only_what_the_weights_or_the_last_forward_chang
     assert (reused - recomputed).abs().max() < 1e-12
     carried = model.config.memory_span
     assert all(width == [carried] for width in full_widths)
-    # The first step projects the prompt's memories again (made within the prompt's forward), then one a step.
+    # The first step projects the prompt's memories again (made within the prompt's forward), then none: a one-token
+    # forward projects its memory from the hidden state it carries, as the next forward would.
     once = model.config.carry_first_layer_norm
-    assert widths == [[carried] if once else []] + [[1] if once else []] * (len(widths) - 1), widths
+    assert widths == [[carried] if once else []] + [[]] * (len(widths) - 1), widths
     changed, changed_widths = decode(everything=False, change_at=3)
     expected, _ = decode(everything=True, change_at=3)
     assert (changed - expected).abs().max() < 1e-12 and (changed[:, :3] - reused[:, :3]).abs().max() == 0
