@@ -129,10 +129,15 @@ def adaptive_span_mask_backward(span_ratio: torch.Tensor, distance: torch.Tensor
     return torch.where(passes, grad_mask.to(span_ratio.dtype), 0.0).sum((0, 2)) * memory_span / ramp
 
 
-def adaptive_span_window(span_ratio: torch.Tensor, memory_span: int, ramp, trim_step: int) -> int:
+def adaptive_span_window(span_ratio: torch.Tensor, memory_span: int, ramp, trim_step: int) -> int | torch.Tensor:
     """How many of the last τ memories a layer reads when the official code trims its window
     (`AdaptiveSpan.get_trim_len`): τ − n with n = ⌊min(τ − 1, τ − S) / s⌋ · s and S = min(τ, ⌈max(z) · τ + R⌉) the
-    layer's longest span with its ramp (beyond it every head's mask is 0)."""
+    layer's longest span with its ramp (beyond it every head's mask is 0). While compiling, as a 0-d tensor (no
+    value is read on the host), computed in float64 as Python computes the int."""
+    if torch.compiler.is_compiling():
+        longest = (span_ratio.max().to(torch.float64) * memory_span + ramp).ceil().clamp(0, memory_span)
+        trimmed = torch.div((memory_span - longest).clamp(max=memory_span - 1), trim_step, rounding_mode="floor")
+        return memory_span - trimmed.long() * trim_step
     longest = max(0, min(memory_span, math.ceil(span_ratio.max().item() * memory_span + ramp)))
     trimmed = math.floor(min(memory_span - 1, memory_span - longest) / trim_step) * trim_step
     return memory_span - trimmed
@@ -241,11 +246,6 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
 
     def __init__(self):
         super().__init__()
-        # Bookkeeping, not memory: the memories before `recomputed_until` (B,) hold keys and values recomputed from
-        # their hidden states with the weights of the cache's `weights_version`, which a forward without gradients
-        # under the same weights reuses (`_starting_memory`); those after it, the last forward's, are projected again
-        # with `carry_first_layer_norm` (None after a one-token forward: its memory is projected so already).
-        self.recomputed_until = None
         # True: τ slots with slot = position mod τ (written in place by inference). False: a window of memories in any
         # order (what a training forward or the reference loop leaves), turned into a ring when inference needs one.
         self.ring = False
@@ -284,11 +284,6 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
             new = old.new_zeros(shape)
             new.narrow(dim, 0, size).copy_(old)
             setattr(self, name, mark_static(new))
-
-    def map(self, function):
-        super().map(function)
-        if self.recomputed_until is not None:  # rows reordered, repeated or selected with the memory's
-            self.recomputed_until = function(self.recomputed_until)
 
     def roll_back(self, rollback: Rollback):
         if not rollback.removes_tokens:
@@ -405,16 +400,15 @@ class FeedbackCache(MemoryCache):
         for layer in self.layers:
             layer.undo_steps = []
 
-    def end_forward(self, window, following: torch.Tensor, reach: int, length: int, first_positions, version):
+    def end_forward(self, window, following: torch.Tensor, reach: int, length: int, version):
         """After a forward's step loop: take the window it hands to the next call (None when it wrote the ring in
         place), close the forward's record when recording, and move each row's next position to `following`.
 
         The window (keys, values (G, B, H, W, d), positions, valid (B, W), and the hidden states (B, W, D) with
         `memory_carry="hidden_states"`) is carried detached (truncated back-propagation through time): the next
         training forward takes it as its prefix, inference lays it out as a ring. Only the slots some row still sees
-        within `reach` steps of its next position are kept. `first_positions` and `version`: where the forward's own
-        memories start (`FeedbackCacheLayer.recomputed_until`), and the weights' version they were made with (the
-        cache's `weights_version`)."""
+        within `reach` steps of its next position are kept. `version`: the version of the weights that the
+        memories' keys and values are a projection of (the cache's `weights_version`; None: not all are)."""
         recording = self.recording
         seen_windows = None
         if window is not None:
@@ -435,8 +429,6 @@ class FeedbackCache(MemoryCache):
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
                 # One set of hidden states for every key/value set, kept by the first.
                 layer.hidden = hidden.detach().clone() if hidden is not None and group == 0 else None
-        for layer in self.layers:  # (the ring, written in place, too)
-            layer.recomputed_until = first_positions
         self.weights_version = version
         if recording:
             for group, layer in enumerate(self.layers):
@@ -568,8 +560,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
         )
         # While a one-token forward without gradients runs with `carry_first_layer_norm`: its step projects the keys
-        # and values of its memory from the hidden state it carries, which is what the next forward would project
-        # again (`_recompute_last_memories`; no step of this forward reads them).
+        # and values of its memory from the hidden state it carries, as the next forward reads them (no step of this
+        # forward reads them).
         self.projects_carried_memory = False
         # While a step loop runs with autograd: its linear layers' weight gradients, gathered over the steps
         # (`DeferredWeightGradients`, set by `memlm.kernels.feedback`).
@@ -920,18 +912,18 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 for layer in self.layers
             ]  # fmt: skip
         memory_layers = cache.layers
-        # Where this forward's memories start, per row (the carried hidden states' bookkeeping, `recomputed_until`);
-        # None when its one memory is projected as the next forward would (`projects_carried_memory`).
-        self.projects_carried_memory = (
-            self.carry_first_layer_norm and length == 1 and not torch.is_grad_enabled() and not recording
-        )
-        first_positions = None
-        if self.carries_hidden_states and not self.projects_carried_memory:
-            first_positions = cache.next_positions.clone()
-        # The weights now (an optimizer step or a load changes it), which the cache's memories were or are made with.
-        version = weights_version(self) if self.carries_hidden_states else None
+        # The weights now (an optimizer step or a load changes it), which the cache's memories were or are made with
+        # (not read while compiling: see `_starting_memory`).
+        compiling = torch.compiler.is_compiling()
+        version = weights_version(self) if self.carries_hidden_states and not compiling else None
         if self.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds, version)
+        # With `carry_first_layer_norm` the next forward reads this one's memories projected from the hidden states
+        # they carry, normed once more than what the steps project. Without gradients they are projected so here: at
+        # once by the step of a one-token forward (`projects_carried_memory`), again at the end of a longer one.
+        renews = self.carry_first_layer_norm and not torch.is_grad_enabled() and not recording
+        self.projects_carried_memory = renews and length == 1
+        first_positions = cache.next_positions.clone() if renews and length > 1 else None
 
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
         try:
@@ -943,10 +935,16 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             self.projects_carried_memory = False
         following = cache.next_positions + valid.sum(1)  # each row's next position after this call
         reach = config.memory_span
-        if self.read_windows is not None and not torch.is_grad_enabled():
+        if self.read_windows is not None and not torch.is_grad_enabled() and not compiling:
             # Without gradients the weights stay as they are: keep only the memories some layer still reads.
             reach = max(self.read_windows)
-        cache.end_forward(window, following, reach, length, first_positions, version)
+        if compiling:  # the memories' weights as they were
+            version = cache.weights_version
+        elif recording or (self.carry_first_layer_norm and torch.is_grad_enabled()):
+            version = None  # keys and values that are no projection of the carried hidden states with these weights
+        cache.end_forward(window, following, reach, length, version)
+        if first_positions is not None:
+            self._project_carried_memories(cache, first_positions)
 
         def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order
             return restore_order(states, order)
@@ -993,11 +991,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         official initial memory (`initial_memory="zeros"`: τ zero hidden states at positions −τ … −1) when the cache
         is fresh, else the hidden states the cache carries (`memory_carry="hidden_states"`), their keys and values
         recomputed with the current weights (so that gradients reach the projections through them). Otherwise the
-        cache's own layers. Without gradients, when the weights have not changed since the cache's keys were
-        recomputed (decoding), only the memories the last forward made are projected again, and only with
-        `carry_first_layer_norm` (whose carried hidden states are normed once more than the ones it projected), and none
-        after a one-token forward (`projects_carried_memory`).
-        `version`: the weights' `weights_version` now."""
+        cache's own layers. Without gradients, when the cache's keys and values are projections of its hidden states
+        with the weights of now (decoding), they are taken as they are. `version`: the weights' `weights_version` now,
+        None while compiling: a compiled step (decoding, which changes no weight) takes the cache's memories as made
+        with the weights of now whenever they were made with one version of them."""
         config, first = self.config, cache.layers[0]
         batch_size = like.shape[0]
         if fresh and config.initial_memory == "zeros":
@@ -1011,9 +1008,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 not torch.is_grad_enabled()
                 and not cache.recording
                 and cache.weights_version is not None
-                and cache.weights_version == version
+                and (version is None or cache.weights_version == version)
             ):
-                return self._recompute_last_memories(cache, like)
+                return cache.layers
         else:
             return cache.layers
         keys, values = self._project_hidden(hidden, positions)
@@ -1045,18 +1042,17 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             keys = rotate(keys, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
         return keys, values
 
-    def _recompute_last_memories(self, cache: FeedbackCache, like: torch.Tensor) -> list:
-        """The cache's memories, with the keys and values of those the last forward made (at or after
-        `recomputed_until`) projected again from their carried hidden states, in place (`carry_first_layer_norm`
-        only: without it they are what a recomputation would give)."""
+    def _project_carried_memories(self, cache: FeedbackCache, first_positions: torch.Tensor):
+        """Project the keys and values of the memories a forward made (at or after `first_positions` (B,)) again
+        from the hidden states they carry, in place (see `projects_carried_memory`)."""
         first = cache.layers[0]
-        if not self.carry_first_layer_norm or first.recomputed_until is None:  # (None: none to project again)
-            return cache.layers
-        renewed = first.valid & (first.positions >= first.recomputed_until[:, None])  # (B, W)
-        if not bool(renewed.any()):
-            return cache.layers
-        columns = renewed.any(0).nonzero()[:, 0]
-        keys, values = self._project_hidden(first.hidden[:, columns].to(like.dtype), first.positions[:, columns])
+        renewed = first.valid & (first.positions >= first_positions[:, None])  # (B, W)
+        columns = slice(None)  # compiling: every slot (no shape may depend on the data)
+        if not torch.compiler.is_compiling():
+            columns = renewed.any(0).nonzero()[:, 0]
+            if columns.numel() == 0:
+                return
+        keys, values = self._project_hidden(first.hidden[:, columns], first.positions[:, columns])
         chosen = renewed[:, None, columns, None]  # (B, 1, C, 1)
         for group, layer in enumerate(cache.layers):
             layer.keys[:, :, columns] = torch.where(
@@ -1065,7 +1061,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             layer.values[:, :, columns] = torch.where(
                 chosen, values[group].to(layer.values.dtype), layer.values[:, :, columns]
             )
-        return cache.layers
 
 
 class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsOwnPositions, GenerationMixin):

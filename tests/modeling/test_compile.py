@@ -136,15 +136,29 @@ PROMPT_MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 1,
 NEW_TOKENS = 24
 
 
-@pytest.mark.parametrize("name", ["deltanet", "feedback"])
+def _layout_model(name: str):
+    """A model of `test_common` ("deltanet") or a Feedback Transformer of a layout of its layouts' tests
+    ("feedback/official_pre_norm")."""
+    if "/" not in name:
+        return _model(name)
+    from tests.modeling.test_modeling_feedback_layouts import _model as feedback_layout
+
+    return feedback_layout(name.split("/")[1])
+
+
+@pytest.mark.parametrize(
+    "name", ["deltanet", "feedback", "feedback/official_pre_norm", "feedback/adaptive_span_trimmed"]
+)
 def test_generate_compiles_the_decoding_step_once_and_decodes_as_eager(name, monkeypatch):
     """The decoding step compiles to one graph (fullgraph) the first time and runs that graph at every later step
     (no recompilation: the memory keeps its shapes and addresses, its token count is a tensor), with no read of a
     tensor's value on the host (Dynamo told to capture `.item()` and data-dependent shapes, none is in the graph),
-    and gives the eager logits and tokens."""
+    and gives the eager logits and tokens. The papers' Feedback layouts too: memories carried as hidden states (a
+    compiled step takes the cache's keys and values as made with the weights of now), the adaptive span with its
+    window trimmed (on the ring, masked, where eager decoding keeps only the trimmed window)."""
     monkeypatch.setenv("MEMLM_KERNELS", "torch")
-    model = _model(name)
-    prompt = torch.randint(3, 256, PROMPT_MASK.shape, generator=torch.Generator().manual_seed(0))
+    model = _layout_model(name)
+    prompt = torch.randint(3, model.config.vocab_size, PROMPT_MASK.shape, generator=torch.Generator().manual_seed(0))
     options = {"attention_mask": PROMPT_MASK, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS,
                "do_sample": False, "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
     eager = model.generate(prompt, **options)

@@ -553,11 +553,12 @@ def test_the_step_loop_defers_its_weight_gradients_only_for_plain_linear_layers(
 
 
 @pytest.mark.parametrize("layout", ["official_pre_norm", "official_post_norm_shared"])
-def test_decoding_projects_again_only_what_the_weights_or_the_last_forward_changed(layout, monkeypatch):
-    """Without gradients and under unchanged weights, a forward reuses the carried keys and values: it projects again
-    only the memories the last forward made, and only with `carry_first_layer_norm` (none after a forward of one
-    token, which projects its own memory so). The logits are those of recomputing every carried memory; after an
-    in-place change of a weight, every memory is projected again."""
+def test_decoding_projects_again_only_what_the_weights_changed(layout, monkeypatch):
+    """Without gradients the cache's keys and values stay the projections of its carried hidden states with the weights
+    of its `weights_version`: with `carry_first_layer_norm` (hidden states normed once more than what the steps
+    project) a prompt's forward projects its memories so at its end and a one-token forward's step projects its memory
+    so at once; a forward under the same weights takes them as they are. The logits are those of recomputing every
+    carried memory; after an in-place change of a weight, every memory is projected again."""
     model = _model(layout)
     body = model.model
     prompt, following = torch.randint(0, 40, (2, 7)), torch.randint(0, 40, (2, 6))
@@ -571,7 +572,9 @@ def test_decoding_projects_again_only_what_the_weights_or_the_last_forward_chang
         weights = copy.deepcopy(model.state_dict())
         logits, widths = [], []
         with torch.no_grad():
+            projected.clear()
             cache = model(prompt, use_cache=True).cache
+            widths.append(list(projected))
             for index in range(following.shape[1]):
                 if index == change_at:
                     body.layers[0].input_layernorm.weight.add_(0.25)
@@ -589,15 +592,14 @@ def test_decoding_projects_again_only_what_the_weights_or_the_last_forward_chang
     recomputed, full_widths = decode(everything=True)
     assert (reused - recomputed).abs().max() < 1e-12
     carried = model.config.memory_span
-    assert all(width == [carried] for width in full_widths)
-    # The first step projects the prompt's memories again (made within the prompt's forward), then none: a one-token
-    # forward projects its memory from the hidden state it carries, as the next forward would.
     once = model.config.carry_first_layer_norm
-    assert widths == [[carried] if once else []] + [[]] * (len(widths) - 1), widths
+    # The prompt's forward projects its zero initial memories, and with `carry_first_layer_norm` its own again.
+    assert widths[0] == full_widths[0] == [carried] + ([carried] if once else []), widths
+    assert widths[1:] == [[]] * following.shape[1] and full_widths[1:] == [[carried]] * following.shape[1]
     changed, changed_widths = decode(everything=False, change_at=3)
     expected, _ = decode(everything=True, change_at=3)
     assert (changed - expected).abs().max() < 1e-12 and (changed[:, :3] - reused[:, :3]).abs().max() == 0
-    assert changed_widths[3] == [carried] and changed_widths[4] == widths[4]
+    assert changed_widths[4] == [carried] and changed_widths[5] == []
 
 
 @pytest.mark.parametrize("layout", ["official_pre_norm", "official_post_norm_shared", "adaptive_span_trimmed"])

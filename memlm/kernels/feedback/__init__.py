@@ -107,7 +107,7 @@ def feedback_recurrence(
     # the attention weights) run on the ring without gradients (the model's `_starting_memory` puts the recomputed
     # memory into the cache's layers) and on the tape with them; a forward that may be rolled back (`carry_from`)
     # through the reference. A trimmed adaptive span runs on the tape without gradients too: the window it carries
-    # holds only the memories some layer still reads, fewer than a ring's τ slots.
+    # holds only the memories some layer still reads, fewer than a ring's τ slots (but for compiled decoding).
     on_tape = getattr(model, "needs_tape", False)
     if backend == "reference" or (on_tape and carry_from is not None):
         return feedback_recurrence_reference(model.step, inputs_embeds, positions, valid, cache_layers,
@@ -115,7 +115,10 @@ def feedback_recurrence(
     training = torch.is_grad_enabled() and (
         inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in model.parameters())
     )
-    ring = not training and not getattr(model, "trims_adaptive_span", False)
+    # (A compiled step's ring holds τ slots from the start: `full_ring`; a trimmed window reads fewer of them.)
+    ring = not training and (
+        not getattr(model, "trims_adaptive_span", False) or getattr(cache_layers[0], "full_ring", False)
+    )
     if ring:
         store = _RingStore(cache_layers, next_positions, config, inputs_embeds, positions)
     else:
