@@ -116,7 +116,7 @@ def _weights(settings, pairs: _PairTerms, query, key, position_scores, table) ->
         terms = by_distance.gather(-1, pairs.position_row.expand(shape))
         if position_scores is not None:
             terms += position_scores
-        scores = torch.add(pairs.bias, terms, alpha=scale)
+        scores = torch.add(pairs.bias, terms, alpha=scale, out=terms)  # (into the gathered terms: no new tensor)
     elif position_scores is not None:
         scores = torch.add(pairs.bias, position_scores, alpha=scale)
     else:
