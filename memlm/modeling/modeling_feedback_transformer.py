@@ -407,7 +407,8 @@ class FeedbackCache(MemoryCache):
         The window (keys, values (G, B, H, W, d), positions, valid (B, W), and the hidden states (B, W, D) with
         `memory_carry="hidden_states"`) is carried detached (truncated back-propagation through time): the next
         training forward takes it as its prefix, inference lays it out as a ring. Only the slots some row still sees
-        within `reach` steps of its next position are kept. `version`: the version of the weights that the
+        within `reach` steps of its next position are kept. Keys and values None: only the hidden states are
+        carried (the cache's keys and values become None). `version`: the version of the weights that the
         memories' keys and values are a projection of (the cache's `weights_version`; None: not all are)."""
         recording = self.recording
         seen_windows = None
@@ -421,11 +422,14 @@ class FeedbackCache(MemoryCache):
             # (A recording forward's window reaches further back, and a tape's holds its whole prefix while the call
             # is shorter than τ.)
             kept = slot_valid.any(0).nonzero()[:, 0]
-            keys, values = keys[:, :, :, kept], values[:, :, :, kept]
+            groups = len(self.layers)
+            # (Indexing copies: each set is a view of one copy of them all.)
+            keys = [None] * groups if keys is None else keys[:, :, :, kept].detach().unbind(0)
+            values = [None] * groups if values is None else values[:, :, :, kept].detach().unbind(0)
             slot_positions, slot_valid = slot_positions[:, kept], slot_valid[:, kept]
             hidden = hidden[:, kept] if hidden is not None else None
             for group, layer in enumerate(self.layers):
-                layer.keys, layer.values = keys[group].detach().clone(), values[group].detach().clone()
+                layer.keys, layer.values = keys[group], values[group]
                 layer.positions, layer.valid, layer.ring = slot_positions.clone(), slot_valid, False
                 # One set of hidden states for every key/value set, kept by the first.
                 layer.hidden = hidden.detach().clone() if hidden is not None and group == 0 else None
@@ -921,7 +925,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         # With `carry_first_layer_norm` the next forward reads this one's memories projected from the hidden states
         # they carry, normed once more than what the steps project. Without gradients they are projected so here: at
         # once by the step of a one-token forward (`projects_carried_memory`), again at the end of a longer one.
-        renews = self.carry_first_layer_norm and not torch.is_grad_enabled() and not recording
+        renews = self.carry_first_layer_norm and not torch.is_grad_enabled()
         self.projects_carried_memory = renews and length == 1
         first_positions = cache.next_positions.clone() if renews and length > 1 else None
 
@@ -933,18 +937,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             )  # fmt: skip
         finally:
             self.projects_carried_memory = False
-        following = cache.next_positions + valid.sum(1)  # each row's next position after this call
-        reach = config.memory_span
-        if self.read_windows is not None and not torch.is_grad_enabled() and not compiling:
-            # Without gradients the weights stay as they are: keep only the memories some layer still reads.
-            reach = max(self.read_windows)
-        if compiling:  # the memories' weights as they were
-            version = cache.weights_version
-        elif recording or (self.carry_first_layer_norm and torch.is_grad_enabled()):
-            version = None  # keys and values that are no projection of the carried hidden states with these weights
-        cache.end_forward(window, following, reach, length, version)
-        if first_positions is not None:
-            self._project_carried_memories(cache, first_positions)
+        self._carry(cache, window, valid, version, first_positions)
 
         def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order
             return restore_order(states, order)
@@ -1024,10 +1017,12 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 layer.positions, layer.valid, layer.ring = positions, valid, ring
                 layer.hidden = carried if group == 0 else None  # one set of hidden states, kept by the first
             return cache.layers
+        # (unbind: the gradients of the sets come back as one stack, where indexing would give each set's gradient
+        # the size of all of them)
         return [
-            types.SimpleNamespace(keys=keys[group], values=values[group], positions=positions, valid=valid,
+            types.SimpleNamespace(keys=group_keys, values=group_values, positions=positions, valid=valid,
                                   hidden=carried, ring=False)
-            for group in range(keys.shape[0])
+            for group_keys, group_values in zip(keys.unbind(0), values.unbind(0))
         ]  # fmt: skip
 
     def _project_hidden(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1042,24 +1037,54 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             keys = rotate(keys, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
         return keys, values
 
-    def _project_carried_memories(self, cache: FeedbackCache, first_positions: torch.Tensor):
+    def _carry(self, cache: FeedbackCache, window, valid: torch.Tensor, version: tuple | None, first_positions):
+        """After the step loop: what the cache carries to the next call (`FeedbackCache.end_forward`), from the
+        `window` the loop left (None: it wrote the cache's ring in place); `valid` (B, T) the forward's real tokens,
+        `version` the weights' now, `first_positions` where the memories to project again start (see
+        `projects_carried_memory`; None: none)."""
+        grad, recording = torch.is_grad_enabled(), cache.recording
+        following = cache.next_positions + valid.sum(1)  # each row's next position after this call
+        reach = self.memory_span
+        if self.read_windows is not None and not grad and not torch.compiler.is_compiling():
+            # Without gradients the weights stay as they are: keep only the memories some layer still reads.
+            reach = max(self.read_windows)
+        if first_positions is not None:  # (in the window too, before a recording keeps it)
+            if window is None:
+                first = cache.layers[0]
+                sets = [(layer.keys, layer.values) for layer in cache.layers]
+                self._project_carried_memories(sets, first.positions, first.valid, first.hidden, first_positions)
+            else:
+                keys, values, positions, slot_valid, hidden = window
+                sets = list(zip(keys.unbind(0), values.unbind(0)))
+                self._project_carried_memories(sets, positions, slot_valid, hidden, first_positions)
+        if torch.compiler.is_compiling():  # the memories' weights as they were
+            version = cache.weights_version
+        elif recording or (self.carry_first_layer_norm and grad):
+            version = None  # keys and values that are no projection of the carried hidden states with these weights
+        if window is not None and self.carries_hidden_states and grad and not recording:
+            # Training: the next forward projects the carried hidden states again, so their keys and values are not
+            # kept (nor the memory they would hold while the backward runs).
+            window, version = (None, None, *window[2:]), None
+        cache.end_forward(window, following, reach, valid.shape[1], version)
+
+    def _project_carried_memories(self, sets: list, positions, valid, hidden, first_positions: torch.Tensor):
         """Project the keys and values of the memories a forward made (at or after `first_positions` (B,)) again
-        from the hidden states they carry, in place (see `projects_carried_memory`)."""
-        first = cache.layers[0]
-        renewed = first.valid & (first.positions >= first_positions[:, None])  # (B, W)
+        from the hidden states (B, W, D) they carry, in place in `sets` ((keys, values) (B, H, W, d) per key/value
+        set), with the slots' positions and validity (B, W)."""
+        renewed = valid & (positions >= first_positions[:, None])  # (B, W)
         columns = slice(None)  # compiling: every slot (no shape may depend on the data)
         if not torch.compiler.is_compiling():
             columns = renewed.any(0).nonzero()[:, 0]
             if columns.numel() == 0:
                 return
-        keys, values = self._project_hidden(first.hidden[:, columns], first.positions[:, columns])
+        keys, values = self._project_hidden(hidden[:, columns], positions[:, columns])
         chosen = renewed[:, None, columns, None]  # (B, 1, C, 1)
-        for group, layer in enumerate(cache.layers):
-            layer.keys[:, :, columns] = torch.where(
-                chosen, keys[group].to(layer.keys.dtype), layer.keys[:, :, columns]
+        for group, (group_keys, group_values) in enumerate(sets):
+            group_keys[:, :, columns] = torch.where(
+                chosen, keys[group].to(group_keys.dtype), group_keys[:, :, columns]
             )
-            layer.values[:, :, columns] = torch.where(
-                chosen, values[group].to(layer.values.dtype), layer.values[:, :, columns]
+            group_values[:, :, columns] = torch.where(
+                chosen, values[group].to(group_values.dtype), group_values[:, :, columns]
             )
 
 
