@@ -119,7 +119,7 @@ def feedback_configs() -> tuple:
 
 
 # Each family, and the sizes it is timed at where they differ from the command line's (the Feedback Transformer runs
-# one step at a time, and its official layout with autograd through every step: shorter sequences).
+# one step at a time: shorter sequences).
 FAMILIES = {
     "DeltaNet (lmtool-fwp)": (deltanet_configs, {}),
     "Expire-Span (transformer-sequential)": (expire_span_configs, {}),

@@ -74,7 +74,7 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
             their keys and values with the current weights (Transformer-XL's and the official code's training: the
             projections receive gradients through the carried memories; the hidden states themselves are detached).
             Costs a projection of τ memories per forward call (O(τ · hidden_size · head widths), as many as a
-            prefill of τ tokens spends on keys and values) and runs the step loop with autograd only.
+            prefill of τ tokens spends on keys and values).
         carry_first_layer_norm: with `memory_carry="hidden_states"` and `memory_normalization="layer"`: the hidden
             states carried to the next forward are the memories after the first layer's input norm (as the official
             pre-norm code stores them), and each layer applies its own norm to them again in the next forward. Keys
@@ -200,8 +200,9 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
     @property
     def default_step(self) -> bool:
         """Whether the step is memlm's default one (pre-norm RMSNorm blocks, gated MLP without biases, the memory
-        normed as a mix, keys and values carried): the one the hand-written backward and `compile_step` know. The
-        other layouts run their steps with autograd."""
+        normed as a mix, keys and values carried): the one `compile_step` knows. The hand-written backward knows
+        every layout but the adaptive span and dropout on the attention weights (`memlm.kernels.feedback.through_time.
+        covers`)."""
         return (
             self.norm_type == "rmsnorm"
             and self.norm_position == "pre"
@@ -220,7 +221,7 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
     @property
     def recomputes_carried_memory(self) -> bool:
         """Whether a forward computes keys and values of hidden states it starts from (carried ones, or the zero
-        initial memory): such a forward runs the step loop's reference (autograd through every step)."""
+        initial memory), which the recurrence's gradients then reach."""
         return self.memory_carry == "hidden_states" or self.initial_memory == "zeros"
 
     def estimated_parameters(self) -> int:

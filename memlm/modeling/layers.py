@@ -8,6 +8,9 @@ from transformers.activations import ACT2FN
 
 from ..kernels.expire_attention.reference import relative_position_scores
 
+# The dtypes a norm computes in as they are (narrower ones are computed in float32).
+WIDE = (torch.float32, torch.float64)
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 or wider: y = x / sqrt(mean(x²) + eps) · w."""
@@ -19,8 +22,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # One fused op (the Feedback Transformer calls it twice per layer and step, so op count matters).
+        weight = self.weight
+        if hidden_states.dtype == weight.dtype and weight.dtype in WIDE:  # nothing to convert
+            return F.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
         dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        normed = F.rms_norm(hidden_states.to(dtype), self.weight.shape, self.weight.to(dtype), self.variance_epsilon)
+        normed = F.rms_norm(hidden_states.to(dtype), weight.shape, weight.to(dtype), self.variance_epsilon)
         return normed.to(hidden_states.dtype)
 
 
@@ -34,6 +40,9 @@ class LayerNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if hidden_states.dtype == weight.dtype == bias.dtype and weight.dtype in WIDE:  # nothing to convert
+            return F.layer_norm(hidden_states, weight.shape, weight, bias, self.variance_epsilon)
         dtype = torch.promote_types(hidden_states.dtype, torch.float32)
         normed = F.layer_norm(
             hidden_states.to(dtype), self.weight.shape, self.weight.to(dtype), self.bias.to(dtype),

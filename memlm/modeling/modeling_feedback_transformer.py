@@ -21,7 +21,6 @@ FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerFor
 
 import functools
 import math
-import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,7 +51,7 @@ from ..kernels.feedback.compiled import (
 )
 from ..kernels.feedback.compiled import compiled as compiled_function
 from ..kernels.feedback.reference import WeightsTransform
-from ..kernels.feedback.tape import ScoreTerms, ring_slots
+from ..kernels.feedback.tape import ProjectedMemories, ScoreTerms, ring_slots
 from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import (
@@ -551,15 +550,15 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.carry_first_layer_norm = config.carry_first_layer_norm
         self.attention_dropout_on_context = config.attention_dropout_position == "context"
         self.carries_hidden_states = config.memory_carry == "hidden_states"
-        # The options the ring does not hold, which run on the training tape with or without gradients (autograd
-        # through every step): keys and values computed from hidden states at the start of a forward, the adaptive
-        # span's mask, dropout on the attention weights.
         # With `adaptive_span_trim_step`: how many memories each layer reads, set at the start of every forward.
         self.read_windows = None
         self.embedding_scale = config.embedding_scale
         self.recomputes_carried_memory = config.recomputes_carried_memory
         self.adaptive_span = config.adaptive_span
         self.trims_adaptive_span = config.adaptive_span and config.adaptive_span_trim_step is not None
+        # The options the ring does not hold (`needs_tape`): keys and values computed from hidden states at the start
+        # of a forward, the adaptive span's mask, dropout on the attention weights. In training they run on the tape
+        # (the first through the hand-written backward, the others with autograd through every step).
         self.needs_tape = (
             config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
         )
@@ -611,8 +610,14 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 output = self._linear(mlp.down_proj, gated)
         elif record is None:
             output = mlp(normed)
-        else:  # the MLP's lines, to keep its projections (only for plain modules, see `through_time.covers`)
-            gate, up = F.linear(normed, record.gate_up[key[0]]).split(mlp.gate_proj.out_features, dim=-1)
+        elif isinstance(mlp, PlainMLP):  # the MLP's lines, to keep its projection (see `through_time.covers`)
+            up = mlp.up_proj(normed)
+            if not layer.gradient_checkpointing:
+                record.ups[key] = up
+            output = mlp.down_proj(self._dropout(mlp.act_fn(up), mlp.dropout.p, record, ("activation",) + key))
+        else:
+            gate_up = F.linear(normed, record.gate_up[key[0]], record.gate_up_bias[key[0]])
+            gate, up = gate_up.split(mlp.gate_proj.out_features, dim=-1)
             if not layer.gradient_checkpointing:
                 record.gates[key], record.ups[key] = gate, up
             output = mlp.down_proj(mlp.act_fn(gate) * up)
@@ -711,6 +716,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                                       record, ("attention",) + key)  # fmt: skip
                 residual = hidden_states + mixed
                 if self.norm_position == "post":  # norm(x + attention(x)), the official default
+                    if record is not None:
+                        record.sums[("attention",) + key] = residual
                     residual = layer.input_layernorm(residual)
                 if layer.gradient_checkpointing and self.training and torch.is_grad_enabled():
                     feed_forward = layer._gradient_checkpointing_func(self._feed_forward, layer, residual)
@@ -718,6 +725,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                     feed_forward = self._feed_forward(layer, residual, record, key)
                 hidden_states_next = residual + feed_forward
                 if self.norm_position == "post":
+                    if record is not None:
+                        record.sums[("mlp",) + key] = hidden_states_next
                     hidden_states_next = layer.post_attention_layernorm(hidden_states_next)
             if record is not None:
                 record.inputs[key], record.queries[key], record.weights[key] = hidden_states, query, store.last_weights
@@ -744,7 +753,12 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             carried = self.layers[0].input_layernorm(memory) if self.carry_first_layer_norm else memory
         if not compiled:
             if record is not None:
-                keys, values = torch.stack([F.linear(memory, weight) for weight in record.key_value]).chunk(2, dim=-1)
+                sources = [layer.input_layernorm(memory) for layer in self.layers] if self.layer_norms_memory else (
+                    [memory] * len(record.key_value)
+                )  # fmt: skip
+                keys, values = torch.stack(
+                    [F.linear(source, weight) for source, weight in zip(sources, record.key_value)]
+                ).chunk(2, dim=-1)
             else:
                 keys, values = self._project_memory(carried if self.projects_carried_memory else memory)
             keys = keys.view(keys.shape[0], batch_size, -1, self.head_dim)
@@ -848,7 +862,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if not compiler_available(inputs_embeds.device.type):
             warn_no_compiler(inputs_embeds.device.type)
             return False
-        return covers(self, inputs_embeds, keep_states=False)
+        return self.default_step and covers(self, inputs_embeds, keep_states=False)
 
     def forward(
         self,
@@ -1006,24 +1020,19 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 return cache.layers
         else:
             return cache.layers
-        keys, values = self._project_hidden(hidden, positions)
         carried = hidden if self.carries_hidden_states else None
-        if not torch.is_grad_enabled():
-            # Without gradients the memory is the cache's ring (`_RingStore`): its layers take the memories (in the
-            # ring's own slots when they come from it), and the store lays a window out as a ring.
-            ring = first.ring and not fresh
-            for group, layer in enumerate(cache.layers):
-                layer.keys, layer.values = keys[group].contiguous(), values[group].contiguous()
-                layer.positions, layer.valid, layer.ring = positions, valid, ring
-                layer.hidden = carried if group == 0 else None  # one set of hidden states, kept by the first
-            return cache.layers
-        # (unbind: the gradients of the sets come back as one stack, where indexing would give each set's gradient
-        # the size of all of them)
-        return [
-            types.SimpleNamespace(keys=group_keys, values=group_values, positions=positions, valid=valid,
-                                  hidden=carried, ring=False)
-            for group_keys, group_values in zip(keys.unbind(0), values.unbind(0))
-        ]  # fmt: skip
+        if torch.is_grad_enabled():  # projected by the recurrence's path (see `ProjectedMemories`)
+            return ProjectedMemories(self._project_hidden, hidden, positions).sets(self.memory_groups, valid,
+                                                                                   carried)  # fmt: skip
+        # Without gradients the memory is the cache's ring (`_RingStore`): its layers take the memories (in the ring's
+        # own slots when they come from it), and the store lays a window out as a ring.
+        keys, values = self._project_hidden(hidden, positions)
+        ring = first.ring and not fresh
+        for group, layer in enumerate(cache.layers):
+            layer.keys, layer.values = keys[group].contiguous(), values[group].contiguous()
+            layer.positions, layer.valid, layer.ring = positions, valid, ring
+            layer.hidden = carried if group == 0 else None  # one set of hidden states, kept by the first
+        return cache.layers
 
     def _project_hidden(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (G, B, H, W, d) of memories' hidden states (B, W, D) at `positions` (B, W)."""

@@ -177,6 +177,28 @@ def test_autograd_through_the_steps_where_the_backward_cannot_know_the_forward(m
     assert not _runs_the_hand_written_backward(model.to(torch.bfloat16)(input_ids, labels=input_ids).loss)
 
 
+@pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
+def test_hand_written_backward_under_functional_call_uses_the_weights_given(variant, monkeypatch):
+    """`torch.func.functional_call` swaps the weights for the forward only: the backward, which runs after it,
+    differentiates with the weights the forward saw (as a model holding them would), not the module's own."""
+    monkeypatch.setenv("MEMLM_KERNELS", "torch")
+    model = _model(variant).train().double()
+    torch.manual_seed(1)
+    given = {name: (parameter.detach() * 1.5 + 0.1 * torch.randn_like(parameter)).requires_grad_()
+             for name, parameter in model.named_parameters()}  # fmt: skip
+    input_ids = torch.randint(0, 256, (2, 7))
+    loss = torch.func.functional_call(model, given, args=(input_ids,), kwargs={"labels": input_ids}).loss
+    assert _runs_the_hand_written_backward(loss)
+    loss.backward()
+    holding = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, parameter in holding.named_parameters():
+            parameter.copy_(given[name])
+    holding(input_ids, labels=input_ids).loss.backward()
+    for name, parameter in holding.named_parameters():
+        assert (given[name].grad - parameter.grad).abs().max() <= 1e-12 * max(1.0, parameter.grad.abs().max()), name
+
+
 def test_bad_inputs_raise_value_errors():
     body = _model().model
     embeddings = torch.zeros(2, 3, 32)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import activation_checkpointing_enable
+from memlm.kernels.feedback import through_time
 from memlm.kernels.feedback.through_time import DeferredWeightGradients, covers
 from memlm.modeling.memory import weights_version
 from tests.modeling.padding import LAYOUTS as PADDING_LAYOUTS
@@ -201,16 +202,23 @@ def test_a_checkpoint_saved_by_main_before_the_options_gives_the_same_logits(nam
     torch.testing.assert_close(logits, expected["logits"], **RECORDED_FLOAT32_LOGITS)  # recorded on another processor
 
 
-def test_the_default_layout_keeps_its_fast_paths_and_the_others_run_with_autograd():
+def test_the_hand_written_backward_covers_every_layout_but_the_adaptive_span_and_dropout_on_the_weights():
+    """Training runs the hand-written backward for every block layout; the adaptive span's mask and dropout on the
+    attention weights run with autograd on the tape. Only the default layout's step compiles (`compile_step`)."""
     default = FeedbackTransformerForCausalLM(FeedbackTransformerConfig(**TINY)).model
     embeddings = torch.zeros(1, 3, TINY["hidden_size"])
     assert covers(default, embeddings, keep_states=False) and not default.needs_tape
     for layout in LAYOUTS:
-        body = _model(layout).model.float()
+        body = _model(layout).model.float().train()
         assert not body.config.default_step
-        assert not covers(body, embeddings, keep_states=False), layout
+        assert covers(body, embeddings, keep_states=False) == (not body.config.adaptive_span), layout
         body.config.compile_step = True
         assert not body.compiled_step_applies(embeddings), layout
+    body = _model("official_post_norm_shared", attention_dropout=0.1).model.float().train()
+    assert body.config.attention_dropout_position == "weights" and not covers(body, embeddings, keep_states=False)
+    body = _model("official_post_norm_shared", attention_dropout=0.1, attention_dropout_position="context").model
+    assert covers(body.float().train(), embeddings, keep_states=False)
+    assert not covers(body, embeddings.to(torch.bfloat16), keep_states=False)  # only float32 and float64
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -404,6 +412,7 @@ def test_the_trimmed_adaptive_span_bounds_the_cache_without_gradients():
 
 PADDING_CASES = [("official_pre_norm", "inference", padding) for padding in PADDING_LAYOUTS] + [
     ("official_pre_norm", "training", "between"),
+    ("official_post_norm_shared", "training", "between"),  # the hand-written backward
     ("adaptive_span_trimmed", "inference", "between"),
     ("adaptive_span_trimmed", "training", "empty_row"),
 ]
@@ -487,6 +496,38 @@ def _blocks_through(model, backend: str, monkeypatch, blocks: list, gradients: b
     return logits, aux_losses, caches, grads
 
 
+def _assert_blocks_equal(ours, reference, training: bool, carries_hidden_states: bool, tolerance: float = 1e-12):
+    """`_blocks_through`'s results of a fast path equal the reference's."""
+    for mine, theirs in zip(ours[0], reference[0]):
+        assert (mine - theirs).abs().max() < tolerance
+    for mine, theirs in zip(ours[1], reference[1]):
+        assert (mine is None) == (theirs is None) and (mine is None or (mine - theirs).abs().max() < 1e-14)
+    for mine, theirs in zip(ours[2], reference[2]):
+        # The same memories, oldest first (the tape lays a carried window out with its live slots first).
+        mine_order = torch.argsort(mine[2].masked_fill(~mine[3], -(10**6)), dim=1, stable=True)
+        theirs_order = torch.argsort(theirs[2].masked_fill(~theirs[3], -(10**6)), dim=1, stable=True)
+        assert torch.equal(mine[2].gather(1, mine_order)[mine[3]], theirs[2].gather(1, theirs_order)[theirs[3]])
+        for index, (tensor, expected) in enumerate(zip(mine[:2], theirs[:2])):
+            # Training carries hidden states alone: the next forward projects them again.
+            assert (tensor is None) == (expected is None) == (training and carries_hidden_states)
+            if tensor is None:
+                continue
+            seen = tensor.gather(2, mine_order[:, None, :, None].expand_as(tensor))
+            seen_expected = expected.gather(2, theirs_order[:, None, :, None].expand_as(expected))
+            assert (seen[..., -3:, :] - seen_expected[..., -3:, :]).abs().max() < tolerance, index
+        if mine[4] is not None or theirs[4] is not None:
+            hidden = mine[4].gather(1, mine_order[..., None].expand_as(mine[4]))
+            expected = theirs[4].gather(1, theirs_order[..., None].expand_as(theirs[4]))
+            assert (hidden[:, -3:] - expected[:, -3:]).abs().max() < tolerance
+    assert ours[3].keys() == reference[3].keys()
+    for name, gradient in ours[3].items():
+        expected = reference[3][name]
+        assert (gradient is None) == (expected is None), name
+        if gradient is not None:
+            assert (gradient - expected).abs().max() <= tolerance * max(1.0, expected.abs().max()), name
+            assert expected.abs().sum() > 0, name
+
+
 @pytest.mark.parametrize("layout", TAPE_LAYOUTS)
 @pytest.mark.parametrize("mode", ["inference", "training"])
 def test_the_tape_equals_the_step_loop_reference_over_carried_blocks(layout, mode, monkeypatch):
@@ -501,33 +542,50 @@ def test_the_tape_equals_the_step_loop_reference_over_carried_blocks(layout, mod
     blocks = list(torch.randint(0, 40, (2, 12)).split(4, dim=1))
     tape = _blocks_through(model, "torch", monkeypatch, blocks, gradients=mode == "training")
     reference = _blocks_through(model, "reference", monkeypatch, blocks, gradients=mode == "training")
-    for ours, theirs in zip(tape[0], reference[0]):
-        assert (ours - theirs).abs().max() < 1e-12
-    for ours, theirs in zip(tape[1], reference[1]):
-        assert (ours is None) == (theirs is None) and (ours is None or (ours - theirs).abs().max() < 1e-14)
-    for ours, theirs in zip(tape[2], reference[2]):
-        # The same memories, oldest first (the tape lays a carried window out with its live slots first).
-        ours_order = torch.argsort(ours[2].masked_fill(~ours[3], -(10**6)), dim=1, stable=True)
-        theirs_order = torch.argsort(theirs[2].masked_fill(~theirs[3], -(10**6)), dim=1, stable=True)
-        assert torch.equal(ours[2].gather(1, ours_order)[ours[3]], theirs[2].gather(1, theirs_order)[theirs[3]])
-        for index, (mine, expected) in enumerate(zip(ours[:2], theirs[:2])):
-            # Training carries hidden states alone: the next forward projects them again.
-            assert (mine is None) == (expected is None) == (mode == "training" and model.model.carries_hidden_states)
-            if mine is None:
-                continue
-            seen_mine = mine.gather(2, ours_order[:, None, :, None].expand_as(mine))
-            seen_expected = expected.gather(2, theirs_order[:, None, :, None].expand_as(expected))
-            assert (seen_mine[..., -3:, :] - seen_expected[..., -3:, :]).abs().max() < 1e-12, index
-        if ours[4] is not None or theirs[4] is not None:
-            mine = ours[4].gather(1, ours_order[..., None].expand_as(ours[4]))
-            expected = theirs[4].gather(1, theirs_order[..., None].expand_as(theirs[4]))
-            assert (mine[:, -3:] - expected[:, -3:]).abs().max() < 1e-12
-    assert tape[3].keys() == reference[3].keys()
-    for name, gradient in tape[3].items():
-        expected = reference[3][name]
-        assert (gradient is None) == (expected is None), name
-        if gradient is not None:
-            assert (gradient - expected).abs().max() <= 1e-12 * max(1.0, expected.abs().max()), name
+    _assert_blocks_equal(tape, reference, mode == "training", model.model.carries_hidden_states)
+
+
+# Every layout's options but the adaptive span, with dropout wherever the hand-written backward takes it: on the
+# attention's context, after the ReLU and on the blocks' outputs.
+BY_HAND = {"adaptive_span": False, "adaptive_span_trim_step": None, "renormalization_epsilon": 0.0,
+           "attention_dropout_position": "context", "attention_dropout": 0.3, "activation_dropout": 0.2,
+           "hidden_dropout": 0.1}  # fmt: skip
+
+
+# RMSNorm blocks with rotary positions and hidden states carried (the projection's backward rotates and norms).
+ROTARY_HIDDEN_STATES = {"position_encoding": "rotary", "memory_carry": "hidden_states"}
+BY_HAND_CASES = [(layout, {}) for layout in LAYOUTS] + [
+    ("biases_scale_no_final_norm", ROTARY_HIDDEN_STATES),
+    (
+        "biases_scale_no_final_norm",
+        {**ROTARY_HIDDEN_STATES, "memory_normalization": "layer", "initial_memory": "zeros"},
+    ),
+]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "checkpointing"])
+@pytest.mark.parametrize(("layout", "overrides"), BY_HAND_CASES)
+def test_the_hand_written_backward_equals_the_step_loop_reference_over_carried_blocks(layout, overrides, checkpointing,
+                                                                                      monkeypatch):  # fmt: skip
+    """The papers' blocks (LayerNorm pre- and post-norm, plain biased MLPs, output biases, learned relative
+    positions, memories normed per layer, carried as hidden states, the zero initial memory) on the hand-written
+    backward: logits, carried memories and every gradient equal the reference's in float64, over three carried
+    blocks; reads add to the tape's slots in blocks of three steps."""
+    monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 3)
+    runs = []
+    counting = through_time._backward_through_time
+    monkeypatch.setattr(through_time, "_backward_through_time", lambda *args: runs.append(1) or counting(*args))
+    model = _model(layout, **{**BY_HAND, **overrides}).train()
+    if checkpointing:
+        activation_checkpointing_enable(model)
+    assert covers(model.model, torch.zeros(2, 3, TINY["hidden_size"], dtype=torch.float64), keep_states=False)
+    blocks = list(torch.randint(0, 40, (2, 12)).split(4, dim=1))
+    ours = _blocks_through(model, "torch", monkeypatch, blocks, gradients=True)
+    assert len(runs) == len(blocks)
+    reference = _blocks_through(model, "reference", monkeypatch, blocks, gradients=True)
+    # Without a memory norm, the raw memories grow through the layers: their gradients cancel more.
+    tolerance = 1e-12 if model.config.memory_normalization != "none" or layout.startswith("official") else 1e-9
+    _assert_blocks_equal(ours, reference, True, model.model.carries_hidden_states, tolerance)
 
 
 def test_the_step_loop_defers_its_weight_gradients_only_for_plain_linear_layers():

@@ -8,11 +8,13 @@ validates its inputs and dispatches on the backend (see :func:`memlm.kernels.res
 - ``"reference"``: `reference.py`, the memory as Python lists and autograd through every step;
 - ``"torch"`` (and ``"triton"``/``"fla"``, which have no kernel of their own for this recurrence): the memory in
   preallocated buffers (`tape.py`): without gradients the cache's ring of up to τ slots, written in place; in training a
-  tape of all steps, and the hand-written backward of `through_time.py` (`_ThroughTime`), or autograd through every
-  step where that backward does not know the forward (the papers' layouts, float16/bfloat16, autocast, per-step
-  outputs kept, adapters, hooks: see `through_time.covers`). The papers' layouts (keys and values recomputed from
-  carried hidden states, the adaptive span, dropout on the attention weights: the model's `needs_tape`) run on the
-  tape in training, and on the ring without gradients but for a trimmed adaptive span (whose window is shorter).
+  tape of all steps, and the hand-written backward of `through_time.py` (`_ThroughTime`: every block layout, the
+  papers' included, with memories carried as keys and values or as hidden states), or autograd through every step
+  where that backward does not know the forward (the adaptive span's mask, dropout on the attention weights,
+  float16/bfloat16, autocast, per-step outputs kept, adapters, hooks: see `through_time.covers`). The papers'
+  options the ring does not hold (keys and values recomputed from carried hidden states, the adaptive span, dropout
+  on the attention weights: the model's `needs_tape`) run on the ring without gradients but for a trimmed adaptive
+  span (whose window is shorter), which runs on the tape.
 
 The step itself (layers, memory mix, projections) is the model's: `model.step`, in `modeling_feedback_transformer.py`;
 with the config's `compile_step`, its pure functions run through `torch.compile` where no autograd is needed
@@ -24,7 +26,7 @@ import torch
 from memlm.kernels import resolve_backend
 
 from .reference import feedback_recurrence_reference
-from .tape import _RingStore, _Tape
+from .tape import ProjectedSet, _RingStore, _Tape, stacked_memories
 from .through_time import DeferredWeightGradients, _ThroughTime, covers, recurrent_parameters
 
 __all__ = ["feedback_recurrence", "feedback_recurrence_reference"]
@@ -121,13 +123,25 @@ def feedback_recurrence(
     )
     if ring:
         store = _RingStore(cache_layers, next_positions, config, inputs_embeds, positions)
+    elif training and covers(model, inputs_embeds, keep_states):
+        # The hand-written backward: the tape filled without autograd. Memories projected from hidden states in this
+        # forward (carried ones, or the zero initial memory: `ProjectedMemories`) are projected into it without
+        # autograd too, and their projection differentiated by hand; other memories that carry gradients get theirs.
+        with torch.no_grad():
+            store = _Tape(cache_layers, inputs_embeds.shape[1], config, inputs_embeds, padding_steps)
+        projected = cache_layers[0].memories if isinstance(cache_layers[0], ProjectedSet) else None
+        prefix_keys = prefix_values = None
+        if projected is None and cache_layers[0].keys is not None and (
+            cache_layers[0].keys.requires_grad or cache_layers[0].values.requires_grad
+        ):  # fmt: skip
+            prefix_keys, prefix_values = stacked_memories(cache_layers)
+        names, parameters = zip(*recurrent_parameters(model))
+        top = _ThroughTime.apply(model, store, inputs_embeds, positions, valid, prefix_keys, prefix_values, projected,
+                                 names, *parameters)  # fmt: skip
+        store.release()
+        return top, [], store.last_memories()
     else:
         store = _Tape(cache_layers, inputs_embeds.shape[1], config, inputs_embeds, padding_steps)
-        if covers(model, inputs_embeds, keep_states):
-            parameters = [parameter for _, parameter in recurrent_parameters(model)]
-            top = _ThroughTime.apply(model, store, inputs_embeds, positions, valid, *parameters)
-            store.release()
-            return top, [], store.last_memories()
     if training and DeferredWeightGradients.applies(model, inputs_embeds):
         model.deferred = DeferredWeightGradients(model, inputs_embeds.shape[0])
     try:

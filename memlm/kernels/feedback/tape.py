@@ -167,6 +167,61 @@ class _RingStore:
             layer.valid[rows, slots] = valid | layer.valid[rows, slots]
 
 
+class ProjectedMemories:
+    """The memories a training forward starts from as hidden states (B, W, D) at `positions` (B, W), whose keys and
+    values (G, B, H, W, d) `project(hidden, positions)` computes: with autograd when a path reads them (`stacked`;
+    once, then kept), or without it for the hand-written backward, which copies them into its tape and
+    differentiates the projection itself (so no projection nor its graph stays alive through the steps)."""
+
+    def __init__(self, project: Callable, hidden: torch.Tensor, positions: torch.Tensor):
+        self.project, self.hidden, self.positions = project, hidden, positions
+        self._stacked = None
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values; without gradients a projection of its own, which is not kept."""
+        if self._stacked is not None:
+            return self._stacked
+        stacked = self.project(self.hidden, self.positions)
+        if torch.is_grad_enabled():
+            self._stacked = stacked
+        return stacked
+
+    def sets(self, groups: int, valid: torch.Tensor, hidden: torch.Tensor | None) -> list:
+        """The `groups` key/value sets, read as cache layers (`ProjectedSet`); `valid` (B, W) the memories' validity,
+        `hidden`: the hidden states the forward carries on (None: none)."""
+        return [ProjectedSet(self, group, valid, hidden) for group in range(groups)]
+
+
+class ProjectedSet:
+    """A key/value set of `ProjectedMemories`, read as a cache layer is (keys and values (B, H, W, d), positions,
+    validity, the carried hidden states)."""
+
+    ring = False
+
+    def __init__(self, memories: ProjectedMemories, group: int, valid: torch.Tensor, hidden: torch.Tensor | None):
+        self.memories, self.group = memories, group
+        self.positions, self.valid, self.hidden = memories.positions, valid, hidden
+
+    @property
+    def keys(self) -> torch.Tensor:
+        # (unbind: the gradients of the sets come back as one stack, where indexing would give each set's gradient
+        # the size of all of them)
+        return self.memories.stacked()[0].unbind(0)[self.group]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.memories.stacked()[1].unbind(0)[self.group]
+
+
+def stacked_memories(cache_layers: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values (G, B, H, W, d) of the cache's key/value sets: those of `ProjectedMemories` as projected,
+    else the sets' stacked."""
+    first = cache_layers[0]
+    if isinstance(first, ProjectedSet):
+        return first.memories.stacked()
+    return torch.stack([layer.keys for layer in cache_layers]), torch.stack([layer.values for layer in cache_layers])
+
+
 class _Tape:
     """The memory in training: one slot per step (after a prefix carried from the cache), written once, never
     overwritten, with gradient buffers that the reads fill and the writes hand back to autograd."""
@@ -198,8 +253,8 @@ class _Tape:
         self.reach = memory_span + padding_steps
         self.keys = torch.zeros(groups, batch_size, num_heads, size, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        prefix_keys = torch.stack([layer.keys for layer in cache_layers]).to(dtype)
-        prefix_values = torch.stack([layer.values for layer in cache_layers]).to(dtype)
+        prefix_keys, prefix_values = stacked_memories(cache_layers)
+        prefix_keys, prefix_values = prefix_keys.to(dtype), prefix_values.to(dtype)
         self.positions = torch.cat([first.positions, first.positions.new_zeros(batch_size, steps)], 1)
         self.valid = torch.cat([first.valid, first.valid.new_zeros(batch_size, steps)], dim=1)
         # With `memory_carry="hidden_states"`: the memories' hidden states, carried (detached) to the next forward.

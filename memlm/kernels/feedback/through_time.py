@@ -8,6 +8,7 @@ tape's key/value gradients are added block by block (`_TapeGradients`). The test
 after its memory read run as two pure functions through `torch.compile` (`block_backward`, `query_backward`).
 """
 
+import contextlib
 import functools
 import weakref
 
@@ -15,9 +16,28 @@ import torch
 
 
 def recurrent_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters the step loop uses (all but the token embedding and the final norm)."""
-    return [(name, parameter) for name, parameter in model.named_parameters()
+    """The parameters the step loop uses (all but the token embedding and the final norm), under every name (one
+    tensor may serve several, e.g. under `torch.func.functional_call` with tied weights)."""
+    return [(name, parameter) for name, parameter in model.named_parameters(remove_duplicate=False)
             if not name.startswith(("embed_tokens.", "norm."))]  # fmt: skip
+
+
+@contextlib.contextmanager
+def parameters_as(model, names: list[str], tensors):
+    """The model's parameters `names` replaced by `tensors` while the block runs (a backward reads the weights its
+    forward saw: under `torch.func.functional_call` they are not the module's own by then)."""
+    swapped = []
+    try:
+        for name, tensor in zip(names, tensors):
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if module._parameters[leaf] is not tensor:
+                swapped.append((module, leaf, module._parameters[leaf]))
+                module._parameters[leaf] = tensor
+        yield
+    finally:
+        for module, leaf, original in reversed(swapped):
+            module._parameters[leaf] = original
 
 
 def plain_step(model, inputs_embeds: torch.Tensor) -> bool:
@@ -38,10 +58,18 @@ def plain_step(model, inputs_embeds: torch.Tensor) -> bool:
 
 
 def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
-    """Whether the hand-written backward knows what the forward computes: memlm's default step (not the papers'
-    layouts), no per-step outputs kept for the caller, and a `plain_step`."""
+    """Whether the hand-written backward knows what the forward computes: no per-step outputs kept for the caller, a
+    `plain_step`, and a step whose softmax weights are read as they are (not the adaptive span's mask, nor dropout on
+    the weights: those steps run with autograd on the tape). Every block layout (pre- and post-norm, RMSNorm and
+    LayerNorm, gated and plain MLPs, biases), position encoding, memory normalisation and carried memory is known."""
+    drops_weights = (
+        not getattr(model, "attention_dropout_on_context", True)
+        and model.training
+        and any(layer.attention.dropout.p > 0 for layer in model.layers)
+    )
     return (
-        getattr(model, "default_step", True)  # memlm's default layout (`FeedbackTransformerConfig.default_step`)
+        not getattr(model, "adaptive_span", False)
+        and not drops_weights
         and not keep_states
         and plain_step(model, inputs_embeds)
     )
@@ -50,21 +78,27 @@ def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
 class Recording:
     """What the hand-written backward needs from a training forward run without autograd, by (layer, step): the
     layer's input, rotated query, attention weights, context, the residual after attention, the MLP's gate and up
-    projections (not kept under gradient checkpointing: recomputed), the dropout masks; by step: the layer mix,
-    the normalised memory and the rotation."""
+    projections (not kept under gradient checkpointing: recomputed), the post-norm blocks' sums before their norms,
+    the dropout masks; by step: the layer mix, the memory (and its mixture before the memory norm) and the rotation."""
 
     def __init__(self, model):
-        # The products that share an input run as one, with their weights stacked (out, in).
+        # The products that share an input run as one, with their weights stacked (out, in): keys and values of each
+        # key/value set (the shared projections serve every set), the gated MLP's gate and up projections.
         config, layers = model.config, model.layers
         if config.share_key_value:
-            self.key_value = [torch.cat([model.k_proj.weight, model.v_proj.weight])]
+            self.key_value = [torch.cat([model.k_proj.weight, model.v_proj.weight])] * config.memory_groups
         else:
             self.key_value = [
                 torch.cat([layer.attention.k_proj.weight, layer.attention.v_proj.weight]) for layer in layers
             ]
-        self.gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in layers]
+        self.gated = config.mlp_type == "gated"
+        self.gate_up = self.gate_up_bias = [None] * len(layers)
+        if self.gated:
+            self.gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in layers]
+            if config.mlp_bias:
+                self.gate_up_bias = [torch.cat([layer.mlp.gate_proj.bias, layer.mlp.up_proj.bias]) for layer in layers]
         self.inputs, self.queries, self.weights, self.contexts, self.residuals = {}, {}, {}, {}, {}
-        self.gates, self.ups, self.masks = {}, {}, {}
+        self.gates, self.ups, self.masks, self.sums = {}, {}, {}, {}
         self.mixtures, self.stacks, self.memories, self.rotations = {}, {}, {}, {}
 
 
@@ -79,6 +113,23 @@ def _rms_norm_backward(grad_output, inputs, norm, weight_gradient):
     dot = torch.linalg.vecdot(grad_normalized, normalized).unsqueeze(-1)
     grad_inputs = torch.addcmul(grad_normalized, normalized, dot, value=-1 / inputs.shape[-1]).mul_(reciprocal)
     return grad_inputs, normalized * norm.weight
+
+
+def _norm_backward(norm, grad_output, inputs, accumulated: dict, name: str):
+    """dy → dx through the norm module `norm` (memlm's `RMSNorm`, or its `LayerNorm`: the one with a bias) at
+    `inputs` (B, D), also returning its output y. The weight's (and bias's) gradient terms are added to
+    `accumulated[name + ".weight"]` (and ".bias"): per row (B, D) for RMSNorm, summed (D,) for LayerNorm."""
+    if not hasattr(norm, "bias"):
+        return _rms_norm_backward(grad_output, inputs, norm, accumulated[name + ".weight"])
+    # y = x̂ · w + b, x̂ = (x − mean) / sqrt(var + eps): the op's own backward gives dx, dw and db at once.
+    width = inputs.shape[-1:]
+    output, mean, reciprocal = torch.native_layer_norm(inputs, width, norm.weight, norm.bias, norm.variance_epsilon)
+    grad_inputs, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward(
+        grad_output, inputs, width, mean, reciprocal, norm.weight, norm.bias, [True, True, True]
+    )
+    accumulated[name + ".weight"].add_(grad_weight)
+    accumulated[name + ".bias"].add_(grad_bias)
+    return grad_inputs, output
 
 
 def _rotary_backward(grad, cos, sin):
@@ -154,16 +205,22 @@ _ACTIVATION_BACKWARDS = {
 
 
 class _WeightGradients:
-    """Σ over steps of (gradient at a product's output)ᵀ · (its input), for every weight. A step's product has only B
-    rows, far below the CPU's GEMM speed, so the steps are gathered into buffers (allocated once, reused) and
-    multiplied `steps_per_product` at a time."""
+    """Σ over steps of (gradient at a product's output)ᵀ · (its input), for every weight named "….weight" (and Σ of
+    the gradient's rows for its bias "….bias", when needed). A step's product has only B rows, far below the CPU's
+    GEMM speed, so the steps are gathered into buffers (allocated once, reused) and multiplied `steps_per_product` at
+    a time."""
 
     def __init__(self, needed: set[str], steps_per_product: int):
         self.needed, self.steps_per_product = needed, steps_per_product
         self.buffers, self.filled, self.totals = {}, {}, {}
 
+    @staticmethod
+    def bias_name(name) -> str | None:
+        """The bias of a weight named "….weight" (other keys, e.g. `DeferredWeightGradients`' ints: None)."""
+        return name.removesuffix("weight") + "bias" if isinstance(name, str) and name.endswith(".weight") else None
+
     def add(self, name: str, grad_output: torch.Tensor, inputs: torch.Tensor):
-        if name not in self.needed:
+        if name not in self.needed and self.bias_name(name) not in self.needed:
             return
         rows = grad_output.shape[0]
         if name not in self.buffers:
@@ -185,10 +242,14 @@ class _WeightGradients:
         grads, inputs = self.buffers[name]
         rows, self.filled[name] = self.filled[name], 0
         grads, inputs = grads[:rows], inputs[:rows]
-        if name in self.totals:
-            self.totals[name].addmm_(grads.t(), inputs)
-        else:
-            self.totals[name] = grads.t() @ inputs
+        for total_name, total in ((name, grads.t() @ inputs if name in self.needed else None),
+                                  (self.bias_name(name), grads.sum(0))):  # fmt: skip
+            if total_name not in self.needed:
+                continue
+            if total_name in self.totals:
+                self.totals[total_name].add_(total)
+            else:
+                self.totals[total_name] = total
 
     def results(self) -> dict[str, torch.Tensor]:
         for name, filled in self.filled.items():
@@ -355,10 +416,14 @@ class _TapeGradients:
 class _ThroughTime(torch.autograd.Function):
     """The training forward as one autograd node: the step loop runs without autograd (no graph of ~160 small nodes
     per step), recording its intermediates, and `_backward_through_time` walks the steps back by hand, leaving the
-    weight gradients to products of many steps at once."""
+    weight gradients to products of many steps at once. `prefix_keys`, `prefix_values` (G, B, H, P, d): memories the
+    tape starts from that carry gradients, which get theirs; else None. `projected`: the `ProjectedMemories` the tape
+    starts from (projected into it without autograd), whose projection's parameters get their gradients; else None.
+    `parameters`: the `recurrent_parameters` as the forward sees them, named `names`."""
 
     @staticmethod
-    def forward(ctx, model, store, inputs_embeds, positions, valid, *parameters):
+    def forward(ctx, model, store, inputs_embeds, positions, valid, prefix_keys, prefix_values, projected, names,
+                *parameters):  # fmt: skip
         record = Recording(model)
         compiled = model.compiled_step_applies(inputs_embeds)  # `compile_step` (autograd is off in here)
         outputs = [
@@ -368,23 +433,115 @@ class _ThroughTime(torch.autograd.Function):
             )
         ]
         ctx.model, ctx.store, ctx.record, ctx.positions, ctx.compiled = model, store, record, positions, compiled
+        ctx.projected, ctx.names = projected, names
+        ctx.save_for_backward(*parameters)
         return torch.stack(outputs, dim=1)
 
     @staticmethod
     def backward(ctx, grad_outputs):
-        parameters = recurrent_parameters(ctx.model)
-        needed = {name for (name, _), needs in zip(parameters, ctx.needs_input_grad[5:]) if needs}
-        grad_embeddings, gradients = _backward_through_time(ctx.model, ctx.store, ctx.record, ctx.positions,
-                                                            grad_outputs, needed, ctx.compiled)  # fmt: skip
+        needed = {name for name, needs in zip(ctx.names, ctx.needs_input_grad[9:]) if needs}
+        with parameters_as(ctx.model, ctx.names, ctx.saved_tensors):
+            grad_embeddings, gradients, (grad_prefix_keys, grad_prefix_values) = _backward_through_time(
+                ctx.model, ctx.store, ctx.record, ctx.positions, grad_outputs, needed, ctx.compiled
+            )
+            if ctx.projected is not None:
+                _projection_backward(ctx.model, ctx.projected, grad_prefix_keys, grad_prefix_values, gradients)
         grad_embeddings = grad_embeddings if ctx.needs_input_grad[2] else None
-        return (None, None, grad_embeddings, None, None) + tuple(gradients.get(name) for name, _ in parameters)
+        grad_prefix_keys = grad_prefix_keys if ctx.needs_input_grad[5] else None
+        grad_prefix_values = grad_prefix_values if ctx.needs_input_grad[6] else None
+        return (None, None, grad_embeddings, None, None, grad_prefix_keys, grad_prefix_values, None, None) + tuple(
+            gradients.get(name) for name in ctx.names
+        )
+
+
+def _projection_backward(model, projected, grad_keys: torch.Tensor, grad_values: torch.Tensor, gradients: dict):
+    """Add to `gradients` those of the parameters of `projected.project` (`FeedbackTransformerModel._project_hidden`:
+    keys and values (G, B, H, W, d) of hidden states (B, W, D) that need no gradient themselves) given the keys' and
+    values' gradients: k = W_k · s, v = W_v · s per key/value set, s the hidden state or (memories normed per layer,
+    the official pre-norm code) norm_l of it, the keys rotated by position with rotary embeddings."""
+    config = model.config
+    if model.rotary_emb is not None:
+        cos, sin = model.rotary_emb(projected.positions)  # (B, 1, W, d)
+        grad_keys = _rotary_backward(grad_keys, cos, sin)
+    groups, batch_size, _, width, _ = grad_keys.shape
+    hidden = projected.hidden.reshape(batch_size * width, -1)
+
+    def add(name: str, gradient: torch.Tensor):
+        gradients[name] = gradient if gradients.get(name) is None else gradients[name] + gradient
+
+    for group in range(groups):
+        # (B·W, 2·H·d): the set's keys and values, as the rows of one product's output
+        grad_key_value = torch.cat([grad_keys[group].transpose(1, 2).reshape(batch_size * width, -1),
+                                    grad_values[group].transpose(1, 2).reshape(batch_size * width, -1)], dim=-1)  # fmt: skip
+        prefix = "" if config.share_key_value else f"layers.{group}.attention."
+        projections = model if config.share_key_value else model.layers[group].attention
+        source = hidden
+        if model.layer_norms_memory:
+            norm, name = model.layers[group].input_layernorm, f"layers.{group}.input_layernorm"
+            weight = torch.cat([projections.k_proj.weight, projections.v_proj.weight])
+            accumulated = {f"{name}.{kind}": torch.zeros_like(getattr(norm, kind))
+                           for kind in ("weight", "bias") if hasattr(norm, kind)}  # fmt: skip
+            if not hasattr(norm, "bias"):  # RMSNorm: its terms per row
+                accumulated[f"{name}.weight"] = hidden.new_zeros(hidden.shape)
+            _, source = _norm_backward(norm, grad_key_value @ weight, hidden, accumulated, name)
+            for key, gradient in accumulated.items():
+                add(key, gradient.sum(0) if gradient.dim() == 2 else gradient)
+        grad_keys_weight, grad_values_weight = (grad_key_value.t() @ source).split(config.attention_width)
+        add(prefix + "k_proj.weight", grad_keys_weight)
+        add(prefix + "v_proj.weight", grad_values_weight)
+
+
+def _product_name(name: str, gated: bool) -> str:
+    """The name under which `_backward_through_time` gathers a parameter's products: a key/value set's keys and values
+    as one ("key_value"), a gated MLP's gate and up projections as one ("gate_up")."""
+    name = name.replace("k_proj", "key_value").replace("v_proj", "key_value")
+    return name.replace("gate_proj", "gate_up").replace("up_proj", "gate_up") if gated else name
+
+
+def _mlp_backward(layer, index: int, key, record, residual, grad_output, products, norm_gradients, pre: bool,
+                  activation: str) -> torch.Tensor:  # fmt: skip
+    """The backward of a layer's MLP block, output = down(act(gate) · up) or down(dropout(act(up))) of
+    n = post_norm(residual) (pre-norm) or n = residual (post-norm): the gradient `grad_output` at its output → the
+    gradient at `residual` through the block; the weights' products go to `products`."""
+    mlp, norm, prefix = layer.mlp, layer.post_attention_layernorm, f"layers.{index}."
+    normed = None
+    if key not in record.ups:  # gradient checkpointing: recompute the block's projections
+        normed = norm(residual) if pre else residual
+    if record.gated:
+        if normed is None:
+            gate, up = record.gates[key], record.ups[key]
+        else:
+            projection = torch.nn.functional.linear(normed, record.gate_up[index], record.gate_up_bias[index])
+            gate, up = projection.split(mlp.gate_proj.out_features, dim=-1)
+        activated = mlp.act_fn(gate)
+        products.add(prefix + "mlp.down_proj.weight", grad_output, activated * up)
+        grad_product = grad_output @ mlp.down_proj.weight
+        grad_gate = _activation_backward(mlp.act_fn, activation, gate, grad_product * up)
+        grad_projection = torch.cat([grad_gate, grad_product * activated], dim=-1)
+        name, weight = prefix + "mlp.gate_up.weight", record.gate_up[index]
+    else:
+        up = record.ups[key] if normed is None else mlp.up_proj(normed)
+        activated = mlp.act_fn(up)
+        mask = record.masks.get(("activation",) + key)
+        products.add(prefix + "mlp.down_proj.weight", grad_output, activated if mask is None else activated * mask)
+        grad_activated = grad_output @ mlp.down_proj.weight
+        grad_activated = grad_activated if mask is None else grad_activated * mask
+        grad_projection = _activation_backward(mlp.act_fn, activation, up, grad_activated)
+        name, weight = prefix + "mlp.up_proj.weight", mlp.up_proj.weight
+    grad_normed = grad_projection @ weight
+    if pre:
+        grad_normed, normed = _norm_backward(norm, grad_normed, residual, norm_gradients,
+                                             prefix + "post_attention_layernorm")  # fmt: skip
+    products.add(name, grad_projection, residual if normed is None else normed)
+    return grad_normed
 
 
 def _backward_through_time(model, store, record, positions, grad_outputs, needed, compiled=False):
     """Back-propagation through the loop of `FeedbackTransformerModel.step`, from the last step to the first; each
-    block reverses a line of the step. Returns the gradient of the input embeddings (B, T, D) and {name: gradient}
-    of the parameters named in `needed`. `compiled` (`compile_step`, no dropout): the layer's lines before and after
-    its memory read run as `block_backward` and `query_backward` through `torch.compile`."""
+    block reverses a line of the step. Returns the gradient of the input embeddings (B, T, D), {name: gradient} of
+    the parameters named in `needed`, and the gradients of the tape's prefix (its keys and values (G, B, H, P, d)).
+    `compiled` (`compile_step`, the default layout without dropout): the layer's lines before and after its memory
+    read run as `block_backward` and `query_backward` through `torch.compile`."""
     config, layers = model.config, model.layers
     compiled = compiled and config.hidden_act in COMPILED_ACTIVATIONS and not record.masks
     if compiled:
@@ -394,27 +551,38 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
     batch_size, steps, hidden_size = grad_outputs.shape
     num_heads, head_dim, num_layers = config.num_attention_heads, config.head_dim, len(layers)
     scale = head_dim**-0.5
+    pre, gated = config.norm_position == "pre", record.gated
     wide = torch.promote_types(model.layer_weights.dtype, torch.float32)
     softmax = torch.softmax(model.layer_weights.to(wide), dim=0)
     mix = softmax.to(grad_outputs.dtype)
-    tape = _TapeGradients(store, reads_per_step=num_layers if config.share_key_value else 1)
-    prefixes = [""] if config.share_key_value else [f"layers.{index}.attention." for index in range(num_layers)]
-    key_value, gate_up = list(zip(prefixes, record.key_value)), record.gate_up
-    products = _WeightGradients(
-        {name.replace("k_proj", "key_value").replace("v_proj", "key_value").replace("gate_proj", "gate_up")
-         .replace("up_proj", "gate_up") for name in needed},
-        steps_per_product=max(1, 1024 // batch_size),
-    )  # fmt: skip
-    norm_names = ["memory_norm.weight"] + [
-        f"layers.{index}.{kind}.weight" for index in range(num_layers)
+    groups = len(record.key_value)
+    tape = _TapeGradients(store, reads_per_step=num_layers // groups)
+    prefixes = [""] * groups if config.share_key_value else [f"layers.{index}.attention." for index in range(groups)]
+    key_value = list(zip(prefixes, record.key_value))
+    # (buffers of at most the forward's steps: a longer one would hold rows never filled)
+    products = _WeightGradients({_product_name(name, gated) for name in needed},
+                                steps_per_product=min(steps, max(1, 1024 // batch_size)))  # fmt: skip
+    # The norms' gradients: per row (B, D) for RMSNorm (summed at the end), (D,) for LayerNorm (see `_norm_backward`).
+    norm_gradients = {}
+    norms = [("memory_norm", model.memory_norm)] + [
+        (f"layers.{index}.{kind}", getattr(layer, kind)) for index, layer in enumerate(layers)
         for kind in ("input_layernorm", "post_attention_layernorm")
     ]  # fmt: skip
-    norm_gradients = {name: grad_outputs.new_zeros(batch_size, hidden_size) for name in norm_names}
+    for name, norm in norms:
+        if norm is None:
+            continue
+        if hasattr(norm, "bias"):
+            norm_gradients[name + ".weight"], norm_gradients[name + ".bias"] = (
+                torch.zeros_like(norm.weight), torch.zeros_like(norm.bias)
+            )  # fmt: skip
+        else:
+            norm_gradients[name + ".weight"] = grad_outputs.new_zeros(batch_size, hidden_size)
     grad_mix = torch.zeros(num_layers + 1, dtype=grad_outputs.dtype, device=grad_outputs.device)
     relative_gradients = [
         torch.zeros_like(layer.attention.relative_bias) if hasattr(layer.attention, "relative_bias") else None
         for layer in layers
     ]
+    table = model.relative_positions  # the learned relative positions p_1..p_τ (or None)
     grad_embeddings = [None] * steps
 
     for step in reversed(range(steps)):
@@ -428,53 +596,63 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
         if cos is not None:
             grad_key = _rotary_backward(grad_key, cos[:, 0], sin[:, 0])
         grad_key_value = torch.cat([grad_key.flatten(2), tape.values[:, :, :, slot].flatten(2)], dim=-1)
+        memory = record.memories[step]
         grad_memory = 0
         for group, (prefix, weight) in enumerate(key_value):
-            grad_memory = grad_memory + grad_key_value[group] @ weight
-            products.add(f"{prefix}key_value.weight", grad_key_value[group], record.memories[step])
-        # Eq. 1: m_t = norm(Σ_l softmax(w)_l x_t^l)
-        grad_mixture, _ = _rms_norm_backward(grad_memory, record.mixtures[step], model.memory_norm,
-                                             norm_gradients["memory_norm.weight"])  # fmt: skip
+            grad_source, source = grad_key_value[group] @ weight, memory
+            if model.layer_norms_memory:  # k = W_k · norm_l(m), the official pre-norm code
+                grad_source, source = _norm_backward(layers[group].input_layernorm, grad_source, memory,
+                                                     norm_gradients, f"layers.{group}.input_layernorm")  # fmt: skip
+            products.add(f"{prefix}key_value.weight", grad_key_value[group], source)
+            grad_memory = grad_memory + grad_source
+        # Eq. 1: m_t = norm(Σ_l softmax(w)_l x_t^l) (or the mixture itself)
+        grad_mixture = grad_memory
+        if model.memory_norm is not None:
+            grad_mixture, _ = _norm_backward(model.memory_norm, grad_memory, record.mixtures[step], norm_gradients,
+                                             "memory_norm")  # fmt: skip
         grad_mix += torch.einsum("bd,lbd->l", grad_mixture, record.stacks[step])
         grad_hidden = grad_outputs[:, step] + mix[num_layers] * grad_mixture
+        relative = None  # the step's index of the learned relative positions (B, H, W), the same for every layer
         for index in reversed(range(num_layers)):
             layer, key, prefix = layers[index], (index, step), f"layers.{index}."
-            mlp, attention = layer.mlp, layer.attention
+            attention = layer.attention
             residual = record.residuals[key]
-            if key in record.gates:
-                gate, up = record.gates[key], record.ups[key]
-            else:  # gradient checkpointing: recompute the block's projections
-                normed = layer.post_attention_layernorm(residual)
-                gate, up = (normed @ gate_up[index].t()).split(config.intermediate_size, dim=-1)
-            if compiled:  # the lines below, as one compiled function (no dropout)
+            if compiled:  # the lines below, as one compiled function (the default layout, no dropout)
                 context = record.contexts[key].view(batch_size, -1)
-                grad_residual, grad_context, norm_term, activated_up, grad_gate_up, normed = block_function(
-                    grad_hidden, residual, gate, up, context, mlp.down_proj.weight, gate_up[index],
+                if key in record.gates:
+                    gate, up = record.gates[key], record.ups[key]
+                else:  # gradient checkpointing: recompute the block's projections
+                    normed = layer.post_attention_layernorm(residual)
+                    gate, up = (normed @ record.gate_up[index].t()).split(config.intermediate_size, dim=-1)
+                grad_input, grad_context, norm_term, activated_up, grad_gate_up, normed = block_function(
+                    grad_hidden, residual, gate, up, context, layer.mlp.down_proj.weight, record.gate_up[index],
                     layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                     attention.o_proj.weight, config.hidden_act,
                 )  # fmt: skip
                 norm_gradients[prefix + "post_attention_layernorm.weight"].add_(norm_term)
                 products.add(prefix + "mlp.down_proj.weight", grad_hidden, activated_up)
                 products.add(prefix + "mlp.gate_up.weight", grad_gate_up, normed)
-                products.add(prefix + "attention.o_proj.weight", grad_residual, context)
+                products.add(prefix + "attention.o_proj.weight", grad_input, context)
                 grad_context = grad_context.view(-1, head_dim)
             else:
-                # hidden = residual + dropout(down(act(gate) · up)), [gate, up] = W · post_norm(residual)
+                # hidden = residual + dropout(mlp(residual)) (post-norm: its norm)
+                grad_sum = grad_hidden
+                if not pre:
+                    grad_sum, _ = _norm_backward(layer.post_attention_layernorm, grad_hidden,
+                                                 record.sums[("mlp",) + key], norm_gradients,
+                                                 prefix + "post_attention_layernorm")  # fmt: skip
                 mask = record.masks.get(("mlp",) + key)
-                grad_down = grad_hidden if mask is None else grad_hidden * mask
-                activated = mlp.act_fn(gate)
-                products.add(prefix + "mlp.down_proj.weight", grad_down, activated * up)
-                grad_product = grad_down @ mlp.down_proj.weight
-                grad_gate = _activation_backward(mlp.act_fn, config.hidden_act, gate, grad_product * up)
-                grad_gate_up = torch.cat([grad_gate, grad_product * activated], dim=-1)
-                grad_residual_norm, normed = _rms_norm_backward(grad_gate_up @ gate_up[index], residual,
-                                                                layer.post_attention_layernorm,
-                                                                norm_gradients[prefix + "post_attention_layernorm.weight"])  # fmt: skip
-                products.add(prefix + "mlp.gate_up.weight", grad_gate_up, normed)
-                grad_residual = grad_hidden + grad_residual_norm
-                # residual = input + dropout(o_proj(dropout(context)))
+                grad_down = grad_sum if mask is None else grad_sum * mask
+                grad_residual = grad_sum + _mlp_backward(layer, index, key, record, residual, grad_down, products,
+                                                         norm_gradients, pre, config.hidden_act)  # fmt: skip
+                # residual = input + dropout(o_proj(dropout(context))) (post-norm: its norm)
+                grad_input = grad_residual
+                if not pre:
+                    grad_input, _ = _norm_backward(layer.input_layernorm, grad_residual,
+                                                   record.sums[("attention",) + key], norm_gradients,
+                                                   prefix + "input_layernorm")  # fmt: skip
                 mask = record.masks.get(("attention",) + key)
-                grad_mixed = grad_residual if mask is None else grad_residual * mask
+                grad_mixed = grad_input if mask is None else grad_input * mask
                 products.add(prefix + "attention.o_proj.weight", grad_mixed, record.contexts[key].view(batch_size, -1))
                 grad_context = (grad_mixed @ attention.o_proj.weight).view(-1, head_dim)
                 mask = record.masks.get(("context",) + key)
@@ -484,7 +662,7 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
             if weights is None:  # no memory was visible: the attention term was zero
                 grad_query = torch.zeros_like(query)
             else:
-                group = 0 if config.share_key_value else index
+                group = 0 if groups == 1 else index
                 start, end = store.bounds(step)
                 keys = store.keys[group, :, :, start:end].flatten(0, 1)
                 values = store.values[group, :, :, start:end].flatten(0, 1)
@@ -492,17 +670,27 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                 grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
                 grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
                 tape.add(group, start, end, grad_scores, query * scale, weights, grad_context)
-                if relative_gradients[index] is not None:  # bias[h, distance − 1]; invisible slots have dS = 0
-                    distance = positions[:, step, None] - store.positions[:, start:end]
-                    slots = (distance - 1).clamp(0, config.memory_span - 1)
-                    per_head = grad_scores.view(batch_size, num_heads, -1).transpose(0, 1).reshape(num_heads, -1)
-                    relative_gradients[index].index_add_(1, slots.flatten(), per_head)
+                if relative_gradients[index] is not None or table is not None:
+                    # bias[h, d − 1] or q · p_d / √d at distance d = t − i; invisible slots have dS = 0
+                    if relative is None:
+                        distance = positions[:, step, None] - store.positions[:, start:end]
+                        relative = (distance - 1).clamp(0, config.memory_span - 1)[:, None]
+                        relative = relative.expand(batch_size, num_heads, -1)  # (B, H, W)
+                    per_head = grad_scores.view(batch_size, num_heads, -1)
+                if relative_gradients[index] is not None:
+                    relative_gradients[index].index_add_(1, relative[:, 0].flatten(),
+                                                         per_head.transpose(0, 1).flatten(1))  # fmt: skip
+                if table is not None:  # dq += Σ_i dS_i p_{d_i} / √d; dp_d += Σ dS_i q / √d
+                    by_distance = per_head.new_zeros(batch_size, num_heads, table.shape[0])
+                    by_distance = by_distance.scatter_add_(-1, relative, per_head).flatten(0, 1).mul_(scale)
+                    grad_query = grad_query + by_distance @ table
+                    products.add("relative_positions", by_distance, query)
             grad_query = grad_query.view(batch_size, num_heads, head_dim)
             if compiled:  # the lines below, as one compiled function
                 grad_hidden, norm_term, grad_query, normed = query_function(
                     grad_query, None if cos is None else cos[:, 0], None if sin is None else sin[:, 0],
                     attention.q_proj.weight, record.inputs[key], layer.input_layernorm.weight,
-                    layer.input_layernorm.variance_epsilon, grad_residual, mix[index], grad_mixture,
+                    layer.input_layernorm.variance_epsilon, grad_input, mix[index], grad_mixture,
                 )  # fmt: skip
                 norm_gradients[prefix + "input_layernorm.weight"].add_(norm_term)
                 products.add(prefix + "attention.q_proj.weight", grad_query, normed)
@@ -510,17 +698,22 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
             if cos is not None:
                 grad_query = _rotary_backward(grad_query, cos[:, 0], sin[:, 0])
             grad_query = grad_query.reshape(batch_size, -1)
-            # query = q_proj(input_norm(input)); the input also feeds the residual and the memory mix
-            grad_input_norm, normed = _rms_norm_backward(grad_query @ attention.q_proj.weight, record.inputs[key],
-                                                         layer.input_layernorm,
-                                                         norm_gradients[prefix + "input_layernorm.weight"])  # fmt: skip
-            products.add(prefix + "attention.q_proj.weight", grad_query, normed)
-            grad_hidden = grad_residual + grad_input_norm + mix[index] * grad_mixture
+            # query = q_proj(input_norm(input)) (post-norm: of the input); the input also feeds the residual and the
+            # memory mix
+            grad_attention_input, attention_input = grad_query @ attention.q_proj.weight, record.inputs[key]
+            if pre:
+                grad_attention_input, attention_input = _norm_backward(
+                    layer.input_layernorm, grad_attention_input, attention_input, norm_gradients,
+                    prefix + "input_layernorm",
+                )  # fmt: skip
+            products.add(prefix + "attention.q_proj.weight", grad_query, attention_input)
+            grad_hidden = grad_input + grad_attention_input + mix[index] * grad_mixture
         grad_embeddings[step] = grad_hidden
         if step == block_first:
             tape.end_block()
 
-    gradients = {name: gradient.sum(0) for name, gradient in norm_gradients.items()}
+    gradients = {name: gradient.sum(0) if gradient.dim() == 2 else gradient
+                 for name, gradient in norm_gradients.items()}  # fmt: skip
     grad_mix = grad_mix.to(wide)  # the softmax's backward for the layer weights
     gradients["layer_weights"] = (softmax * (grad_mix - (softmax * grad_mix).sum())).to(model.layer_weights.dtype)
     for index, gradient in enumerate(relative_gradients):
@@ -528,15 +721,16 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
     for name, gradient in products.results().items():
         if "key_value" in name:
             gradients[name.replace("key_value", "k_proj")], gradients[name.replace("key_value", "v_proj")] = (
-                gradient.split(hidden_size)
+                gradient.split(config.attention_width)
             )
-        elif "gate_up" in name:
+        elif gated and "gate_up" in name:
             gradients[name.replace("gate_up", "gate_proj")], gradients[name.replace("gate_up", "up_proj")] = (
                 gradient.split(config.intermediate_size)
             )
         else:
             gradients[name] = gradient
-    return torch.stack(grad_embeddings, dim=1), gradients
+    prefix = store.prefix
+    return torch.stack(grad_embeddings, dim=1), gradients, (tape.keys[:, :, :, :prefix], tape.values[:, :, :, :prefix])
 
 
 class StepGradients:
