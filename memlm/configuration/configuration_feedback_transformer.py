@@ -200,9 +200,8 @@ class FeedbackTransformerConfig(PreTrainedConfig, BlockLayout):
     @property
     def default_step(self) -> bool:
         """Whether the step is memlm's default one (pre-norm RMSNorm blocks, gated MLP without biases, the memory
-        normed as a mix, keys and values carried): the one `compile_step` knows. The hand-written backward knows
-        every layout but the adaptive span and dropout on the attention weights (`memlm.kernels.feedback.through_time.
-        covers`)."""
+        normed as a mix, keys and values carried): the one `compile_step` knows (the hand-written backward knows every
+        layout)."""
         return (
             self.norm_type == "rmsnorm"
             and self.norm_position == "pre"

@@ -50,7 +50,7 @@ from ..kernels.feedback.compiled import (
     warn_no_compiler,
 )
 from ..kernels.feedback.compiled import compiled as compiled_function
-from ..kernels.feedback.reference import WeightsTransform
+from ..kernels.feedback.reference import WeightsTransform, adaptive_span_mask, adaptive_span_mask_backward
 from ..kernels.feedback.tape import ProjectedMemories, ScoreTerms, ring_slots
 from ..kernels.feedback.through_time import Recording, StepGradients, covers
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
@@ -108,24 +108,6 @@ class FeedbackCausalLMOutput(CausalLMOutputWithPast):
 
     lm_loss: torch.FloatTensor | None = None
     aux_loss: torch.FloatTensor | None = None
-
-
-def adaptive_span_mask(span_ratio: torch.Tensor, distance: torch.Tensor, memory_span: int, ramp) -> torch.Tensor:
-    """The soft mask of the adaptive span (Sukhbaatar et al., 2019: m_z(x) = clamp((R + z − x)/R, 0, 1)) as the
-    official code computes it, m(d) = clamp((1 − d + z·τ)/R + 1, 0, 1) for a memory d steps back, in its order of
-    operations (its template holds 1 − d for the window's slots): span_ratio (H,), distance (B, W) → (B, H, W)."""
-    template = (1 - distance).to(span_ratio.dtype)[:, None]  # (B, 1, W)
-    return ((template + span_ratio[None, :, None] * memory_span) / ramp + 1).clamp(0, 1)
-
-
-def adaptive_span_mask_backward(span_ratio: torch.Tensor, distance: torch.Tensor, memory_span: int, ramp,
-                                grad_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """The gradient of `adaptive_span_mask` for the span ratios (H,), given the mask's (B, H, W): τ / R wherever the
-    clamp passes its input (0 ≤ · ≤ 1, as autograd's clamp), summed over the rows and slots."""
-    template = (1 - distance).to(span_ratio.dtype)[:, None]  # (B, 1, W)
-    ramp_position = (template + span_ratio[None, :, None] * memory_span) / ramp + 1
-    passes = (ramp_position >= 0) & (ramp_position <= 1)
-    return torch.where(passes, grad_mask.to(span_ratio.dtype), 0.0).sum((0, 2)) * memory_span / ramp
 
 
 def adaptive_span_window(span_ratio: torch.Tensor, memory_span: int, ramp, trim_step: int) -> int | torch.Tensor:
@@ -557,8 +539,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.adaptive_span = config.adaptive_span
         self.trims_adaptive_span = config.adaptive_span and config.adaptive_span_trim_step is not None
         # The options the ring does not hold (`needs_tape`): keys and values computed from hidden states at the start
-        # of a forward, the adaptive span's mask, dropout on the attention weights. In training they run on the tape
-        # (the first through the hand-written backward, the others with autograd through every step).
+        # of a forward, the adaptive span's mask, dropout on the attention weights (in training, every layout runs on
+        # the tape).
         self.needs_tape = (
             config.recomputes_carried_memory or config.adaptive_span or config.attention_dropout_position == "weights"
         )
@@ -730,6 +712,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                     hidden_states_next = layer.post_attention_layernorm(hidden_states_next)
             if record is not None:
                 record.inputs[key], record.queries[key], record.weights[key] = hidden_states, query, store.last_weights
+                if store.last_kept is not None:  # dropout on the attention weights
+                    record.kept[key] = store.last_kept
                 record.contexts[key], record.residuals[key] = context, residual
             hidden_states = hidden_states_next
             states.append(hidden_states)

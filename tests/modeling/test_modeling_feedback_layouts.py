@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+import memlm.kernels.feedback as feedback_kernels
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import activation_checkpointing_enable
 from memlm.kernels.feedback import through_time
@@ -202,23 +203,21 @@ def test_a_checkpoint_saved_by_main_before_the_options_gives_the_same_logits(nam
     torch.testing.assert_close(logits, expected["logits"], **RECORDED_FLOAT32_LOGITS)  # recorded on another processor
 
 
-def test_the_hand_written_backward_covers_every_layout_but_the_adaptive_span_and_dropout_on_the_weights():
-    """Training runs the hand-written backward for every block layout; the adaptive span's mask and dropout on the
-    attention weights run with autograd on the tape. Only the default layout's step compiles (`compile_step`)."""
+def test_the_hand_written_backward_covers_every_layout():
+    """Training runs the hand-written backward for every layout, the adaptive span and dropout on the attention
+    weights included (but half precision, hooks, adapters or per-step outputs: see `through_time.covers`). Only the
+    default layout's step compiles (`compile_step`)."""
     default = FeedbackTransformerForCausalLM(FeedbackTransformerConfig(**TINY)).model
     embeddings = torch.zeros(1, 3, TINY["hidden_size"])
     assert covers(default, embeddings, keep_states=False) and not default.needs_tape
     for layout in LAYOUTS:
-        body = _model(layout).model.float().train()
+        body = _model(layout, attention_dropout=0.1).model.float().train()
         assert not body.config.default_step
-        assert covers(body, embeddings, keep_states=False) == (not body.config.adaptive_span), layout
+        assert covers(body, embeddings, keep_states=False), layout
+        assert not covers(body, embeddings, keep_states=True), layout
+        assert not covers(body, embeddings.to(torch.bfloat16), keep_states=False), layout  # float32 and float64
         body.config.compile_step = True
         assert not body.compiled_step_applies(embeddings), layout
-    body = _model("official_post_norm_shared", attention_dropout=0.1).model.float().train()
-    assert body.config.attention_dropout_position == "weights" and not covers(body, embeddings, keep_states=False)
-    body = _model("official_post_norm_shared", attention_dropout=0.1, attention_dropout_position="context").model
-    assert covers(body.float().train(), embeddings, keep_states=False)
-    assert not covers(body, embeddings.to(torch.bfloat16), keep_states=False)  # only float32 and float64
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -539,22 +538,21 @@ def test_the_tape_equals_the_step_loop_reference_over_carried_blocks(layout, mod
     assert model.model.needs_tape
     if mode == "training":
         model.train()
+    # With autograd through every step (what hooks, adapters or per-step outputs run), not the hand-written backward.
+    monkeypatch.setattr(feedback_kernels, "covers", lambda *args: False)
     blocks = list(torch.randint(0, 40, (2, 12)).split(4, dim=1))
     tape = _blocks_through(model, "torch", monkeypatch, blocks, gradients=mode == "training")
     reference = _blocks_through(model, "reference", monkeypatch, blocks, gradients=mode == "training")
     _assert_blocks_equal(tape, reference, mode == "training", model.model.carries_hidden_states)
 
 
-# Every layout's options but the adaptive span, with dropout wherever the hand-written backward takes it: on the
-# attention's context, after the ReLU and on the blocks' outputs.
-BY_HAND = {"adaptive_span": False, "adaptive_span_trim_step": None, "renormalization_epsilon": 0.0,
-           "attention_dropout_position": "context", "attention_dropout": 0.3, "activation_dropout": 0.2,
-           "hidden_dropout": 0.1}  # fmt: skip
-
-
+# Dropout everywhere: on the attention weights (the official layouts) or their context (the others), after the ReLU
+# and on the blocks' outputs.
+BY_HAND = {"attention_dropout": 0.3, "activation_dropout": 0.2, "hidden_dropout": 0.1}
 # RMSNorm blocks with rotary positions and hidden states carried (the projection's backward rotates and norms).
 ROTARY_HIDDEN_STATES = {"position_encoding": "rotary", "memory_carry": "hidden_states"}
 BY_HAND_CASES = [(layout, {}) for layout in LAYOUTS] + [
+    ("official_pre_norm", {"attention_dropout_position": "context"}),
     ("biases_scale_no_final_norm", ROTARY_HIDDEN_STATES),
     (
         "biases_scale_no_final_norm",
@@ -567,10 +565,12 @@ BY_HAND_CASES = [(layout, {}) for layout in LAYOUTS] + [
 @pytest.mark.parametrize(("layout", "overrides"), BY_HAND_CASES)
 def test_the_hand_written_backward_equals_the_step_loop_reference_over_carried_blocks(layout, overrides, checkpointing,
                                                                                       monkeypatch):  # fmt: skip
-    """The papers' blocks (LayerNorm pre- and post-norm, plain biased MLPs, output biases, learned relative
-    positions, memories normed per layer, carried as hidden states, the zero initial memory) on the hand-written
-    backward: logits, carried memories and every gradient equal the reference's in float64, over three carried
-    blocks; reads add to the tape's slots in blocks of three steps."""
+    """The papers' layouts (LayerNorm pre- and post-norm, plain biased MLPs, output biases, learned relative
+    positions, memories normed per layer, carried as hidden states, the zero initial memory, the adaptive span, its
+    trimmed window, dropout on the attention weights) on the hand-written backward: logits, auxiliary losses, carried
+    memories and every gradient equal the reference's in float64, over three carried blocks (no longer than τ, so that
+    both paths read windows of one width and draw the same dropout masks); reads add to the tape's slots in blocks of
+    three steps."""
     monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 3)
     runs = []
     counting = through_time._backward_through_time
@@ -588,12 +588,13 @@ def test_the_hand_written_backward_equals_the_step_loop_reference_over_carried_b
     _assert_blocks_equal(ours, reference, True, model.model.carries_hidden_states, tolerance)
 
 
-def test_the_step_loop_defers_its_weight_gradients_only_for_plain_linear_layers():
+def test_the_step_loop_defers_its_weight_gradients_only_for_plain_linear_layers(monkeypatch):
     """On the tape with autograd, the steps' linear layers gather their weight gradients and multiply them many steps
     at a time (`DeferredWeightGradients`); a hook on a layer (or an adapter) keeps autograd's own, with the same
     gradients."""
     model = _model("official_pre_norm").train()
     body = model.model
+    monkeypatch.setattr(feedback_kernels, "covers", lambda *args: False)  # the tape with autograd, not by hand
     embeddings = torch.zeros(2, 3, TINY["hidden_size"], dtype=torch.float64)
     assert DeferredWeightGradients.applies(body, embeddings)
     assert not DeferredWeightGradients.applies(body, embeddings.float().to(torch.bfloat16))

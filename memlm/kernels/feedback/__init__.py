@@ -8,13 +8,12 @@ validates its inputs and dispatches on the backend (see :func:`memlm.kernels.res
 - ``"reference"``: `reference.py`, the memory as Python lists and autograd through every step;
 - ``"torch"`` (and ``"triton"``/``"fla"``, which have no kernel of their own for this recurrence): the memory in
   preallocated buffers (`tape.py`): without gradients the cache's ring of up to τ slots, written in place; in training a
-  tape of all steps, and the hand-written backward of `through_time.py` (`_ThroughTime`: every block layout, the
-  papers' included, with memories carried as keys and values or as hidden states), or autograd through every step
-  where that backward does not know the forward (the adaptive span's mask, dropout on the attention weights,
-  float16/bfloat16, autocast, per-step outputs kept, adapters, hooks: see `through_time.covers`). The papers'
-  options the ring does not hold (keys and values recomputed from carried hidden states, the adaptive span, dropout
-  on the attention weights: the model's `needs_tape`) run on the ring without gradients but for a trimmed adaptive
-  span (whose window is shorter), which runs on the tape.
+  tape of all steps, and the hand-written backward of `through_time.py` (`_ThroughTime`: every layout, the papers'
+  included), or autograd through every step where that backward does not know the forward (float16/bfloat16,
+  autocast, per-step outputs kept, adapters, hooks: see `through_time.covers`). The papers' options the ring does
+  not hold (keys and values recomputed from carried hidden states, the adaptive span, dropout on the attention
+  weights: the model's `needs_tape`) run on the ring without gradients but for a trimmed adaptive span (whose window
+  is shorter), which runs on the tape.
 
 The step itself (layers, memory mix, projections) is the model's: `model.step`, in `modeling_feedback_transformer.py`;
 with the config's `compile_step`, its pure functions run through `torch.compile` where no autograd is needed

@@ -21,6 +21,24 @@ import torch
 __all__ = ["ListMemory", "WeightsTransform", "feedback_recurrence_reference"]
 
 
+def adaptive_span_mask(span_ratio: torch.Tensor, distance: torch.Tensor, memory_span: int, ramp) -> torch.Tensor:
+    """The soft mask of the adaptive span (Sukhbaatar et al., 2019: m_z(x) = clamp((R + z − x)/R, 0, 1)) as the
+    official code computes it, m(d) = clamp((1 − d + z·τ)/R + 1, 0, 1) for a memory d steps back, in its order of
+    operations (its template holds 1 − d for the window's slots): span_ratio (H,), distance (B, W) → (B, H, W)."""
+    template = (1 - distance).to(span_ratio.dtype)[:, None]  # (B, 1, W)
+    return ((template + span_ratio[None, :, None] * memory_span) / ramp + 1).clamp(0, 1)
+
+
+def adaptive_span_mask_backward(span_ratio: torch.Tensor, distance: torch.Tensor, memory_span: int, ramp,
+                                grad_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The gradient of `adaptive_span_mask` for the span ratios (H,), given the mask's (B, H, W): τ / R wherever the
+    clamp passes its input (0 ≤ · ≤ 1, as autograd's clamp), summed over the rows and slots."""
+    template = (1 - distance).to(span_ratio.dtype)[:, None]  # (B, 1, W)
+    ramp_position = (template + span_ratio[None, :, None] * memory_span) / ramp + 1
+    passes = (ramp_position >= 0) & (ramp_position <= 1)
+    return torch.where(passes, grad_mask.to(span_ratio.dtype), 0.0).sum((0, 2)) * memory_span / ramp
+
+
 class WeightsTransform(NamedTuple):
     """What the official code does to a step's softmax weights a (N, W) before they read the values: the adaptive
     span's soft mask m (N, W) and renormalisation a' = a·m / (Σ a·m + ε) (Sukhbaatar et al., 2019, Sec. 3.1; a row

@@ -306,7 +306,7 @@ class _Tape:
         builds them from the tensors that learn, which a read with gradients calls again in its backward rather than
         keep the step's (B·H, W) bias and mask."""
         start, end = self.bounds(step)
-        self.last_weights = None
+        self.last_weights = self.last_kept = None
         if start == end:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
         if terms is not None and torch.is_grad_enabled():
@@ -317,10 +317,10 @@ class _Tape:
         if torch.is_grad_enabled():
             mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
             return _TapeRead.apply(query, bias, self.anchor, mask, self, group, start, end, transform)
-        # Recorded for the hand-written backward (`_ThroughTime`), which runs the forward without autograd.
-        self.last_weights = attention_weights(query, self.keys[group, :, :, start:end].flatten(0, 1), bias)
-        weights = self.last_weights if transform is None else transform(self.last_weights)
-        return torch.bmm(weights.unsqueeze(1), self.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
+        # Recorded for the hand-written backward (`_ThroughTime`), which runs the forward without autograd: the
+        # softmax weights, and the dropout's kept entries (bool) when the transform drops some.
+        output, self.last_weights, _, self.last_kept = _read_forward(self, group, start, end, query, bias, transform)
+        return output
 
     def write(self, step: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
               hidden: torch.Tensor | None = None):  # fmt: skip
@@ -369,7 +369,7 @@ class _TapeWrite(torch.autograd.Function):
         )
 
 
-def _renormalizer(masked: torch.Tensor, epsilon: float) -> torch.Tensor:
+def renormalizer(masked: torch.Tensor, epsilon: float) -> torch.Tensor:
     """Σ p·m + ε of masked weights p·m (N, W), 1 where it is 0 (such a row reads nothing)."""
     denominator = masked.sum(-1, keepdim=True).add_(epsilon)
     return denominator.masked_fill_(denominator == 0, 1.0)
@@ -384,7 +384,7 @@ def _read_forward(tape, group, start, end, query, bias, transform):
     mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
     if mask is not None:  # r = p·m / (Σ p·m + ε); 0 where that sum is 0
         read = weights * mask
-        denominator = _renormalizer(read, transform.epsilon)
+        denominator = renormalizer(read, transform.epsilon)
         read = read.div_(denominator)
     if transform is not None:
         kept = transform.dropout_mask(read)
@@ -393,6 +393,24 @@ def _read_forward(tape, group, start, end, query, bias, transform):
             kept = kept > 0  # kept as bool (a quarter of the memory), scaled again in the backward
     output = torch.bmm(read.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
     return output, weights, denominator, kept
+
+
+def transform_backward(grad_read, weights, mask, denominator, kept, needs_mask_gradient: bool):
+    """The backward of a `WeightsTransform` and the softmax before it: given dw (N, W) at the weights that read the
+    values, w = r · kept (scaled) with r = p·m / (Σ p·m + ε) (or p), p = softmax(s), returns w and the gradients of the
+    scores s and of the mask m (None without a mask or `needs_mask_gradient`). `kept`: as drawn, scaled (or None)."""
+    renormalized = weights if mask is None else weights * mask / denominator  # r
+    read = renormalized if kept is None else renormalized * kept  # w
+    grad_renormalized = grad_read if kept is None else grad_read * kept  # dr
+    grad_mask = None
+    if mask is None:
+        grad_weights = grad_renormalized
+    else:  # r = a / (Σa + ε), a = p·m: da = (dr − Σ dr·r) / (Σa + ε), then dp = da·m and dm = da·p
+        grad_masked = (grad_renormalized - (grad_renormalized * renormalized).sum(-1, keepdim=True)) / denominator
+        grad_weights = grad_masked * mask
+        grad_mask = grad_masked * weights if needs_mask_gradient else None
+    grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
+    return read, grad_scores, grad_mask
 
 
 def _read_backward(tape, group, start, end, grad_output, query, weights, mask, denominator, kept, dropout,
@@ -404,18 +422,9 @@ def _read_backward(tape, group, start, end, grad_output, query, weights, mask, d
     keys = tape.keys[group, :, :, start:end].flatten(0, 1)
     values = tape.values[group, :, :, start:end].flatten(0, 1)
     scale = query.shape[-1] ** -0.5
-    renormalized = weights if mask is None else weights * mask / denominator  # r
-    read = renormalized if kept is None else renormalized * kept  # w
     grad_read = torch.bmm(grad_output.unsqueeze(1), values.transpose(1, 2)).squeeze(1)  # dw (N, W)
-    grad_renormalized = grad_read if kept is None else grad_read * kept  # dr
-    grad_mask = None
-    if mask is None:
-        grad_weights = grad_renormalized
-    else:  # r = a / (Σa + ε), a = p·m: da = (dr − Σ dr·r) / (Σa + ε), then dp = da·m and dm = da·p
-        grad_masked = (grad_renormalized - (grad_renormalized * renormalized).sum(-1, keepdim=True)) / denominator
-        grad_weights = grad_masked * mask
-        grad_mask = grad_masked * weights if needs_mask_gradient else None
-    grad_scores = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # softmax backward
+    read, grad_scores, grad_mask = transform_backward(grad_read, weights, mask, denominator, kept,
+                                                      needs_mask_gradient)  # fmt: skip
     grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
     grad_keys, grad_values = tape.gradients()
     grad_keys = grad_keys[group, :, :, start:end].flatten(0, 1)
@@ -491,7 +500,7 @@ class _TapeTermsRead(torch.autograd.Function):
         mask = None if transform is None or transform.mask is None else transform.mask.to(query.dtype)
         keys = tape.keys[group, :, :, start:end].flatten(0, 1)
         weights = attention_weights(query, keys, bias)
-        denominator = None if mask is None else _renormalizer(weights * mask, transform.epsilon)
+        denominator = None if mask is None else renormalizer(weights * mask, transform.epsilon)
         needs_span_ratio = span_ratio is not None and ctx.needs_input_grad[2]
         grad_query, grad_scores, grad_mask = _read_backward(
             tape, group, start, end, grad_output, query, weights, mask, denominator, kept, ctx.dropout,

@@ -3,9 +3,11 @@
 `_ThroughTime` runs the training step loop without autograd, recording what the backward needs (`Recording`), and
 `_backward_through_time` walks the steps back by hand. A graph of ~160 small autograd nodes per step costs more than
 the step itself on a CPU, and the weight gradients become products of many steps at once (`_WeightGradients`); the
-tape's key/value gradients are added block by block (`_TapeGradients`). The tests check it against autograd through
-`reference.py` in float64 to 1e-10. With the config's `compile_step` (and no dropout), each layer's lines before and
-after its memory read run as two pure functions through `torch.compile` (`block_backward`, `query_backward`).
+tape's key/value gradients are added block by block (`_TapeGradients`). It knows every layout of the model (the
+papers' blocks, positions, memory norms, carried hidden states, adaptive span, dropout: see `covers`). The tests
+check it against autograd through `reference.py` in float64 to 1e-10. With the config's `compile_step` (the default
+layout, no dropout), each layer's lines before and after its memory read run as two pure functions through
+`torch.compile` (`block_backward`, `query_backward`).
 """
 
 import contextlib
@@ -13,6 +15,9 @@ import functools
 import weakref
 
 import torch
+
+from .reference import adaptive_span_mask, adaptive_span_mask_backward
+from .tape import renormalizer, transform_backward
 
 
 def recurrent_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -58,21 +63,11 @@ def plain_step(model, inputs_embeds: torch.Tensor) -> bool:
 
 
 def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
-    """Whether the hand-written backward knows what the forward computes: no per-step outputs kept for the caller, a
-    `plain_step`, and a step whose softmax weights are read as they are (not the adaptive span's mask, nor dropout on
-    the weights: those steps run with autograd on the tape). Every block layout (pre- and post-norm, RMSNorm and
-    LayerNorm, gated and plain MLPs, biases), position encoding, memory normalisation and carried memory is known."""
-    drops_weights = (
-        not getattr(model, "attention_dropout_on_context", True)
-        and model.training
-        and any(layer.attention.dropout.p > 0 for layer in model.layers)
-    )
-    return (
-        not getattr(model, "adaptive_span", False)
-        and not drops_weights
-        and not keep_states
-        and plain_step(model, inputs_embeds)
-    )
+    """Whether the hand-written backward knows what the forward computes: no per-step outputs kept for the caller, and
+    a `plain_step`. Every layout is known: pre- and post-norm blocks, RMSNorm and LayerNorm, gated and plain MLPs,
+    biases, every position encoding, memory normalisation and carried memory, the adaptive span and dropout on the
+    attention weights or their context."""
+    return not keep_states and plain_step(model, inputs_embeds)
 
 
 class Recording:
@@ -98,7 +93,7 @@ class Recording:
             if config.mlp_bias:
                 self.gate_up_bias = [torch.cat([layer.mlp.gate_proj.bias, layer.mlp.up_proj.bias]) for layer in layers]
         self.inputs, self.queries, self.weights, self.contexts, self.residuals = {}, {}, {}, {}, {}
-        self.gates, self.ups, self.masks, self.sums = {}, {}, {}, {}
+        self.gates, self.ups, self.masks, self.sums, self.kept = {}, {}, {}, {}, {}
         self.mixtures, self.stacks, self.memories, self.rotations = {}, {}, {}, {}
 
 
@@ -582,6 +577,7 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
         torch.zeros_like(layer.attention.relative_bias) if hasattr(layer.attention, "relative_bias") else None
         for layer in layers
     ]
+    span_gradients = [None] * num_layers  # of each layer's adaptive span ratios, when it has them
     table = model.relative_positions  # the learned relative positions p_1..p_τ (or None)
     grad_embeddings = [None] * steps
 
@@ -667,9 +663,30 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                 keys = store.keys[group, :, :, start:end].flatten(0, 1)
                 values = store.values[group, :, :, start:end].flatten(0, 1)
                 grad_weights = torch.bmm(grad_context.unsqueeze(1), values.transpose(1, 2)).squeeze(1)
-                grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
+                span_ratio, kept = getattr(attention, "span_ratio", None), record.kept.get(key)
+                if span_ratio is None and kept is None:
+                    read, grad_scores = weights, torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
+                else:  # the official layouts' `WeightsTransform`: the adaptive span's mask, dropout on the weights
+                    mask = denominator = None
+                    if span_ratio is not None:  # m(d) = clamp((1 − d + z·τ)/R + 1, 0, 1); a' = p·m / (Σ p·m + ε)
+                        distance = positions[:, step, None] - store.positions[:, start:end]
+                        mask = adaptive_span_mask(span_ratio, distance, config.memory_span, config.adaptive_span_ramp)
+                        mask = mask.flatten(0, 1).to(weights.dtype)
+                        denominator = renormalizer(weights * mask, config.renormalization_epsilon)
+                    if kept is not None:  # as `WeightsTransform.dropout_mask` drew it: 1 / (1 − p) where kept
+                        kept = kept.to(weights.dtype).div_(1 - attention.dropout.p)
+                    needs_span = mask is not None and f"{prefix}attention.span_ratio" in needed
+                    read, grad_scores, grad_mask = transform_backward(grad_weights, weights, mask, denominator, kept,
+                                                                      needs_span)  # fmt: skip
+                    if needs_span:
+                        grad_span = adaptive_span_mask_backward(span_ratio, distance, config.memory_span,
+                                                                config.adaptive_span_ramp,
+                                                                grad_mask.view(batch_size, num_heads, -1))  # fmt: skip
+                        span_gradients[index] = grad_span if span_gradients[index] is None else (
+                            span_gradients[index] + grad_span
+                        )  # fmt: skip
                 grad_query = torch.bmm(grad_scores.unsqueeze(1), keys).squeeze(1) * scale
-                tape.add(group, start, end, grad_scores, query * scale, weights, grad_context)
+                tape.add(group, start, end, grad_scores, query * scale, read, grad_context)
                 if relative_gradients[index] is not None or table is not None:
                     # bias[h, d − 1] or q · p_d / √d at distance d = t − i; invisible slots have dS = 0
                     if relative is None:
@@ -716,8 +733,9 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                  for name, gradient in norm_gradients.items()}  # fmt: skip
     grad_mix = grad_mix.to(wide)  # the softmax's backward for the layer weights
     gradients["layer_weights"] = (softmax * (grad_mix - (softmax * grad_mix).sum())).to(model.layer_weights.dtype)
-    for index, gradient in enumerate(relative_gradients):
+    for index, (gradient, span_gradient) in enumerate(zip(relative_gradients, span_gradients)):
         gradients[f"layers.{index}.attention.relative_bias"] = gradient
+        gradients[f"layers.{index}.attention.span_ratio"] = span_gradient
     for name, gradient in products.results().items():
         if "key_value" in name:
             gradients[name.replace("key_value", "k_proj")], gradients[name.replace("key_value", "v_proj")] = (
