@@ -711,7 +711,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                         record.sums[("mlp",) + key] = hidden_states_next
                     hidden_states_next = layer.post_attention_layernorm(hidden_states_next)
             if record is not None:
-                record.inputs[key], record.queries[key], record.weights[key] = hidden_states, query, store.last_weights
+                record.inputs[key], record.queries[key] = hidden_states, query
+                if record.keeps_weights(store.last_weights, self.num_heads):
+                    record.weights[key] = store.last_weights
                 if store.last_kept is not None:  # dropout on the attention weights
                     record.kept[key] = store.last_kept
                 record.contexts[key], record.residuals[key] = context, residual
@@ -795,6 +797,20 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             return grad_query, grad_table, grad_span_ratio
 
         return bias.to(query.dtype), transform, gradients
+
+    def read_bias(self, layer_idx: int, store, group: int, step: int, positions: torch.Tensor, query: torch.Tensor):
+        """The bias (B·H, W) that layer `layer_idx`'s read at step `step` added to its scores, built again as `step`
+        builds it (the visibility, the relative bias or the learned relative positions q_t · p_{t−i} / √d, the
+        trimmed window): the hand-written backward keeps a step's query, not its weights over the window."""
+        if self.shared_bias and not self.default_step:
+            return self._score_terms(layer_idx, store, group, step, positions, query, self.relative_positions, None)[0]
+        window = store.window(group, step)
+        bias = self._memory_bias(None if self.shared_bias else self.layers[layer_idx], window, positions)
+        bias = bias.expand(positions.shape[0], self.num_heads, -1).flatten(0, 1)
+        if not self.default_step and self.read_windows is not None:  # the adaptive span's trimmed window
+            outside = (positions[:, None] - window[2] > self.read_windows[layer_idx])[:, None]
+            bias = bias.masked_fill(outside.expand(-1, self.num_heads, -1).flatten(0, 1), -math.inf)
+        return bias.to(query.dtype)
 
     def _project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (G, ..., H·d) of memories (..., D): with the shared projections once, else with each

@@ -110,7 +110,9 @@ def test_padded_training_with_a_carried_memory_equals_the_reference(variant, kee
 
 @pytest.mark.parametrize("variant", ["shared_rotary", "unshared_relative_bias"])
 def test_hand_written_backward_with_checkpointing_a_carried_memory_and_frozen_weights(variant, monkeypatch):
+    """…and the softmax weights built again in the backward, as over long windows (`Recording.keeps_weights`)."""
     monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 4)
+    monkeypatch.setattr(through_time.Recording, "keeps_weights", lambda *args: False)
     model = _model(variant).train()
     activation_checkpointing_enable(model)
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)

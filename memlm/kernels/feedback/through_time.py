@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from .reference import adaptive_span_mask, adaptive_span_mask_backward
-from .tape import renormalizer, transform_backward
+from .tape import attention_weights, renormalizer, transform_backward
 
 
 def recurrent_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -94,7 +94,17 @@ class Recording:
                 self.gate_up_bias = [torch.cat([layer.mlp.gate_proj.bias, layer.mlp.up_proj.bias]) for layer in layers]
         self.inputs, self.queries, self.weights, self.contexts, self.residuals = {}, {}, {}, {}, {}
         self.gates, self.ups, self.masks, self.sums, self.kept = {}, {}, {}, {}, {}
+        # The softmax weights over the window (H × W per row, layer and step) are kept while they are no larger than
+        # what the step keeps anyway (its input, query, context and residual, and the MLP's projection: about
+        # 4·D + I per row); over longer windows the backward builds them again from the query, the keys and the bias
+        # (`FeedbackTransformerModel.read_bias`), so that training memory grows with tokens × hidden size, not
+        # tokens × window. (Building them again costs about a tenth of a training step at small windows.)
+        self.weights_budget = 4 * config.hidden_size + config.intermediate_size
         self.mixtures, self.stacks, self.memories, self.rotations = {}, {}, {}, {}
+
+    def keeps_weights(self, weights: torch.Tensor | None, num_heads: int) -> bool:
+        """Whether a read's softmax weights (B·H, W) are kept (see `weights_budget`)."""
+        return weights is not None and weights.shape[1] * num_heads <= self.weights_budget
 
 
 def _rms_norm_backward(grad_output, inputs, norm, weight_gradient):
@@ -654,14 +664,17 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                 mask = record.masks.get(("context",) + key)
                 grad_context = grad_context if mask is None else grad_context * mask
             # context = softmax(q·Kᵀ/√d + bias) · V over the window (`attention_weights`)
-            weights, query = record.weights[key], record.queries[key]
-            if weights is None:  # no memory was visible: the attention term was zero
+            query, group = record.queries[key], 0 if groups == 1 else index
+            start, end = store.bounds(step)
+            if start == end:  # no memory yet: the attention term was zero
                 grad_query = torch.zeros_like(query)
             else:
-                group = 0 if groups == 1 else index
-                start, end = store.bounds(step)
                 keys = store.keys[group, :, :, start:end].flatten(0, 1)
                 values = store.values[group, :, :, start:end].flatten(0, 1)
+                weights = record.weights.get(key)
+                if weights is None:  # the step's weights, as its read computed them
+                    bias = model.read_bias(index, store, group, step, positions[:, step], query)
+                    weights = attention_weights(query, keys, bias)
                 grad_weights = torch.bmm(grad_context.unsqueeze(1), values.transpose(1, 2)).squeeze(1)
                 span_ratio, kept = getattr(attention, "span_ratio", None), record.kept.get(key)
                 if span_ratio is None and kept is None:
