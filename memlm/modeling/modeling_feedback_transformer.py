@@ -653,9 +653,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 query = query.reshape(-1, self.head_dim)
             group = 0 if self.memory_groups == 1 else layer_idx
             bias = shared_bias
-            if bias is None:
-                bias = self._memory_bias(layer, store.window(group, step), positions)  # (B, H, W)
-                bias = bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
+            if bias is None:  # each layer's own relative bias (and the adaptive span's trimmed window)
+                bias = self.read_bias(layer_idx, store, group, step, positions, query)
             if self.default_step:
                 context = store.read(group, step, query, bias.to(query.dtype))
             elif self.shared_bias:  # the official layouts: the bias and the transform built by the store's read
@@ -663,22 +662,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 span_ratio = getattr(attention, "span_ratio", None)
                 terms = ScoreTerms(build, self.relative_positions, span_ratio, (shared_bias, relative_distance))
                 context = store.read(group, step, query, None, terms=terms)
-            else:
-                window = store.window(group, step)
-                if relative_distance is not None:  # the official position term q_t · p_{t−i} / √d
-                    scores = relative_position_scores(
-                        self.relative_positions, query.view(batch_size, -1, self.head_dim), relative_distance
-                    )
-                    bias = bias + scores.flatten(0, 1) * self.head_dim**-0.5
-                if self.read_windows is not None:  # the adaptive span's trimmed window: memories 1..n steps back
-                    distance = positions[:, None] - window[2]  # (B, W)
-                    outside = (distance > self.read_windows[layer_idx])[:, None].expand(-1, self.num_heads, -1)
-                    bias = bias.masked_fill(outside.flatten(0, 1), -math.inf)
-                transform = self._attention_weights_transform(attention, window, positions)
-                if transform is None:
-                    context = store.read(group, step, query, bias.to(query.dtype))
-                else:
-                    context = store.read(group, step, query, bias.to(query.dtype), transform)
+            else:  # the official blocks with a relative bias per layer
+                transform = self._attention_weights_transform(attention, store.window(group, step), positions)
+                context = store.read(group, step, query, bias, transform)
             if compiled:  # no dropout (see `compiled_step_applies`)
                 mlp = layer.mlp
                 gate_up = (record.gate_up[layer_idx], None) if record is not None else (
