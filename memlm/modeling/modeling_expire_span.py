@@ -278,11 +278,15 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
                     read_count = torch.full((), seen.numel(), dtype=torch.float32, device=output.device)
                     return output, visible_memory, spans, output.new_zeros((), dtype=torch.float32), read_count
         table = relative_positions.weight if relative_positions is not None else None  # q_t · p_{t−i}
+        # The official options' backward reuses the weights when they take no more memory per query than the layer
+        # keeps per token anyway (about 8·D + 2·I floats: inputs, projections, outputs, norms, the MLP's activations).
+        config = self.config
+        keep_weights = self.num_heads * visible_memory.width <= 8 * config.hidden_size + 2 * config.intermediate_size
         output = expire_span_attention(
             query, visible_memory.keys, visible_memory.values, memory_spans, positions, visible_memory.positions,
-            ramp=self.config.ramp, key_valid=visible_memory.valid, max_distance=max_distance, dropout=dropout,
-            relative_positions=table, attend_to_self=self.config.attend_to_self,
-            renormalization_epsilon=self.config.renormalization_epsilon,
+            ramp=config.ramp, key_valid=visible_memory.valid, max_distance=max_distance, dropout=dropout,
+            relative_positions=table, attend_to_self=config.attend_to_self,
+            renormalization_epsilon=config.renormalization_epsilon, keep_weights=keep_weights,
         )  # fmt: skip
         output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
 
@@ -390,18 +394,20 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, positions, token_valid, cos, sin, memory=None, max_distance=None,
                 first_positions=None, delete_expired=True, counted_positions=False, relative_positions=None,
                 rotary_embedding=None, span_limit=None, recording=None, recompute_memory=False,
-                keep_span_inputs=False):  # fmt: skip
+                keep_span_inputs=False, last_block=False):  # fmt: skip
         """Returns the new hidden states, the memories after this block as the next block reads them (the earlier ones
         pruned for each row's first query `first_positions`, then this block's; `next_block_memory`), this block's
         spans, the span-loss sum and the memories read.
         `recording` (a list; a cache recording its past): gets the memories as the block found them (before pruning)
         and the block's own, from which a rollback rebuilds the memories after any of the block's tokens.
-        `recompute_memory`: compute the memories' keys, values and spans again from their hidden states first."""
+        `recompute_memory`: compute the memories' keys, values and spans again from their hidden states first.
+        `last_block`: the forward's last block, whose memories leave it detached (not made again for a later block)."""
         recompute = self.attention.config.recompute_memory
         recomputing = memory is not None and recompute_memory and memory.hidden_states is not None
         found = None
         if recomputing and recording is None:  # pruned first: only the memories that live on are projected again
-            memory = self.prune(self.with_current_spans(memory), first_positions, delete_expired)
+            stale = dataclasses.replace(self.with_current_spans(memory), keys=None, values=None)  # not kept: remade
+            memory = self.prune(stale, first_positions, delete_expired)
             memory = self.recompute(memory, rotary_embedding)
         else:
             if recomputing:
@@ -419,7 +425,10 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             own = dataclasses.replace(memory.slots(memory.width - length, length), positions=positions,
                                       valid=token_valid)  # fmt: skip
             recording.append((found, own))
-        memory = self.next_block_memory(memory, positions.shape[1], cos, sin, keep_span_inputs)
+        if last_block:
+            memory = memory.detached(keep_span_inputs)
+        else:
+            memory = self.next_block_memory(memory, positions.shape[1], cos, sin, keep_span_inputs)
         hidden_states = add_sublayer_output(
             hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
         )

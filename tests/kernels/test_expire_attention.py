@@ -470,16 +470,21 @@ def test_a_non_finite_key_reaches_only_the_queries_that_see_it(backend, where, o
     assert torch.equal(output[0], clean[0])
 
 
+@pytest.mark.parametrize("keep_weights", [False, True], ids=["weights_rebuilt", "weights_kept"])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-3])
 @pytest.mark.parametrize("positions_as", ["table", "scores", "both"])
-@pytest.mark.parametrize("memory", ["carried", "block_only", "holes"])
-def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(memory, positions_as, epsilon):
+@pytest.mark.parametrize("memory", ["carried", "block_only", "holes", "far"])
+def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(memory, positions_as, epsilon,
+                                                                              keep_weights):  # fmt: skip
     """The learned relative positions given as their table (P, d), as `position_scores` (B, H, T, N) or half each;
-    with gradients the official options run a forward that keeps only its inputs and a backward written out
-    (`official.py`): the output and every gradient (query, key, value, spans, the table) equal the reference's under
-    autograd, in float64, with and without the renormalisation ε, for queries that see no key (the first of a block
-    without memories, as attend_to_self=False hides its own), and for a memory with holes (invalid slots, keys out of
-    order, a maximum distance, attention to self); without gradients the forward gives the reference's output."""
+    with gradients the official options run a forward that keeps only its inputs (and the weights, with
+    `keep_weights`) and a backward written out (`official.py`): the output and every gradient (query, key, value,
+    spans, the table) equal the reference's under autograd, in float64, with and without the renormalisation ε, for
+    queries that see no key (the first of a block without memories, as attend_to_self=False hides its own), for a
+    memory with holes (invalid slots, keys out of order, a maximum distance, attention to self) and for memories
+    further back than the table reaches (its term built only in the columns it reaches); a second backward through
+    the same graph gives the same gradients again (kept weights are not overwritten); without gradients the forward
+    gives the reference's output."""
     from memlm.kernels.expire_attention import relative_position_scores
 
     generator = torch.Generator().manual_seed(3)
@@ -490,7 +495,11 @@ def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(me
     table = torch.randn(7, 5, generator=generator, dtype=torch.float64)
     query_positions = torch.arange(width, width + 6)[None].expand(2, -1)
     key_positions = torch.arange(6 + width)[None].expand(2, -1)
-    options = {"ramp": 2.0, "attend_to_self": False, "renormalization_epsilon": epsilon}
+    options = {"ramp": 2.0, "attend_to_self": False, "renormalization_epsilon": epsilon, "keep_weights": keep_weights}
+    if memory == "far":  # the first 3 memories 8+ tokens back from every query: only later columns get the table's
+        key_positions = torch.cat([torch.arange(3), torch.arange(6, 6 + 11)])[None].expand(2, -1)
+        query_positions = query_positions + 9
+        spans = spans * 3
     if memory == "holes":
         key_positions = torch.cat([torch.randperm(width, generator=generator)[None].expand(2, -1),
                                    query_positions], dim=1)  # fmt: skip
@@ -510,15 +519,19 @@ def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(me
     output = expire_span_attention(*leaves[:4], query_positions, key_positions, **positions(leaves), **options)
     assert output.grad_fn is not None and "OfficialAttention" in type(output.grad_fn).__name__
     grad_output = torch.randn(output.shape, generator=generator, dtype=torch.float64)
+    output.backward(grad_output, retain_graph=True)
+    first = [leaf.grad.clone() for leaf in leaves]
     output.backward(grad_output)
     expected_leaves = [tensor.clone().requires_grad_() for tensor in (query, key, value, spans, table)]
     scores = relative_position_scores(expected_leaves[4], expected_leaves[0], distance)
+    del options["keep_weights"]
     expected = expire_span_attention_reference(*expected_leaves[:4], query_positions, key_positions,
                                                position_scores=scores, **options)  # fmt: skip
     expected.backward(grad_output)
     assert (output - expected).abs().max() < 1e-13
-    for ours, theirs in zip(leaves, expected_leaves):
-        assert (ours.grad - theirs.grad).abs().max() < 1e-12
+    for ours, once, theirs in zip(leaves, first, expected_leaves):
+        assert (once - theirs.grad).abs().max() < 1e-12
+        assert (ours.grad - 2 * theirs.grad).abs().max() < 1e-12
     assert leaves[4].grad.abs().max() > 0 and leaves[3].grad.abs().max() > 0  # the table and the spans learn
     with torch.no_grad():
         inference = expire_span_attention(*leaves[:4], query_positions, key_positions, **positions(leaves), **options)

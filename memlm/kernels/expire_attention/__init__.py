@@ -158,6 +158,7 @@ def expire_span_attention(
     attend_to_self: bool = True,
     renormalization_epsilon: float = 0.0,
     relative_positions: torch.Tensor | None = None,
+    keep_weights: bool = False,
 ) -> torch.Tensor:
     """Attention over keys that expire after their learned spans (paper Eqs. 4-5, SPEC §2).
 
@@ -193,6 +194,8 @@ def expire_span_attention(
             backends ``official.py``: the scores written out in few passes, and with gradients (no dropout) a
             forward that keeps only its inputs and output and a backward written out (one block's weights alive at a
             time).
+        keep_weights: with gradients through the official options on the torch backend, keep the ``(B, H, T, N)``
+            weights for the backward instead of computing them again there: faster, for that much more memory.
 
     Returns:
         ``(B, H, T, d_v)`` in the query's dtype. On CPU tensors a non-finite key, value or span at position i leaves
@@ -214,10 +217,13 @@ def expire_span_attention(
         query, key, value, spans, query_positions, key_positions, ramp, key_valid, max_distance, scale, dropout
     )
     _check_official_options(query, key, position_scores, attend_to_self, renormalization_epsilon, relative_positions)
+    if not isinstance(keep_weights, bool):
+        raise ValueError(f"keep_weights must be True or False, got {keep_weights!r}.")
     options = dict(
         ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout, backend=backend,
         position_scores=position_scores, attend_to_self=attend_to_self,
         renormalization_epsilon=renormalization_epsilon, relative_positions=relative_positions,
+        keep_weights=keep_weights,
     )  # fmt: skip
     output = _expire_span_attention(query, key, value, spans, query_positions, key_positions, **options)
     # The spans too: a NaN span can hide its key instead of spreading.
@@ -269,7 +275,7 @@ def _causal_despite_non_finite(output, query, key, value, spans, query_positions
 
 def _expire_span_attention(
     query, key, value, spans, query_positions, key_positions, *, ramp, key_valid, max_distance, scale, dropout,
-    backend, position_scores, attend_to_self, renormalization_epsilon, relative_positions,
+    backend, position_scores, attend_to_self, renormalization_epsilon, relative_positions, keep_weights=False,
 ):  # fmt: skip
     options = dict(ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout)
     official = dict(
@@ -297,6 +303,6 @@ def _expire_span_attention(
         )
     if is_official:
         return expire_span_attention_official(
-            query, key, value, spans, query_positions, key_positions, **options, **official
+            query, key, value, spans, query_positions, key_positions, **options, **official, keep_weights=keep_weights
         )
     return expire_span_attention_sdpa(query, key, value, spans, query_positions, key_positions, **options)

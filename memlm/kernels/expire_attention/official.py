@@ -16,10 +16,13 @@ g_i = dO·v_i, G = Σ_j w_j g_j = dO·o (no pass over the pairs) and u_i = w_i /
     ds_i = w_i (g_i − G) − ε G u_i,   dm_i = Σ_heads u_i (g_i − G),   dq = scale·ds·K (+ positions),
     dK = scale·dsᵀ·q,   dV = wᵀ·dO,   de_i = Σ_t dm_ti / R where 0 < m_ti < 1 (Eq. 5)
 
-so that one (query, key) tensor per step of this chain is alive at a time, for one layer and block. Tested against
-the reference under autograd in float64 (tests/kernels/test_expire_attention.py).
+so that one (query, key) tensor per step of this chain is alive at a time, for one layer and block. With
+`keep_weights` the forward keeps w too and the backward skips building it again (the caller decides when that memory
+is worth it). The positions' term is built only in the key columns where some pair is 1..P apart (`_position_band`).
+Tested against the reference under autograd in float64 (tests/kernels/test_expire_attention.py).
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -32,10 +35,11 @@ __all__ = ["expire_span_attention_official"]
 
 def expire_span_attention_official(query, key, value, spans, query_positions, key_positions, *, ramp, key_valid=None,
                                    max_distance=None, scale=None, dropout=0.0, position_scores=None,
-                                   attend_to_self=True, renormalization_epsilon=0.0,
-                                   relative_positions=None):  # fmt: skip
+                                   attend_to_self=True, renormalization_epsilon=0.0, relative_positions=None,
+                                   keep_weights=False):  # fmt: skip
     """As `expire_span_attention_reference` (which runs attention dropout); with gradients through
-    `_OfficialAttention`."""
+    `_OfficialAttention`, which keeps the weights (B, H, T, N) for the backward with `keep_weights` (else computes
+    them again there)."""
     if dropout > 0:
         options = dict(ramp=ramp, key_valid=key_valid, max_distance=max_distance, scale=scale, dropout=dropout,
                        position_scores=position_scores, attend_to_self=attend_to_self,
@@ -50,21 +54,45 @@ def expire_span_attention_official(query, key, value, spans, query_positions, ke
         pairs = _pair_terms(settings, query_positions, key_positions, spans, dtype, relative_positions, False)
         weights = _weights(settings, pairs, cast[0], cast[1], cast[3], _extended(cast[4]))
         return (weights @ cast[2]).to(query.dtype)
-    return _OfficialAttention.apply(settings, query_positions, key_positions, query, key, value, spans,
+    return _OfficialAttention.apply(settings, keep_weights, query_positions, key_positions, query, key, value, spans,
                                     position_scores, relative_positions)  # fmt: skip
+
+
+class _PositionBand(NamedTuple):
+    """The key columns [start, stop) that hold every pair at a distance 1..P from its query, and the row of
+    [table; 0] each of their pairs reads, (B, 1, T, stop − start): the positions' term is 0 outside them."""
+
+    start: int
+    stop: int
+    row: torch.Tensor
 
 
 class _PairTerms(NamedTuple):
     """What the heads share per (query, key) pair, (B, 1, T, N) each: the bias log m (−inf where the key is hidden
-    or m = 0), 1/m where the bias is finite (0 elsewhere; None when neither ε nor a span gradient needs it), whether
-    0 < m < 1 (for the span gradient, else None), the row of [table; 0] each pair's position term reads (None
-    without a table), and which queries see a key at all ((B, 1, T, 1), None when all do)."""
+    or m = 0), 1/m where the bias is finite (0 elsewhere; None when neither ε
+    nor a span gradient needs it), whether 0 < m < 1 (for the span gradient, else None), the columns the positions'
+    term reaches (None without a table, or when no pair is near enough), and which queries see a key at all
+    ((B, 1, T, 1), None when all do). A forward that keeps the weights keeps these too, without the bias."""
 
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     inverse: torch.Tensor | None
     on_ramp: torch.Tensor | None
-    position_row: torch.Tensor | None
+    band: _PositionBand | None
     sees: torch.Tensor | None
+
+
+def _position_band(query_positions, key_positions, count) -> _PositionBand | None:
+    """The `_PositionBand` of a table of `count` positions: a key i of row b is in it when some query t of the row has
+    1 ≤ t − i ≤ count, i.e. max t − i ≥ 1 and min t − i ≤ count (keys sorted by position make it the last ~T + P
+    columns, whatever the window)."""
+    first = query_positions.amin(1, keepdim=True)
+    last = query_positions.amax(1, keepdim=True)
+    near = ((last - key_positions >= 1) & (first - key_positions <= count)).any(0).nonzero().flatten()
+    if near.numel() == 0:
+        return None
+    start, stop = near[[0, -1]].tolist()
+    row = (query_positions[:, None, :, None] - key_positions[:, None, None, start : stop + 1]).sub_(1)  # d − 1
+    return _PositionBand(start, stop + 1, row.masked_fill_((row < 0) | (row >= count), count))  # row P scores 0
 
 
 def _pair_terms(settings, query_positions, key_positions, spans, dtype, table, span_gradient) -> _PairTerms:
@@ -72,7 +100,7 @@ def _pair_terms(settings, query_positions, key_positions, spans, dtype, table, s
     visible = visible_keys(query_positions, key_positions, key_valid, max_distance, attend_to_self)[:, None]
     inverse = on_ramp = None
     if spans is None:
-        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -math.inf)
         if epsilon > 0:
             inverse = visible.to(dtype)
     else:
@@ -93,12 +121,8 @@ def _pair_terms(settings, query_positions, key_positions, spans, dtype, table, s
         sees = None
     else:  # a row of −inf would make the softmax NaN: score it 0 and zero its weights afterwards
         bias = torch.where(sees, bias, 0.0)
-    position_row = None
-    if table is not None:
-        count = table.shape[0]
-        row = (query_positions[:, None, :, None] - key_positions[:, None, None, :]).sub_(1)  # d − 1
-        position_row = row.masked_fill_((row < 0) | (row >= count), count)  # row P of [table; 0] scores 0
-    return _PairTerms(bias, inverse, on_ramp, position_row, sees)
+    band = None if table is None else _position_band(query_positions, key_positions, table.shape[0])
+    return _PairTerms(bias, inverse, on_ramp, band, sees)
 
 
 def _extended(table):
@@ -111,18 +135,16 @@ def _weights(settings, pairs: _PairTerms, query, key, position_scores, table) ->
     scale, epsilon = settings[3], settings[5]
     batch_size, num_heads, length, _ = query.shape
     shape = (batch_size, num_heads, length, key.shape[2])
-    if table is not None:  # the positions' term q_t · p_{t−i}, gathered from q·[table; 0]ᵀ
-        by_distance = query @ table.mT
-        terms = by_distance.gather(-1, pairs.position_row.expand(shape))
-        if position_scores is not None:
-            terms += position_scores
-        scores = torch.add(pairs.bias, terms, alpha=scale, out=terms)  # (into the gathered terms: no new tensor)
-    elif position_scores is not None:
+    if position_scores is not None:
         scores = torch.add(pairs.bias, position_scores, alpha=scale)
     else:
         scores = pairs.bias.expand(shape).contiguous()
+    band = pairs.band
+    if band is not None:  # the positions' term q_t · p_{t−i}, gathered from q·[table; 0]ᵀ, in the columns it reaches
+        terms = (query @ table.mT).gather(-1, band.row.expand(*shape[:3], band.stop - band.start))
+        scores[..., band.start : band.stop].add_(terms, alpha=scale)
     scores = scores.view(-1, length, shape[-1]).baddbmm_(query.flatten(0, 1), key.flatten(0, 1).mT, alpha=scale)
-    weights = scores.view(shape).softmax(dim=-1)  # w¹ = softmax(s + log m)
+    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores).view(shape)  # w¹ = softmax(s + log m)
     if epsilon > 0:
         weights /= torch.linalg.vecdot(weights, pairs.inverse).unsqueeze(-1).mul_(epsilon).add_(1)
     if pairs.sees is not None:
@@ -132,53 +154,72 @@ def _weights(settings, pairs: _PairTerms, query, key, position_scores, table) ->
 
 class _OfficialAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, settings, query_positions, key_positions, query, key, value, spans, position_scores, table):
+    def forward(ctx, settings, keep_weights, query_positions, key_positions, query, key, value, spans,
+                position_scores, table):  # fmt: skip
         dtype = _compute_dtype(query, key, value, spans)
+        # With the weights kept, so are the pair terms their backward reads (1/m, the ramp, the positions' band).
+        span_gradient = keep_weights and spans is not None and spans.requires_grad
         with torch.no_grad():
             cast = [None if x is None else x.to(dtype) for x in (query, key, value, position_scores, table)]
-            pairs = _pair_terms(settings, query_positions, key_positions, spans, dtype, table, False)
-            output = _weights(settings, pairs, cast[0], cast[1], cast[3], _extended(cast[4])) @ cast[2]
+            pairs = _pair_terms(settings, query_positions, key_positions, spans, dtype, table, span_gradient)
+            weights = _weights(settings, pairs, cast[0], cast[1], cast[3], _extended(cast[4]))
+            output = weights @ cast[2]
         ctx.settings, ctx.dtype = (*settings[:1], None, *settings[2:]), dtype  # the validity is saved, checked
+        ctx.pairs = pairs._replace(bias=None, sees=None) if keep_weights else None
         ctx.save_for_backward(query_positions, key_positions, settings[1], query, key, value, spans, position_scores,
-                              table, output)  # fmt: skip
+                              table, output, weights if keep_weights else None)  # fmt: skip
         return output.to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
-        query_positions, key_positions, key_valid, query, key, value, spans, position_scores, table, output = (
+        query_positions, key_positions, key_valid, query, key, value, spans, position_scores, table, output, kept = (
             ctx.saved_tensors
         )
         settings, dtype = (*ctx.settings[:1], key_valid, *ctx.settings[2:]), ctx.dtype
         ramp, scale, epsilon = settings[0], settings[3], settings[5]
-        span_gradient = spans is not None and ctx.needs_input_grad[6]
+        span_gradient = spans is not None and ctx.needs_input_grad[7]
         q, k, v, scores_in, table_in = (
             None if x is None else x.detach().to(dtype) for x in (query, key, value, position_scores, table)
         )
         extended = _extended(table_in)
-        pairs = _pair_terms(settings, query_positions, key_positions, spans, dtype, table, span_gradient)
-        weights = _weights(settings, pairs, q, k, scores_in, extended)
+        if kept is None:
+            pairs = _pair_terms(settings, query_positions, key_positions, spans, dtype, table, span_gradient)
+            weights = _weights(settings, pairs, q, k, scores_in, extended)
+        else:
+            pairs, weights = ctx.pairs, kept
         grad_output = grad_output.to(dtype)
         grad_value = weights.mT @ grad_output
         total = torch.linalg.vecdot(grad_output, output).unsqueeze(-1)  # G = Σ_j w_j g_j = dO·o
-        grad_scores = (grad_output @ v.mT).sub_(total).mul_(weights)  # w (g − G)
+        grad_scores = (grad_output @ v.mT).sub_(total)  # g − G
+        if epsilon > 0:  # − ε G / m
+            grad_scores.addcmul_(pairs.inverse, total, value=-epsilon)
+        grad_scores.mul_(weights)  # ds = w (g − G) − ε G u
         grad_spans = None
-        if span_gradient:  # dm = Σ_heads u (g − G), u = w / m; Eq. 5: ∂m/∂e = 1/R strictly inside the ramp
-            grad_mask = grad_scores.sum(1, keepdim=True).mul_(pairs.inverse).masked_fill_(~pairs.on_ramp, 0.0)
+        if span_gradient:  # dm = Σ_heads u (g − G) = (Σ_heads ds + ε Σ_heads G w) / m; Eq. 5: ∂m/∂e = 1/R on the ramp
+            by_pair = grad_scores.sum(1, keepdim=True)
+            if epsilon > 0:
+                weighted = weights[:, :1] * total[:, :1]  # Σ_heads G w, head by head: no (B, H, T, N) product
+                for head in range(1, weights.shape[1]):
+                    weighted.addcmul_(weights[:, head : head + 1], total[:, head : head + 1])
+                by_pair.addcmul_(weighted, pairs.inverse, value=epsilon)
+            grad_mask = by_pair.mul_(pairs.inverse).masked_fill_(~pairs.on_ramp, 0.0)
             grad_spans = (grad_mask.sum((1, 2)) / ramp).to(spans.dtype)
-        if epsilon > 0:  # − ε G u
-            grad_scores.addcmul_(weights.mul_(pairs.inverse), total, value=-epsilon)
         del weights
         grad_query = (grad_scores @ k).mul_(scale)  # d(q·k + position terms) = scale · ds
         grad_key = (grad_scores.mT @ q).mul_(scale)
         grad_table = None
-        if table is not None:
+        if pairs.band is not None:  # the positions' term, from the columns it reaches
+            band = pairs.band
+            grad_band = grad_scores[..., band.start : band.stop]
             by_distance = grad_scores.new_zeros(*grad_scores.shape[:-1], extended.shape[0])
-            by_distance.scatter_add_(-1, pairs.position_row.expand(grad_scores.shape), grad_scores)
+            by_distance.scatter_add_(-1, band.row.expand(grad_band.shape), grad_band)
             by_distance = by_distance[..., :-1].mul_(scale)
             grad_query += by_distance @ table_in
             grad_table = (by_distance.flatten(0, -2).mT @ q.flatten(0, -2)).to(table.dtype)
+        elif table is not None:
+            grad_table = torch.zeros_like(table)
         grad_position_scores = None
         if position_scores is not None:
             grad_position_scores = (grad_scores * scale).to(position_scores.dtype)
-        return (None, None, None, grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
+        return (None, None, None, None, grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
                 grad_spans, grad_position_scores, grad_table)  # fmt: skip
