@@ -660,7 +660,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             elif self.shared_bias:  # the official layouts: the bias and the transform built by the store's read
                 build = functools.partial(self._score_terms, layer_idx, store, group, step, positions)
                 span_ratio = getattr(attention, "span_ratio", None)
-                terms = ScoreTerms(build, self.relative_positions, span_ratio, (shared_bias, relative_distance))
+                # Without a trimmed window the layers add only finite terms to the visibility bias: same blind rows.
+                blind_from = shared_bias if self.read_windows is None else None
+                terms = ScoreTerms(build, self.relative_positions, span_ratio, (shared_bias, relative_distance),
+                                   blind_from)  # fmt: skip
                 context = store.read(group, step, query, None, terms=terms)
             else:  # the official blocks with a relative bias per layer
                 transform = self._attention_weights_transform(attention, store.window(group, step), positions)

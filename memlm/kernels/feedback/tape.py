@@ -104,8 +104,10 @@ class _RingStore:
         covers the `window`'s slots; `terms` (a `ScoreTerms`): what builds the bias and the transform instead."""
         if self.filled == 0:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
+        blind_from = None
         if terms is not None:
             bias, transform = terms(query)
+            blind_from = terms.blind_from
         layer = self.layers[group]
         batch_size, num_heads, _, head_dim = layer.keys.shape
         keys, values = layer.keys, layer.values  # (B, H, W, d)
@@ -119,11 +121,12 @@ class _RingStore:
                                                  attn_mask=bias.view(batch_size, num_heads, 1, -1))  # fmt: skip
         # A query that sees no memory gets a zero attention term, whatever the backend makes of an all −inf row. The
         # layers of a step often share one bias (the same tensor): its rows that see nothing are found once.
-        if bias is not self._blind_bias:
-            blind = bias.amax(-1, keepdim=True) == float("-inf")
+        blind_from = bias if blind_from is None else blind_from
+        if blind_from is not self._blind_bias:
+            blind = blind_from.amax(-1, keepdim=True) == float("-inf")
             if not torch.compiler.is_compiling() and not bool(blind.any()):
                 blind = None  # every row sees a memory (decoding): nothing to fill
-            self._blind_bias, self._blind = bias, blind
+            self._blind_bias, self._blind = blind_from, blind
         context = context.view_as(query)
         return context if self._blind is None else context.masked_fill(self._blind, 0.0)
 
@@ -470,6 +473,9 @@ class ScoreTerms(NamedTuple):
     span_ratio: torch.Tensor | None
     # What the step's layers share in the forward (`build`'s `prepared`); the backward builds it again.
     prepared: object = None
+    # A bias (B·H, W) with the built bias's rows that see nothing (all −inf), shared by the step's layers, so that a
+    # read finds those rows once per step (None: found in the built bias).
+    blind_from: torch.Tensor | None = None
 
     def __call__(self, query: torch.Tensor):
         """(bias, transform) for `query`, with what was prepared for the step."""
