@@ -470,23 +470,26 @@ def test_a_non_finite_key_reaches_only_the_queries_that_see_it(backend, where, o
     assert torch.equal(output[0], clean[0])
 
 
+@pytest.mark.parametrize("band", [False, True], ids=["every_column", "band"])
 @pytest.mark.parametrize("keep_weights", [False, True], ids=["weights_rebuilt", "weights_kept"])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-3])
 @pytest.mark.parametrize("positions_as", ["table", "scores", "both"])
 @pytest.mark.parametrize("memory", ["carried", "block_only", "holes", "far"])
 def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(memory, positions_as, epsilon,
-                                                                              keep_weights):  # fmt: skip
+                                                                              keep_weights, band, monkeypatch):  # fmt: skip
     """The learned relative positions given as their table (P, d), as `position_scores` (B, H, T, N) or half each;
     with gradients the official options run a forward that keeps only its inputs (and the weights, with
     `keep_weights`) and a backward written out (`official.py`): the output and every gradient (query, key, value,
     spans, the table) equal the reference's under autograd, in float64, with and without the renormalisation ε, for
     queries that see no key (the first of a block without memories, as attend_to_self=False hides its own), for a
     memory with holes (invalid slots, keys out of order, a maximum distance, attention to self) and for memories
-    further back than the table reaches (its term built only in the columns it reaches); a second backward through
+    further back than the table reaches (its term built only in the columns it reaches, as for blocks of 16 queries
+    or more, or in every column, as for fewer); a second backward through
     the same graph gives the same gradients again (kept weights are not overwritten); without gradients the forward
     gives the reference's output."""
-    from memlm.kernels.expire_attention import relative_position_scores
+    from memlm.kernels.expire_attention import official, relative_position_scores
 
+    monkeypatch.setattr(official, "_BAND_QUERIES", 1 if band else 1000)
     generator = torch.Generator().manual_seed(3)
     width = 0 if memory == "block_only" else 8
     query = torch.randn(2, 3, 6, 5, generator=generator, dtype=torch.float64)

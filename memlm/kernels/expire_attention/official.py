@@ -81,18 +81,24 @@ class _PairTerms(NamedTuple):
     sees: torch.Tensor | None
 
 
+_BAND_QUERIES = 16  # from this many queries on, the positions' term is built in its band of key columns only
+
+
 def _position_band(query_positions, key_positions, count) -> _PositionBand | None:
     """The `_PositionBand` of a table of `count` positions: a key i of row b is in it when some query t of the row has
     1 ≤ t − i ≤ count, i.e. max t − i ≥ 1 and min t − i ≤ count (keys sorted by position make it the last ~T + P
-    columns, whatever the window)."""
-    first = query_positions.amin(1, keepdim=True)
-    last = query_positions.amax(1, keepdim=True)
-    near = ((last - key_positions >= 1) & (first - key_positions <= count)).any(0).nonzero().flatten()
-    if near.numel() == 0:
-        return None
-    start, stop = near[[0, -1]].tolist()
-    row = (query_positions[:, None, :, None] - key_positions[:, None, None, start : stop + 1]).sub_(1)  # d − 1
-    return _PositionBand(start, stop + 1, row.masked_fill_((row < 0) | (row >= count), count))  # row P scores 0
+    columns, whatever the window). A few queries (decoding) take every column: the search would cost more than it
+    saves."""
+    start, stop = 0, key_positions.shape[1]
+    if query_positions.shape[1] >= _BAND_QUERIES:
+        first = query_positions.amin(1, keepdim=True)
+        last = query_positions.amax(1, keepdim=True)
+        near = ((last - key_positions >= 1) & (first - key_positions <= count)).any(0).nonzero().flatten()
+        if near.numel() == 0:
+            return None
+        start, stop = near[0].item(), near[-1].item() + 1
+    row = (query_positions[:, None, :, None] - key_positions[:, None, None, start:stop]).sub_(1)  # d − 1
+    return _PositionBand(start, stop, row.masked_fill_((row < 0) | (row >= count), count))  # row P scores 0
 
 
 def _pair_terms(settings, query_positions, key_positions, spans, dtype, table, span_gradient) -> _PairTerms:
