@@ -551,6 +551,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         # While a step loop runs with autograd: its linear layers' weight gradients, gathered over the steps
         # (`DeferredWeightGradients`, set by `memlm.kernels.feedback`).
         self.deferred = None
+        # Dropout on the attention weights draws each (layer, step)'s mask from its own seed, this forward's base plus
+        # the pair's index (`weights_dropout_seed`), so that a backward draws it again instead of keeping it.
+        self.dropout_base_seed = None
         self.recurrence = FeedbackRecurrence()
         self.post_init()
 
@@ -658,7 +661,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             if self.default_step:
                 context = store.read(group, step, query, bias.to(query.dtype))
             elif self.shared_bias:  # the official layouts: the bias and the transform built by the store's read
-                build = functools.partial(self._score_terms, layer_idx, store, group, step, positions)
+                build = functools.partial(self._score_terms, layer_idx, store, group, step, positions,
+                                          seed=self.weights_dropout_seed(layer_idx, step))  # fmt: skip
                 span_ratio = getattr(attention, "span_ratio", None)
                 # Without a trimmed window the layers add only finite terms to the visibility bias: same blind rows.
                 blind_from = shared_bias if self.read_windows is None else None
@@ -666,7 +670,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                                    blind_from)  # fmt: skip
                 context = store.read(group, step, query, None, terms=terms)
             else:  # the official blocks with a relative bias per layer
-                transform = self._attention_weights_transform(attention, store.window(group, step), positions)
+                transform = self._attention_weights_transform(attention, store.window(group, step), positions,
+                                                              seed=self.weights_dropout_seed(layer_idx, step))
                 context = store.read(group, step, query, bias, transform)
             if compiled:  # no dropout (see `compiled_step_applies`)
                 mlp = layer.mlp
@@ -747,12 +752,14 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         return hidden_states, states
 
     def _score_terms(self, layer_idx: int, store, group: int, step: int, positions: torch.Tensor, query: torch.Tensor,
-                     table: torch.Tensor | None, span_ratio: torch.Tensor | None, prepared=None):  # fmt: skip
+                     table: torch.Tensor | None, span_ratio: torch.Tensor | None, prepared=None,
+                     seed: int | None = None):  # fmt: skip
         """A step's bias (B·H, W) and `WeightsTransform` in the official layouts (a `ScoreTerms.build`): the
         visibility, the learned relative positions q_t · p_{t−i} / √d from `table`, the adaptive span's trimmed window,
         and its mask from `span_ratio`; and a function that turns the gradients of the bias and the mask into those of
         the query, the table and the span ratios. `prepared`: the step's visibility bias and index of the distances,
-        which its layers share (made again when None, in the backward)."""
+        which its layers share (made again when None, in the backward); `seed`: the dropout mask's
+        (`weights_dropout_seed`)."""
         batch_size = positions.shape[0]
         window = store.window(group, step)
         distance = positions[:, None] - window[2]  # (B, W)
@@ -769,7 +776,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             outside = (distance > self.read_windows[layer_idx])[:, None].expand(-1, self.num_heads, -1)
             bias = bias.masked_fill(outside.flatten(0, 1), -math.inf)
         attention = self.layers[layer_idx].attention
-        transform = self._attention_weights_transform(attention, window, positions, span_ratio)
+        transform = self._attention_weights_transform(attention, window, positions, span_ratio, seed)
 
         def gradients(grad_bias, grad_mask, needs_table: bool, needs_span_ratio: bool):
             grad_query = grad_table = grad_span_ratio = None
@@ -815,10 +822,17 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             values.append(self._linear(projections.v_proj, source))
         return torch.stack(keys), torch.stack(values)
 
-    def _attention_weights_transform(self, attention: FeedbackAttention, window, positions, span_ratio=None):
+    def weights_dropout_seed(self, layer_idx: int, step: int, base: int | None = None) -> int | None:
+        """The seed of layer `layer_idx`'s dropout mask on the attention weights at step `step` of this forward, or of
+        the forward whose `dropout_base_seed` was `base` (None outside a forward that drops the weights)."""
+        base = self.dropout_base_seed if base is None else base
+        return None if base is None else base + step * len(self.layers) + layer_idx
+
+    def _attention_weights_transform(self, attention: FeedbackAttention, window, positions, span_ratio=None,
+                                     seed: int | None = None):  # fmt: skip
         """What the official code does to the softmax weights (B·H, W) before reading the values, as a
         `WeightsTransform`, or None: the adaptive span's mask and renormalisation (Sukhbaatar et al., 2019), then
-        dropout."""
+        dropout (its mask drawn from `seed`)."""
         adaptive = hasattr(attention, "span_ratio")
         dropout = not self.attention_dropout_on_context and self.training and attention.dropout.p > 0
         if not adaptive and not dropout:
@@ -830,7 +844,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             span_ratio = attention.span_ratio if span_ratio is None else span_ratio
             mask = adaptive_span_mask(span_ratio, distance, self.memory_span, self.config.adaptive_span_ramp)
             mask = mask.flatten(0, 1)  # (B·H, W)
-        return WeightsTransform(mask, self.config.renormalization_epsilon, attention.dropout.p if dropout else 0.0)
+        return WeightsTransform(mask, self.config.renormalization_epsilon, attention.dropout.p if dropout else 0.0,
+                                seed if dropout else None)  # fmt: skip
 
     def _projections(self) -> tuple:
         """(W_k, W_v) of each key/value set: one pair shared by the layers, or one per layer."""
@@ -932,6 +947,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.projects_carried_memory = renews and length == 1
         first_positions = cache.next_positions.clone() if renews and length > 1 else None
 
+        # One base seed per training forward for the dropout masks on the attention weights (`weights_dropout_seed`).
+        drops_weights = not self.attention_dropout_on_context and any(
+            layer.attention.dropout.p > 0 for layer in self.layers
+        )  # fmt: skip
+        self.dropout_base_seed = int(torch.randint(0, 2**62, ())) if self.training and drops_weights else None
         # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
         try:
             top, all_states, window = self.recurrence(

@@ -570,12 +570,16 @@ def test_the_hand_written_backward_equals_the_step_loop_reference_over_carried_b
     trimmed window, dropout on the attention weights) on the hand-written backward: logits, auxiliary losses, carried
     memories and every gradient equal the reference's in float64, over three carried blocks (no longer than τ, so that
     both paths read windows of one width and draw the same dropout masks); reads add to the tape's slots in blocks of
-    three steps. With gradient checkpointing, the MLP's projections and the softmax weights (as over long windows) are
+    three steps. The dropout masks on the attention weights are drawn again from their seeds by the backward, not
+    kept (B·H·W per layer and step). With gradient checkpointing, the MLP's projections and the softmax weights (as over long windows) are
     built again in the backward."""
     monkeypatch.setattr(through_time._TapeGradients, "most_block_steps", 3)
     runs = []
     counting = through_time._backward_through_time
-    monkeypatch.setattr(through_time, "_backward_through_time", lambda *args: runs.append(1) or counting(*args))
+    # (args[2]: the forward's `Recording`; a seeded dropout mask on the attention weights is drawn again, not kept)
+    monkeypatch.setattr(
+        through_time, "_backward_through_time", lambda *args: runs.append(args[2].kept) or counting(*args)
+    )
     model = _model(layout, **{**BY_HAND, **overrides}).train()
     if checkpointing:
         activation_checkpointing_enable(model)
@@ -583,7 +587,7 @@ def test_the_hand_written_backward_equals_the_step_loop_reference_over_carried_b
     assert covers(model.model, torch.zeros(2, 3, TINY["hidden_size"], dtype=torch.float64), keep_states=False)
     blocks = list(torch.randint(0, 40, (2, 12)).split(4, dim=1))
     ours = _blocks_through(model, "torch", monkeypatch, blocks, gradients=True)
-    assert len(runs) == len(blocks)
+    assert len(runs) == len(blocks) and not any(runs)
     reference = _blocks_through(model, "reference", monkeypatch, blocks, gradients=True)
     # Without a memory norm, the raw memories grow through the layers: their gradients cancel more.
     tolerance = 1e-12 if model.config.memory_normalization != "none" or layout.startswith("official") else 1e-9

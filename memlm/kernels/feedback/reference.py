@@ -44,18 +44,22 @@ class WeightsTransform(NamedTuple):
     span's soft mask m (N, W) and renormalisation a' = a·m / (Σ a·m + ε) (Sukhbaatar et al., 2019, Sec. 3.1; a row
     whose Σ a·m + ε is 0 reads nothing), then dropout with probability `dropout` (0: none). Calling it applies it
     with autograd (the readable path); the training tape differentiates the same formula by hand (`tape._TapeRead`).
+    `seed`: the dropout mask is drawn from a generator seeded with it (None: from the global one), so that a backward
+    draws it again instead of keeping it.
     """
 
     mask: torch.Tensor | None
     epsilon: float
     dropout: float
+    seed: int | None = None
 
     def dropout_mask(self, like: torch.Tensor) -> torch.Tensor | None:
-        """The kept entries scaled by 1 / (1 − p), drawn as `F.dropout` draws them on a CPU (the same random
-        numbers for the same shape)."""
+        """The kept entries scaled by 1 / (1 − p), drawn as `F.dropout` draws them (the same random numbers for the
+        same shape), from `seed`'s own generator when given: the same mask for the same seed, shape and dtype."""
         if self.dropout == 0:
             return None
-        return torch.empty_like(like).bernoulli_(1 - self.dropout).div_(1 - self.dropout)
+        generator = None if self.seed is None else torch.Generator(like.device).manual_seed(self.seed)
+        return torch.empty_like(like).bernoulli_(1 - self.dropout, generator=generator).div_(1 - self.dropout)
 
     def __call__(self, weights: torch.Tensor) -> torch.Tensor:
         if self.mask is not None:

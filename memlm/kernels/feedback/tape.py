@@ -380,7 +380,8 @@ def renormalizer(masked: torch.Tensor, epsilon: float) -> torch.Tensor:
 
 def _read_forward(tape, group, start, end, query, bias, transform):
     """A step's attention over the tape slice [start, end) without autograd: the output, the softmax weights p, the
-    renormalisation's denominator and the dropout's kept entries (bool), the latter two None when not used."""
+    renormalisation's denominator and the dropout's kept entries (bool), the latter two None when not used (the kept
+    entries also when the transform's mask is seeded: the backward draws it again)."""
     keys = tape.keys[group, :, :, start:end].flatten(0, 1)  # (B·H, W, d), a view
     weights = attention_weights(query, keys, bias)  # p = softmax(s)
     read, denominator, kept = weights, None, None
@@ -393,7 +394,8 @@ def _read_forward(tape, group, start, end, query, bias, transform):
         kept = transform.dropout_mask(read)
         if kept is not None:  # w = r · dropout mask
             read = read * kept
-            kept = kept > 0  # kept as bool (a quarter of the memory), scaled again in the backward
+            # A seeded mask is drawn again by the backward; another is kept as bool (a quarter of the memory).
+            kept = kept > 0 if transform.seed is None else None
     output = torch.bmm(read.unsqueeze(1), tape.values[group, :, :, start:end].flatten(0, 1)).squeeze(1)
     return output, weights, denominator, kept
 
@@ -416,12 +418,14 @@ def transform_backward(grad_read, weights, mask, denominator, kept, needs_mask_g
     return read, grad_scores, grad_mask
 
 
-def _read_backward(tape, group, start, end, grad_output, query, weights, mask, denominator, kept, dropout,
+def _read_backward(tape, group, start, end, grad_output, query, weights, mask, denominator, kept, transform,
                    needs_mask_gradient):  # fmt: skip
     """The backward of `_read_forward` written out: adds the keys' and values' gradients into the tape's buffers and
     returns the gradients of the query (through the keys), of the scores (= of the bias) and of the mask."""
     if kept is not None:  # as `WeightsTransform.dropout_mask` drew it: 1 / (1 − p) where kept
-        kept = kept.to(weights.dtype).div_(1 - dropout)
+        kept = kept.to(weights.dtype).div_(1 - transform.dropout)
+    elif transform is not None and transform.seed is not None:  # drawn again from its seed
+        kept = transform.dropout_mask(weights)
     keys = tape.keys[group, :, :, start:end].flatten(0, 1)
     values = tape.values[group, :, :, start:end].flatten(0, 1)
     scale = query.shape[-1] ** -0.5
@@ -448,14 +452,14 @@ class _TapeRead(torch.autograd.Function):
             output, weights, denominator, kept = _read_forward(tape, group, start, end, query, bias, transform)
         ctx.save_for_backward(query, weights, mask, denominator, kept)
         ctx.tape, ctx.window = tape, (group, start, end)
-        ctx.dropout = 0.0 if transform is None else transform.dropout
+        ctx.transform = None if transform is None else transform._replace(mask=None)  # (the mask is saved)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         query, weights, mask, denominator, kept = ctx.saved_tensors
         grad_query, grad_scores, grad_mask = _read_backward(
-            ctx.tape, *ctx.window, grad_output, query, weights, mask, denominator, kept, ctx.dropout,
+            ctx.tape, *ctx.window, grad_output, query, weights, mask, denominator, kept, ctx.transform,
             ctx.needs_input_grad[3],
         )  # fmt: skip
         grad_bias = grad_scores if ctx.needs_input_grad[1] else None
@@ -484,7 +488,7 @@ class ScoreTerms(NamedTuple):
 
 class _TapeTermsRead(torch.autograd.Function):
     """`_TapeRead` whose bias and mask are built by `ScoreTerms.build` from the query, the learned relative positions
-    and the adaptive span, in the forward and again in the backward: a step keeps its query (and the dropout's kept
+    and the adaptive span, in the forward and again in the backward: a step keeps its query (and an unseeded dropout's kept
     entries) instead of window-sized scores, index and mask, so that training memory grows with tokens × hidden size.
     The built terms are differentiated by the function `build` returns."""
 
@@ -495,7 +499,6 @@ class _TapeTermsRead(torch.autograd.Function):
             output, _, _, kept = _read_forward(tape, group, start, end, query, bias, transform)
         ctx.save_for_backward(query, table, span_ratio, kept)
         ctx.tape, ctx.window, ctx.build = tape, (group, start, end), build
-        ctx.dropout = 0.0 if transform is None else transform.dropout
         return output
 
     @staticmethod
@@ -509,7 +512,7 @@ class _TapeTermsRead(torch.autograd.Function):
         denominator = None if mask is None else renormalizer(weights * mask, transform.epsilon)
         needs_span_ratio = span_ratio is not None and ctx.needs_input_grad[2]
         grad_query, grad_scores, grad_mask = _read_backward(
-            tape, group, start, end, grad_output, query, weights, mask, denominator, kept, ctx.dropout,
+            tape, group, start, end, grad_output, query, weights, mask, denominator, kept, transform,
             mask is not None and needs_span_ratio,
         )  # fmt: skip
         grad_terms, grad_table, grad_span_ratio = gradients(

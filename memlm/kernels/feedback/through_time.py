@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from .reference import adaptive_span_mask, adaptive_span_mask_backward
+from .reference import WeightsTransform, adaptive_span_mask, adaptive_span_mask_backward
 from .tape import attention_weights, renormalizer, transform_backward
 
 
@@ -92,6 +92,7 @@ class Recording:
             self.gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in layers]
             if config.mlp_bias:
                 self.gate_up_bias = [torch.cat([layer.mlp.gate_proj.bias, layer.mlp.up_proj.bias]) for layer in layers]
+        self.dropout_base_seed = model.dropout_base_seed  # this forward's (`weights_dropout_seed`)
         self.inputs, self.queries, self.weights, self.contexts, self.residuals = {}, {}, {}, {}, {}
         self.gates, self.ups, self.masks, self.sums, self.kept = {}, {}, {}, {}, {}
         # The softmax weights over the window (H × W per row, layer and step) are kept while they are no larger than
@@ -677,6 +678,9 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                     weights = attention_weights(query, keys, bias)
                 grad_weights = torch.bmm(grad_context.unsqueeze(1), values.transpose(1, 2)).squeeze(1)
                 span_ratio, kept = getattr(attention, "span_ratio", None), record.kept.get(key)
+                if kept is None and record.dropout_base_seed is not None and attention.dropout.p > 0:
+                    seed = model.weights_dropout_seed(index, step, record.dropout_base_seed)  # as the step drew it
+                    kept = WeightsTransform(None, 0.0, attention.dropout.p, seed).dropout_mask(weights)
                 if span_ratio is None and kept is None:
                     read, grad_scores = weights, torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
                 else:  # the official layouts' `WeightsTransform`: the adaptive span's mask, dropout on the weights
@@ -686,7 +690,7 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                         mask = adaptive_span_mask(span_ratio, distance, config.memory_span, config.adaptive_span_ramp)
                         mask = mask.flatten(0, 1).to(weights.dtype)
                         denominator = renormalizer(weights * mask, config.renormalization_epsilon)
-                    if kept is not None:  # as `WeightsTransform.dropout_mask` drew it: 1 / (1 − p) where kept
+                    if kept is not None and kept.dtype == torch.bool:  # as drawn: 1 / (1 − p) where kept
                         kept = kept.to(weights.dtype).div_(1 - attention.dropout.p)
                     needs_span = mask is not None and f"{prefix}attention.span_ratio" in needed
                     read, grad_scores, grad_mask = transform_backward(grad_weights, weights, mask, denominator, kept,
