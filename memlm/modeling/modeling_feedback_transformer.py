@@ -670,8 +670,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                                    blind_from)  # fmt: skip
                 context = store.read(group, step, query, None, terms=terms)
             else:  # the official blocks with a relative bias per layer
-                transform = self._attention_weights_transform(attention, store.window(group, step), positions,
-                                                              seed=self.weights_dropout_seed(layer_idx, step))
+                transform = self._attention_weights_transform(
+                    attention, store.window(group, step), positions, seed=self.weights_dropout_seed(layer_idx, step)
+                )
                 context = store.read(group, step, query, bias, transform)
             if compiled:  # no dropout (see `compiled_step_applies`)
                 mlp = layer.mlp
