@@ -249,13 +249,16 @@ def current_padding_mask(attention_mask, batch_size: int, length: int, past_leng
 
 def weights_version(model: torch.nn.Module) -> tuple:
     """What changes when one of `model`'s weights changes (an optimizer step, a load: every in-place write counts in a
-    tensor's `_version`), for knowing whether memories were computed with the current weights. Read at every decoding
-    step: the modules are walked directly (a tied weight counts twice), not through `parameters()`, whose generators
-    took 4% of a small model's decoding step."""
+    tensor's `_version`; a weight replaced by another tensor, as `load_state_dict(assign=True)` or an adapter does:
+    its identity), for knowing whether memories were computed with the current weights. Read at every decoding step:
+    the modules are walked directly (a tied weight counts twice), not through `parameters()`, whose generators took
+    4% of a small model's decoding step."""
     versions, modules = [id(model)], [model]
     while modules:
         module = modules.pop()
-        versions.extend(parameter._version for parameter in module._parameters.values() if parameter is not None)
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                versions += (id(parameter), parameter._version)
         modules.extend(child for child in module._modules.values() if child is not None)
     return tuple(versions)
 

@@ -627,7 +627,8 @@ def test_decoding_projects_again_only_what_the_weights_changed(layout, monkeypat
     of its `weights_version`: with `carry_first_layer_norm` (hidden states normed once more than what the steps
     project) a prompt's forward projects its memories so at its end and a one-token forward's step projects its memory
     so at once; a forward under the same weights takes them as they are. The logits are those of recomputing every
-    carried memory; after an in-place change of a weight, every memory is projected again."""
+    carried memory; after an in-place change of a weight, or its replacement by another tensor of the same version
+    count (as `load_state_dict(assign=True)` may leave it), every memory is projected again."""
     model = _model(layout)
     body = model.model
     prompt, following = torch.randint(0, 40, (2, 7)), torch.randint(0, 40, (2, 6))
@@ -636,7 +637,7 @@ def test_decoding_projects_again_only_what_the_weights_changed(layout, monkeypat
     monkeypatch.setattr(body, "_project_hidden", lambda hidden, positions: (
         projected.append(hidden.shape[1]) or project(hidden, positions)))  # fmt: skip
 
-    def decode(everything: bool, change_at: int | None = None):
+    def decode(everything: bool, change_at: int | None = None, replace: bool = False):
         torch.manual_seed(0)
         weights = copy.deepcopy(model.state_dict())
         logits, widths = [], []
@@ -645,7 +646,14 @@ def test_decoding_projects_again_only_what_the_weights_changed(layout, monkeypat
             cache = model(prompt, use_cache=True).cache
             widths.append(list(projected))
             for index in range(following.shape[1]):
-                if index == change_at:
+                if index == change_at and replace:
+                    norm = body.layers[0].input_layernorm
+                    replacement = torch.nn.Parameter(norm.weight.detach() + 0.25)
+                    while replacement._version < norm.weight._version:
+                        replacement.mul_(1.0)  # (under no_grad: counts as a write, changes nothing)
+                    assert replacement._version == norm.weight._version
+                    norm.weight = replacement
+                elif index == change_at:
                     body.layers[0].input_layernorm.weight.add_(0.25)
                 if everything:
                     cache.weights_version = None  # unknown: every carried memory is projected again
@@ -669,6 +677,8 @@ def test_decoding_projects_again_only_what_the_weights_changed(layout, monkeypat
     expected, _ = decode(everything=True, change_at=3)
     assert (changed - expected).abs().max() < 1e-12 and (changed[:, :3] - reused[:, :3]).abs().max() == 0
     assert changed_widths[4] == [carried] and changed_widths[5] == []
+    replaced, replaced_widths = decode(everything=False, change_at=3, replace=True)
+    assert (replaced - expected).abs().max() < 1e-12 and replaced_widths[4] == [carried]
 
 
 @pytest.mark.parametrize("layout", ["official_pre_norm", "official_post_norm_shared", "adaptive_span_trimmed"])
