@@ -959,8 +959,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 self, inputs_embeds, positions, valid, memory_layers, cache.next_positions, padding_steps,
                 output_hidden_states, carry_from=cache.next_positions if recording else None,
             )  # fmt: skip
-        finally:
+        finally:  # (a backward reads its forward's seeds from what that forward recorded, not from the model)
             self.projects_carried_memory = False
+            self.dropout_base_seed = None
         self._carry(cache, window, valid, version, first_positions)
 
         def restored(states: torch.Tensor) -> torch.Tensor:  # back to the caller's order

@@ -519,12 +519,19 @@ def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(me
             return {"position_scores": scores}
         return {"relative_positions": leaves[4] / 2, "position_scores": scores / 2}
 
+    built, bands = [], []  # how often the weights are built (forward, and each backward unless kept); the bands
+    build_weights, find_band = official._weights, official._position_band
+    monkeypatch.setattr(official, "_weights", lambda *args: built.append(1) or build_weights(*args))
+    monkeypatch.setattr(official, "_position_band", lambda *args: bands.append(find_band(*args)) or bands[-1])
     output = expire_span_attention(*leaves[:4], query_positions, key_positions, **positions(leaves), **options)
     assert output.grad_fn is not None and "OfficialAttention" in type(output.grad_fn).__name__
     grad_output = torch.randn(output.shape, generator=generator, dtype=torch.float64)
     output.backward(grad_output, retain_graph=True)
     first = [leaf.grad.clone() for leaf in leaves]
     output.backward(grad_output)
+    assert len(built) == (1 if keep_weights else 3)
+    if positions_as != "scores" and memory == "far":  # only memories 1..7 back get the table (positions 10..16)
+        assert all((found.start, found.stop) == ((7, 14) if band else (0, 14)) for found in bands), bands
     expected_leaves = [tensor.clone().requires_grad_() for tensor in (query, key, value, spans, table)]
     scores = relative_position_scores(expected_leaves[4], expected_leaves[0], distance)
     del options["keep_weights"]

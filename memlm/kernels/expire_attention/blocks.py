@@ -49,9 +49,9 @@ def split_into_blocks(positions, token_valid, block_size: int, rotary_embedding)
 def run_layer_over_blocks(layer, hidden_states, blocks: list[Block], memory, keep_span_inputs: bool,
                           recompute_memory: bool = False, **options):  # fmt: skip
     """One layer over the blocks in order. `layer(block_hidden_states, positions, valid, cos, sin, memory=...,
-    first_positions=..., recompute_memory=..., keep_span_inputs=..., last_block=..., **options)` returns the block's output, the
-    memories after the block as the next block reads them (the earlier ones, pruned, then the block's), its spans,
-    its span-loss sum and its number of memories read. `recompute_memory`: the first block computes the carried
+    first_positions=..., recompute_memory=..., keep_span_inputs=..., last_block=..., **options)` returns the block's
+    output, the memories after the block as the next block reads them (the earlier ones, pruned, then the block's),
+    its spans, its span-loss sum and its number of memories read. `recompute_memory`: the first block computes the carried
     memories' keys, values and spans again from their hidden states (later blocks read memories made with the same
     weights).
 
