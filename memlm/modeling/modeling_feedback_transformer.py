@@ -14,13 +14,14 @@ operation `memlm.kernels.feedback.feedback_recurrence`: its `reference.py` is th
 memory in preallocated buffers (the cache's ring of up to τ slots, a training tape) and differentiates the loop by hand.
 The `record` arguments of `step` keep what that hand-written backward needs (`Recording`).
 
-The file reads top to bottom: the adaptive span → attention →
+What a step adds to its scores (visibility, relative positions, the adaptive span's window and mask, dropout on the
+weights) is in `memlm.kernels.feedback.scores`, shared by the step and the hand-written backward.
+
+The file reads top to bottom: the adaptive span's clamp → attention →
 decoder layer → recurrence (the loop, a hub layer of 🤗's `kernels`) → cache → PreTrainedModel →
 FeedbackTransformerModel (its step, then its forward) → FeedbackTransformerForCausalLM.
 """
 
-import functools
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,25 +35,18 @@ from transformers.modeling_utils import slice_logits_to_keep
 from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
-from ..kernels.expire_attention.reference import (
-    relative_position_index,
-    relative_position_scores,
-    relative_position_scores_backward,
-)
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.compiled import (
     ACTIVATIONS,
-    compiler_available,
     rotate,
     step_block,
     step_memory,
     step_query,
-    warn_no_compiler,
 )
 from ..kernels.feedback.compiled import compiled as compiled_function
-from ..kernels.feedback.reference import WeightsTransform, adaptive_span_mask, adaptive_span_mask_backward
-from ..kernels.feedback.tape import ProjectedMemories, ScoreTerms, ring_slots
-from ..kernels.feedback.through_time import Recording, StepGradients, covers
+from ..kernels.feedback.scores import adaptive_span_window, read_memory, step_terms
+from ..kernels.feedback.tape import ProjectedMemories, undo_ring_writes
+from ..kernels.feedback.through_time import Recording, StepGradients
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import (
     GatedMLP,
@@ -108,20 +102,6 @@ class FeedbackCausalLMOutput(CausalLMOutputWithPast):
 
     lm_loss: torch.FloatTensor | None = None
     aux_loss: torch.FloatTensor | None = None
-
-
-def adaptive_span_window(span_ratio: torch.Tensor, memory_span: int, ramp, trim_step: int) -> int | torch.Tensor:
-    """How many of the last τ memories a layer reads when the official code trims its window
-    (`AdaptiveSpan.get_trim_len`): τ − n with n = ⌊min(τ − 1, τ − S) / s⌋ · s and S = min(τ, ⌈max(z) · τ + R⌉) the
-    layer's longest span with its ramp (beyond it every head's mask is 0). While compiling, as a 0-d tensor (no
-    value is read on the host), computed in float64 as Python computes the int."""
-    if torch.compiler.is_compiling():
-        longest = (span_ratio.max().to(torch.float64) * memory_span + ramp).ceil().clamp(0, memory_span)
-        trimmed = torch.div((memory_span - longest).clamp(max=memory_span - 1), trim_step, rounding_mode="floor")
-        return memory_span - trimmed.long() * trim_step
-    longest = max(0, min(memory_span, math.ceil(span_ratio.max().item() * memory_span + ramp)))
-    trimmed = math.floor(min(memory_span - 1, memory_span - longest) / trim_step) * trim_step
-    return memory_span - trimmed
 
 
 def clamp_adaptive_spans(model: nn.Module) -> int:
@@ -271,7 +251,7 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
             return
         record = self.recorded[rollback.forward]
         if record.window is None:
-            self._undo_ring_writes(rollback)
+            undo_ring_writes(self, rollback)
         elif rollback.kept == 0:
             self.keys, self.values, self.positions, self.valid, self.hidden, self.ring = record.before
         else:
@@ -287,34 +267,6 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
         self.keys, self.values = keys[:, :, kept], values[:, :, kept]
         self.positions, self.valid = positions[:, kept], valid[:, kept]
         self.hidden = None if hidden is None else hidden[:, kept]
-
-    def _undo_ring_writes(self, rollback: Rollback):
-        """Write back what the removed tokens' steps overwrote, newest first, then give the ring the slots a forward
-        over the kept tokens would have left (it may have grown for the removed ones)."""
-        rows = torch.arange(self.keys.shape[0], device=self.keys.device)
-        for index in range(len(self.recorded) - 1, rollback.forward - 1, -1):
-            forward, steps = rollback.forwards[index], self.recorded[index].undo_steps
-            removed = forward.length
-            if index == rollback.forward:  # a row's removed real tokens are its last steps (padding runs first)
-                real = forward.valid[:, rollback.kept :].sum(1) if forward.valid is not None else None
-                removed = forward.length - rollback.kept if real is None else real.to(rows.device)
-            for step in range(len(steps) - 1, -1, -1):
-                undone = torch.as_tensor(step >= len(steps) - removed, device=rows.device).expand(rows.shape[0])
-                if not bool(undone.any()):
-                    break
-                slots, keys, values, positions, valid = steps[step]
-                self.keys[rows, :, slots] = torch.where(undone[:, None, None], keys, self.keys[rows, :, slots])
-                self.values[rows, :, slots] = torch.where(undone[:, None, None], values, self.values[rows, :, slots])
-                self.positions[rows, slots] = torch.where(undone, positions, self.positions[rows, slots])
-                self.valid[rows, slots] = torch.where(undone, valid, self.valid[rows, slots])
-        record = self.recorded[rollback.forward]
-        width = record.ring_width
-        if rollback.kept:
-            needed = min(record.memory_span, max(int(rollback.next_positions.max()), 1))
-            width = ring_slots(width, needed, record.memory_span)
-        if width is not None and width < self.keys.shape[2]:
-            self.keys, self.values = self.keys[:, :, :width].clone(), self.values[:, :, :width].clone()
-            self.positions, self.valid = self.positions[:, :width].clone(), self.valid[:, :width].clone()
 
 
 class FeedbackCache(MemoryCache):
@@ -552,22 +504,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         # (`DeferredWeightGradients`, set by `memlm.kernels.feedback`).
         self.deferred = None
         # Dropout on the attention weights draws each (layer, step)'s mask from its own seed, this forward's base plus
-        # the pair's index (`weights_dropout_seed`), so that a backward draws it again instead of keeping it.
+        # the pair's index (`scores.weights_dropout_seed`), so that a backward draws it again instead of keeping it.
         self.dropout_base_seed = None
         self.recurrence = FeedbackRecurrence()
         self.post_init()
-
-    def _memory_bias(self, layer: FeedbackDecoderLayer | None, window, positions: torch.Tensor) -> torch.Tensor:
-        """(B, H or 1, W) additive bias of one step: −inf for empty slots and memories outside [t − τ, t − 1], plus
-        `layer`'s learned relative bias when configured (`layer=None`: the visibility alone)."""
-        _, _, slot_positions, slot_valid = window
-        distance = positions[:, None] - slot_positions  # (B, W)
-        visible = slot_valid & (distance >= 1) & (distance <= self.memory_span)
-        if layer is not None and hasattr(layer.attention, "relative_bias"):
-            index = (distance - 1).clamp(0, self.memory_span - 1)
-            bias = layer.attention.relative_bias[:, index].permute(1, 0, 2)  # (B, H, W)
-            return bias.to(torch.promote_types(bias.dtype, torch.float32)).masked_fill(~visible[:, None], -math.inf)
-        return torch.where(visible[:, None], 0.0, -math.inf)  # the visibility alone, in the default float dtype
 
     def _dropout(self, states: torch.Tensor, probability: float, record: "Recording | None", key) -> torch.Tensor:
         """Dropout with an explicit mask, kept in `record` for the hand-written backward (both training paths draw
@@ -613,7 +553,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         """One time step for a batch: embeddings (B, D) of the tokens at `positions` (B,); `valid` (B,) False for
         padding, which writes nothing into the memory. Returns the top layer's output (B, D) and every layer's.
         `record` (training without autograd) keeps what the hand-written backward needs. `compiled` (only without
-        autograd, dropout or hooks: `compiled_step_applies`) runs the step's pure functions through `torch.compile`."""
+        autograd, dropout or hooks: `through_time.compiled_step_applies`) runs the step's pure functions through
+        `torch.compile`."""
         batch_size = embeddings.shape[0]
         cos = sin = None
         rotation = (None, None)
@@ -629,17 +570,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             activation = ACTIVATIONS[self.config.hidden_act]
         states = [embeddings]
         hidden_states = embeddings
-        # Every group's slots hold the same positions, so without relative bias one bias serves all layers.
-        shared_bias = None
-        if self.shared_bias:
-            shared_bias = self._memory_bias(None, store.window(0, step), positions)
-            shared_bias = shared_bias.expand(batch_size, self.num_heads, -1).flatten(0, 1)
-        # The learned relative positions' index of the distances t − i (B, 1, W), the same for every layer of the step
-        # (slots hold the same positions in every key/value set).
-        relative_distance = None
-        if not self.default_step and self.relative_positions is not None:
-            distance = (positions[:, None] - store.window(0, step)[2])[:, None]
-            relative_distance = relative_position_index(distance, self.memory_span)
+        shared = step_terms(self, store, step, positions)  # what the step's layers add alike to their scores
         for layer_idx, layer in enumerate(self.layers):
             attention = layer.attention
             key = (layer_idx, step)
@@ -654,27 +585,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
                 if cos is not None:
                     query = rotate(query, *rotation)
                 query = query.reshape(-1, self.head_dim)
-            group = 0 if self.memory_groups == 1 else layer_idx
-            bias = shared_bias
-            if bias is None:  # each layer's own relative bias (and the adaptive span's trimmed window)
-                bias = self.read_bias(layer_idx, store, group, step, positions, query)
-            if self.default_step:
-                context = store.read(group, step, query, bias.to(query.dtype))
-            elif self.shared_bias:  # the official layouts: the bias and the transform built by the store's read
-                build = functools.partial(self._score_terms, layer_idx, store, group, step, positions,
-                                          seed=self.weights_dropout_seed(layer_idx, step))  # fmt: skip
-                span_ratio = getattr(attention, "span_ratio", None)
-                # Without a trimmed window the layers add only finite terms to the visibility bias: same blind rows.
-                blind_from = shared_bias if self.read_windows is None else None
-                terms = ScoreTerms(build, self.relative_positions, span_ratio, (shared_bias, relative_distance),
-                                   blind_from)  # fmt: skip
-                context = store.read(group, step, query, None, terms=terms)
-            else:  # the official blocks with a relative bias per layer
-                transform = self._attention_weights_transform(
-                    attention, store.window(group, step), positions, seed=self.weights_dropout_seed(layer_idx, step)
-                )
-                context = store.read(group, step, query, bias, transform)
-            if compiled:  # no dropout (see `compiled_step_applies`)
+            context = read_memory(self, layer_idx, store, step, positions, query, shared)
+            if compiled:  # no dropout (see `through_time.compiled_step_applies`)
                 mlp = layer.mlp
                 gate_up = (record.gate_up[layer_idx], None) if record is not None else (
                     mlp.gate_proj.weight, mlp.up_proj.weight
@@ -752,63 +664,6 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             record.memories[step], record.rotations[step] = memory, (cos, sin)
         return hidden_states, states
 
-    def _score_terms(self, layer_idx: int, store, group: int, step: int, positions: torch.Tensor, query: torch.Tensor,
-                     table: torch.Tensor | None, span_ratio: torch.Tensor | None, prepared=None,
-                     seed: int | None = None):  # fmt: skip
-        """A step's bias (B·H, W) and `WeightsTransform` in the official layouts (a `ScoreTerms.build`): the
-        visibility, the learned relative positions q_t · p_{t−i} / √d from `table`, the adaptive span's trimmed window,
-        and its mask from `span_ratio`; and a function that turns the gradients of the bias and the mask into those of
-        the query, the table and the span ratios. `prepared`: the step's visibility bias and index of the distances,
-        which its layers share (made again when None, in the backward); `seed`: the dropout mask's
-        (`weights_dropout_seed`)."""
-        batch_size = positions.shape[0]
-        window = store.window(group, step)
-        distance = positions[:, None] - window[2]  # (B, W)
-        bias, relative = prepared if prepared is not None else (None, None)
-        if bias is None:
-            bias = self._memory_bias(None, window, positions).expand(batch_size, self.num_heads, -1).flatten(0, 1)
-        scale = self.head_dim**-0.5
-        heads_query = query.view(batch_size, -1, self.head_dim)
-        if table is not None:  # the official position term q_t · p_{t−i} / √d
-            if relative is None:
-                relative = relative_position_index(distance[:, None], self.memory_span)
-            bias = bias + relative_position_scores(table, heads_query, relative).flatten(0, 1) * scale
-        if self.read_windows is not None:  # the adaptive span's trimmed window: memories 1..n steps back
-            outside = (distance > self.read_windows[layer_idx])[:, None].expand(-1, self.num_heads, -1)
-            bias = bias.masked_fill(outside.flatten(0, 1), -math.inf)
-        attention = self.layers[layer_idx].attention
-        transform = self._attention_weights_transform(attention, window, positions, span_ratio, seed)
-
-        def gradients(grad_bias, grad_mask, needs_table: bool, needs_span_ratio: bool):
-            grad_query = grad_table = grad_span_ratio = None
-            if table is not None:
-                grad_scores = grad_bias.view(batch_size, self.num_heads, -1) * scale
-                grad_query, grad_table = relative_position_scores_backward(table, heads_query, relative, grad_scores,
-                                                                           needs_table)  # fmt: skip
-                grad_query = grad_query.flatten(0, 1)
-            if grad_mask is not None and needs_span_ratio:
-                grad_span_ratio = adaptive_span_mask_backward(
-                    span_ratio, distance, self.memory_span, self.config.adaptive_span_ramp,
-                    grad_mask.view(batch_size, self.num_heads, -1),
-                )  # fmt: skip
-            return grad_query, grad_table, grad_span_ratio
-
-        return bias.to(query.dtype), transform, gradients
-
-    def read_bias(self, layer_idx: int, store, group: int, step: int, positions: torch.Tensor, query: torch.Tensor):
-        """The bias (B·H, W) that layer `layer_idx`'s read at step `step` added to its scores, built again as `step`
-        builds it (the visibility, the relative bias or the learned relative positions q_t · p_{t−i} / √d, the
-        trimmed window): the hand-written backward keeps a step's query, not its weights over the window."""
-        if self.shared_bias and not self.default_step:
-            return self._score_terms(layer_idx, store, group, step, positions, query, self.relative_positions, None)[0]
-        window = store.window(group, step)
-        bias = self._memory_bias(None if self.shared_bias else self.layers[layer_idx], window, positions)
-        bias = bias.expand(positions.shape[0], self.num_heads, -1).flatten(0, 1)
-        if not self.default_step and self.read_windows is not None:  # the adaptive span's trimmed window
-            outside = (positions[:, None] - window[2] > self.read_windows[layer_idx])[:, None]
-            bias = bias.masked_fill(outside.expand(-1, self.num_heads, -1).flatten(0, 1), -math.inf)
-        return bias.to(query.dtype)
-
     def _project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (G, ..., H·d) of memories (..., D): with the shared projections once, else with each
         layer's own projections, or the shared ones after each layer's own input norm (`memory_normalization=
@@ -823,51 +678,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             values.append(self._linear(projections.v_proj, source))
         return torch.stack(keys), torch.stack(values)
 
-    def weights_dropout_seed(self, layer_idx: int, step: int, base: int | None = None) -> int | None:
-        """The seed of layer `layer_idx`'s dropout mask on the attention weights at step `step` of this forward, or of
-        the forward whose `dropout_base_seed` was `base` (None outside a forward that drops the weights)."""
-        base = self.dropout_base_seed if base is None else base
-        return None if base is None else base + step * len(self.layers) + layer_idx
-
-    def _attention_weights_transform(self, attention: FeedbackAttention, window, positions, span_ratio=None,
-                                     seed: int | None = None):  # fmt: skip
-        """What the official code does to the softmax weights (B·H, W) before reading the values, as a
-        `WeightsTransform`, or None: the adaptive span's mask and renormalisation (Sukhbaatar et al., 2019), then
-        dropout (its mask drawn from `seed`)."""
-        adaptive = hasattr(attention, "span_ratio")
-        dropout = not self.attention_dropout_on_context and self.training and attention.dropout.p > 0
-        if not adaptive and not dropout:
-            return None
-        mask = None
-        if adaptive:
-            _, _, slot_positions, _ = window
-            distance = positions[:, None] - slot_positions  # (B, W)
-            span_ratio = attention.span_ratio if span_ratio is None else span_ratio
-            mask = adaptive_span_mask(span_ratio, distance, self.memory_span, self.config.adaptive_span_ramp)
-            mask = mask.flatten(0, 1)  # (B·H, W)
-        return WeightsTransform(mask, self.config.renormalization_epsilon, attention.dropout.p if dropout else 0.0,
-                                seed if dropout else None)  # fmt: skip
-
     def _projections(self) -> tuple:
         """(W_k, W_v) of each key/value set: one pair shared by the layers, or one per layer."""
         if self.share_key_value:
             return ((self.k_proj.weight, self.v_proj.weight),)
         return tuple((layer.attention.k_proj.weight, layer.attention.v_proj.weight) for layer in self.layers)
-
-    def compiled_step_applies(self, inputs_embeds: torch.Tensor) -> bool:
-        """Whether `step` runs compiled (`config.compile_step`): without autograd (inference, and the training
-        forward of the hand-written backward), without active dropout, and only for the model's plain modules without
-        hooks (`through_time.covers`), where a compiler is present; otherwise the eager step runs."""
-        if not self.config.compile_step or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return False  # (while the whole step is being compiled, its pieces are not compiled apart)
-        if self.training and any(
-            layer.dropout.p > 0 or layer.attention.dropout.p > 0 for layer in self.layers
-        ):  # fmt: skip
-            return False
-        if not compiler_available(inputs_embeds.device.type):
-            warn_no_compiler(inputs_embeds.device.type)
-            return False
-        return self.default_step and covers(self, inputs_embeds, keep_states=False)
 
     def forward(
         self,
@@ -948,7 +763,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         self.projects_carried_memory = renews and length == 1
         first_positions = cache.next_positions.clone() if renews and length > 1 else None
 
-        # One base seed per training forward for the dropout masks on the attention weights (`weights_dropout_seed`).
+        # One base seed per training forward for the dropout masks on the attention weights
+        # (`scores.weights_dropout_seed`).
         drops_weights = not self.attention_dropout_on_context and any(
             layer.attention.dropout.p > 0 for layer in self.layers
         )  # fmt: skip

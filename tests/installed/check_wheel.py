@@ -15,7 +15,10 @@
    commands of docs/guides/tasks.md (make_dataset.py for every task, train_task.py for every memlm model,
    plot-memory).
 
-Every step checks exit codes and outputs; the first failure stops the run with what went wrong.
+The core checks, the presets and the task commands run side by side, two processes at a time (each process is
+short and mostly single-threaded). pip compiles the packages' bytecode as it installs them, as it does for users
+(with PYTHONDONTWRITEBYTECODE set, as on CI, a process would otherwise compile torch's Python sources again each time
+it starts). Every step checks exit codes and outputs; the first failure stops the run with what went wrong.
 """
 
 import argparse
@@ -30,8 +33,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,19 +61,20 @@ class CheckFailed(Exception):
 
 
 PASSED = [0]  # checks passed so far, for the closing line
+COUNTING = threading.Lock()  # the checks run in two threads
 
 
 def check(condition: bool, message: str) -> None:
     if not condition:
         raise CheckFailed(message)
-    PASSED[0] += 1
+    with COUNTING:
+        PASSED[0] += 1
 
 
 def run(command: list, *, cwd: Path, env: dict, timeout: int = 900, succeed: bool = True) -> str:
     """Run `command`; return stdout + stderr. Fail unless its exit code is 0 (or, with succeed=False, non-zero)."""
     started = time.monotonic()
     shown = " ".join(shlex.quote(str(part)) for part in command)
-    print(f"$ {shown}", flush=True)
     result = subprocess.run(
         [str(part) for part in command],
         cwd=cwd,
@@ -79,7 +85,8 @@ def run(command: list, *, cwd: Path, env: dict, timeout: int = 900, succeed: boo
         timeout=timeout,
     )
     output = result.stdout + result.stderr
-    print(f"  exit {result.returncode} after {time.monotonic() - started:.1f} s", flush=True)
+    # One print for the command and its exit: the checks run in two threads.
+    print(f"$ {shown}\n  exit {result.returncode} after {time.monotonic() - started:.1f} s", flush=True)
     if (result.returncode == 0) != succeed:
         expected = "to succeed" if succeed else "to fail"
         raise CheckFailed(f"expected {shown} {expected}, it exited {result.returncode}:\n{output[-4000:]}")
@@ -88,7 +95,7 @@ def run(command: list, *, cwd: Path, env: dict, timeout: int = 900, succeed: boo
 
 def requirements_stamp(python: str) -> str:
     """What the environments depend on: the packaging files, the torch pin and the interpreter."""
-    digest = hashlib.sha256(TORCH.encode())
+    digest = hashlib.sha256(TORCH.encode() + b" bytecode compiled")
     for name in ("setup.cfg", "pyproject.toml"):
         digest.update((ROOT / name).read_bytes())
     version = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True)
@@ -149,12 +156,12 @@ def prepare_environments(python: str, work: Path, wheel: Path, env: dict) -> tup
         for venv in (core, train):
             shutil.rmtree(venv, ignore_errors=True)
             run([python, "-m", "venv", "--without-pip", venv], cwd=work, env=env)
-        run([*pip(core), "install", "--quiet", "--no-compile", TORCH], cwd=work, env=env)
-        run([*pip(core), "install", "--quiet", "--no-compile", wheel], cwd=work, env=env)
+        run([*pip(core), "install", "--quiet", TORCH], cwd=work, env=env)
+        run([*pip(core), "install", "--quiet", wheel], cwd=work, env=env)
         # `train` sees core's packages (torch among them) after its own, so pip adds only what the extra needs.
         (site_packages(train) / "memlm_core.pth").write_text(f"{site_packages(core)}\n")
         run([*pip(train), "install", "--quiet", "--no-deps", "--force-reinstall", wheel], cwd=work, env=env)
-        run([*pip(train), "install", "--quiet", "--no-compile", f"memlm[train] @ {wheel.as_uri()}"],
+        run([*pip(train), "install", "--quiet", f"memlm[train] @ {wheel.as_uri()}"],
             cwd=work, env=env)  # fmt: skip
         stamp.write_text(wanted)
     else:  # same requirements: only memlm itself changed
@@ -316,8 +323,8 @@ def check_core(core: Path, folder: Path, env: dict) -> None:
     check("custom code" not in output, f"memlm generate asked about custom code:\n{output[-2000:]}")
 
 
-def check_training(train: Path, folder: Path, env: dict) -> None:
-    python, memlm = train / "bin/python", train / "bin/memlm"
+def check_presets(train: Path, folder: Path, env: dict) -> None:
+    memlm = train / "bin/memlm"
     for preset, (model_type, modeling_file) in PRESETS.items():
         output_dir = folder / "runs" / preset
         run([memlm, "train", "--preset", preset, "--output-dir", output_dir, *TRAIN_OPTIONS], cwd=folder, env=env)
@@ -336,6 +343,9 @@ def check_training(train: Path, folder: Path, env: dict) -> None:
         output = run([memlm, "generate", output_dir, "--prompt", "def ", "--max-new-tokens", "8"], cwd=folder, env=env)
         check(output.startswith("def "), f"memlm generate printed:\n{output[-2000:]}")
 
+
+def check_tasks(train: Path, folder: Path, env: dict) -> None:
+    python, memlm = train / "bin/python", train / "bin/memlm"
     # The synthetic-task commands of the tasks guide, with fewer examples and steps.
     commands = readme_block("From the command line", "bash", "docs/guides/tasks.md").replace("\\\n", " ")
     commands = [shlex.split(line) for line in commands.splitlines() if line.strip()]
@@ -385,8 +395,14 @@ def main() -> None:
         core, train = prepare_environments(arguments.python, work, wheel, env)
         with tempfile.TemporaryDirectory(prefix="memlm-wheel-") as empty:
             env["HF_HOME"] = str(Path(empty) / "huggingface")
-            check_core(core, Path(empty), {**env, "PATH": f"{core / 'bin'}{os.pathsep}{env['PATH']}"})
-            check_training(train, Path(empty), {**env, "PATH": f"{train / 'bin'}{os.pathsep}{env['PATH']}"})
+            core_env = {**env, "PATH": f"{core / 'bin'}{os.pathsep}{env['PATH']}"}
+            train_env = {**env, "PATH": f"{train / 'bin'}{os.pathsep}{env['PATH']}"}
+            with ThreadPoolExecutor(2) as pool:  # each writes its own files in the folder
+                checks = [pool.submit(check_presets, train, Path(empty), train_env),
+                          pool.submit(check_core, core, Path(empty), core_env),
+                          pool.submit(check_tasks, train, Path(empty), train_env)]  # fmt: skip
+                for done in checks:
+                    done.result()  # the first failure, raised here
     except CheckFailed as failure:
         print(f"wheel check FAILED: {failure}", flush=True)
         print(f"wheel: {PASSED[0]} passed, 1 failed", flush=True)

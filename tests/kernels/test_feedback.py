@@ -13,6 +13,7 @@ from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import activation_checkpointing_enable
 from memlm.kernels.feedback import feedback_recurrence, through_time
 from memlm.kernels.feedback.tape import _RingStore
+from memlm.kernels.feedback.through_time import compiled_step_applies
 from memlm.modeling.modeling_feedback_transformer import FeedbackCacheLayer
 from tests.modeling.padding import padding_mask
 from tests.modeling.test_modeling_feedback_transformer import TINY, VARIANTS
@@ -301,22 +302,20 @@ def test_compiled_step_only_where_it_computes_what_the_eager_step_does(monkeypat
     model = _model(compile_step=True).model
     embeddings = torch.zeros(1, 2, 32)
     with torch.no_grad():
-        assert model.compiled_step_applies(embeddings)
+        assert compiled_step_applies(model, embeddings)
         model.config.compile_step = False
-        assert not model.compiled_step_applies(embeddings)
+        assert not compiled_step_applies(model, embeddings)
         model.config.compile_step = True
         handle = model.layers[0].mlp.register_forward_hook(lambda module, inputs, output: output)
-        assert not model.compiled_step_applies(embeddings)
+        assert not compiled_step_applies(model, embeddings)
         handle.remove()
         model.layers[1].dropout.p = 0.1
-        assert model.compiled_step_applies(embeddings)  # dropout is off in eval
-        assert not model.train().compiled_step_applies(embeddings)
+        assert compiled_step_applies(model, embeddings)  # dropout is off in eval
+        assert not compiled_step_applies(model.train(), embeddings)
         model.layers[1].dropout.p = 0.0
-        assert model.compiled_step_applies(embeddings)
-        from memlm.modeling import modeling_feedback_transformer
-
-        monkeypatch.setattr(modeling_feedback_transformer, "compiler_available", lambda device_type: False)
+        assert compiled_step_applies(model, embeddings)
+        monkeypatch.setattr(through_time, "compiler_available", lambda device_type: False)
         with caplog.at_level("WARNING"):
-            assert not model.compiled_step_applies(embeddings)
+            assert not compiled_step_applies(model, embeddings)
         assert "has no compiler for cpu" in caplog.text
-    assert not model.compiled_step_applies(embeddings)  # autograd: the eager step
+    assert not compiled_step_applies(model, embeddings)  # autograd: the eager step

@@ -17,7 +17,7 @@ import memlm.kernels.feedback as feedback_kernels
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import activation_checkpointing_enable
 from memlm.kernels.feedback import through_time
-from memlm.kernels.feedback.through_time import DeferredWeightGradients, covers
+from memlm.kernels.feedback.through_time import DeferredWeightGradients, compiled_step_applies, covers
 from memlm.modeling.memory import weights_version
 from tests.modeling.padding import LAYOUTS as PADDING_LAYOUTS
 from tests.modeling.padding import check_rows_alone, padding_mask
@@ -217,7 +217,7 @@ def test_the_hand_written_backward_covers_every_layout():
         assert not covers(body, embeddings, keep_states=True), layout
         assert not covers(body, embeddings.to(torch.bfloat16), keep_states=False), layout  # float32 and float64
         body.config.compile_step = True
-        assert not body.compiled_step_applies(embeddings), layout
+        assert not compiled_step_applies(body, embeddings), layout
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -262,7 +262,7 @@ def test_the_adaptive_span_mask_its_loss_and_where_the_loss_goes():
     with torch.no_grad():
         layer_ratios[0].copy_(torch.tensor([0.0, 0.5]))
     # m(d) = clamp((1 − d + z·τ)/R + 1, 0, 1): z = 0 sees d = 1 fully and d = 2 at one half; z = 0.5 (span 2.5)
-    from memlm.modeling.modeling_feedback_transformer import adaptive_span_mask
+    from memlm.kernels.feedback.reference import adaptive_span_mask
 
     mask = adaptive_span_mask(layer_ratios[0], torch.tensor([[1, 2, 3, 4, 5]]), 5, 2.0)
     torch.testing.assert_close(mask[0], torch.tensor([[1, 0.5, 0, 0, 0], [1, 1, 1, 0.75, 0.25]], dtype=torch.float64))

@@ -11,6 +11,7 @@ from transformers import AutoConfig, DynamicCache, pipeline
 
 from memlm import FeedbackCache, FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import activation_checkpointing_enable
+from memlm.kernels.feedback.scores import memory_bias
 from tests.modeling.padding import LAYOUTS, check_rows_alone, padding_mask
 
 TINY = {
@@ -193,7 +194,7 @@ def test_memory_span_bounds_what_is_attended():
     layer = model.model.layers[0]
     slot_positions = torch.arange(10)[None]
     window = (None, None, slot_positions, torch.ones(1, 10, dtype=torch.bool))
-    bias = model.model._memory_bias(layer, window, torch.tensor([10]))
+    bias = memory_bias(model.model, layer, window, torch.tensor([10]))
     assert torch.isfinite(bias[0, 0]).tolist() == [False] * 7 + [True] * 3  # only m_7, m_8, m_9
     cache = model(torch.randint(0, 256, (1, 20)), use_cache=True).cache
     assert cache.layers[0].keys.shape[2] == 3 and sorted(cache.layers[0].positions[0].tolist()) == [17, 18, 19]

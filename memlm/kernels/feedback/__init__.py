@@ -15,7 +15,8 @@ validates its inputs and dispatches on the backend (see :func:`memlm.kernels.res
   weights: the model's `needs_tape`) run on the ring without gradients but for a trimmed adaptive span (whose window
   is shorter), which runs on the tape.
 
-The step itself (layers, memory mix, projections) is the model's: `model.step`, in `modeling_feedback_transformer.py`;
+The step itself (layers, memory mix, projections) is the model's: `model.step`, in `modeling_feedback_transformer.py`,
+with what it adds to its attention scores in `scores.py`;
 with the config's `compile_step`, its pure functions run through `torch.compile` where no autograd is needed
 (`compiled.py`).
 """
@@ -26,7 +27,7 @@ from memlm.kernels import resolve_backend
 
 from .reference import feedback_recurrence_reference
 from .tape import ProjectedSet, _RingStore, _Tape, stacked_memories
-from .through_time import DeferredWeightGradients, _ThroughTime, covers, recurrent_parameters
+from .through_time import DeferredWeightGradients, _ThroughTime, compiled_step_applies, covers, recurrent_parameters
 
 __all__ = ["feedback_recurrence", "feedback_recurrence_reference"]
 
@@ -156,7 +157,7 @@ def feedback_recurrence(
 def _step_loop(model, inputs_embeds, positions, valid, store, keep_states: bool, leaves_window: bool):
     """`model.step` over the positions, with autograd where gradients are needed."""
     outputs, all_states = [], []
-    compiled = model.compiled_step_applies(inputs_embeds)  # `compile_step`, without autograd
+    compiled = compiled_step_applies(model, inputs_embeds)  # `compile_step`, without autograd
     # unbind once: indexing step by step would give each step's gradient the size of the whole input.
     for step, (embeddings, step_positions, step_valid) in enumerate(
         zip(inputs_embeds.unbind(1), positions.unbind(1), valid.unbind(1))

@@ -45,6 +45,36 @@ def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tenso
     return weights.masked_fill_(bias.amax(-1, keepdim=True) == float("-inf"), 0.0)  # its softmax was 0/0
 
 
+def undo_ring_writes(layer, rollback) -> None:
+    """Roll a cache layer's ring back (`FeedbackCacheLayer.roll_back`, `rollback` a `memory.Rollback`): write back what
+    the removed tokens' steps overwrote (`undo_steps`, which `_RingStore.write` fills), newest first, then give the ring
+    the slots a forward over the kept tokens would have left (it may have grown for the removed ones)."""
+    rows = torch.arange(layer.keys.shape[0], device=layer.keys.device)
+    for index in range(len(layer.recorded) - 1, rollback.forward - 1, -1):
+        forward, steps = rollback.forwards[index], layer.recorded[index].undo_steps
+        removed = forward.length
+        if index == rollback.forward:  # a row's removed real tokens are its last steps (padding runs first)
+            real = forward.valid[:, rollback.kept :].sum(1) if forward.valid is not None else None
+            removed = forward.length - rollback.kept if real is None else real.to(rows.device)
+        for step in range(len(steps) - 1, -1, -1):
+            undone = torch.as_tensor(step >= len(steps) - removed, device=rows.device).expand(rows.shape[0])
+            if not bool(undone.any()):
+                break
+            slots, keys, values, positions, valid = steps[step]
+            layer.keys[rows, :, slots] = torch.where(undone[:, None, None], keys, layer.keys[rows, :, slots])
+            layer.values[rows, :, slots] = torch.where(undone[:, None, None], values, layer.values[rows, :, slots])
+            layer.positions[rows, slots] = torch.where(undone, positions, layer.positions[rows, slots])
+            layer.valid[rows, slots] = torch.where(undone, valid, layer.valid[rows, slots])
+    record = layer.recorded[rollback.forward]
+    width = record.ring_width
+    if rollback.kept:
+        needed = min(record.memory_span, max(int(rollback.next_positions.max()), 1))
+        width = ring_slots(width, needed, record.memory_span)
+    if width is not None and width < layer.keys.shape[2]:
+        layer.keys, layer.values = layer.keys[:, :, :width].clone(), layer.values[:, :, :width].clone()
+        layer.positions, layer.valid = layer.positions[:, :width].clone(), layer.valid[:, :width].clone()
+
+
 class _RingStore:
     """The memory when no gradient is needed: up to τ slots per row, slot = position mod τ, written in place. The
     cache's own buffers, so decoding a token costs O(τ) whatever the context length, with no copying; the ring holds

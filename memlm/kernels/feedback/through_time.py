@@ -16,7 +16,9 @@ import weakref
 
 import torch
 
+from .compiled import compiler_available, warn_no_compiler
 from .reference import WeightsTransform, adaptive_span_mask, adaptive_span_mask_backward
+from .scores import read_bias, weights_dropout_seed
 from .tape import attention_weights, renormalizer, transform_backward
 
 
@@ -70,6 +72,20 @@ def covers(model, inputs_embeds: torch.Tensor, keep_states: bool) -> bool:
     return not keep_states and plain_step(model, inputs_embeds)
 
 
+def compiled_step_applies(model, inputs_embeds: torch.Tensor) -> bool:
+    """Whether `model.step` runs compiled (`config.compile_step`): without autograd (inference, and the training
+    forward of the hand-written backward), without active dropout, and only for the model's plain modules without
+    hooks (`covers`), where a compiler is present; otherwise the eager step runs."""
+    if not model.config.compile_step or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False  # (while the whole step is being compiled, its pieces are not compiled apart)
+    if model.training and any(layer.dropout.p > 0 or layer.attention.dropout.p > 0 for layer in model.layers):
+        return False
+    if not compiler_available(inputs_embeds.device.type):
+        warn_no_compiler(inputs_embeds.device.type)
+        return False
+    return model.default_step and covers(model, inputs_embeds, keep_states=False)
+
+
 class Recording:
     """What the hand-written backward needs from a training forward run without autograd, by (layer, step): the
     layer's input, rotated query, attention weights, context, the residual after attention, the MLP's gate and up
@@ -98,7 +114,7 @@ class Recording:
         # The softmax weights over the window (H × W per row, layer and step) are kept while they are no larger than
         # what the step keeps anyway (its input, query, context and residual, and the MLP's projection: about
         # 4·D + I per row); over longer windows the backward builds them again from the query, the keys and the bias
-        # (`FeedbackTransformerModel.read_bias`), so that training memory grows with tokens × hidden size, not
+        # (`scores.read_bias`), so that training memory grows with tokens × hidden size, not
         # tokens × window. (Building them again costs about a tenth of a training step at small windows.)
         self.weights_budget = 4 * config.hidden_size + config.intermediate_size
         self.mixtures, self.stacks, self.memories, self.rotations = {}, {}, {}, {}
@@ -431,7 +447,7 @@ class _ThroughTime(torch.autograd.Function):
     def forward(ctx, model, store, inputs_embeds, positions, valid, prefix_keys, prefix_values, projected, names,
                 *parameters):  # fmt: skip
         record = Recording(model)
-        compiled = model.compiled_step_applies(inputs_embeds)  # `compile_step` (autograd is off in here)
+        compiled = compiled_step_applies(model, inputs_embeds)  # `compile_step` (autograd is off in here)
         outputs = [
             model.step(embeddings, step_positions, step_valid, store, step, record, compiled)[0]
             for step, (embeddings, step_positions, step_valid) in enumerate(
@@ -674,12 +690,12 @@ def _backward_through_time(model, store, record, positions, grad_outputs, needed
                 values = store.values[group, :, :, start:end].flatten(0, 1)
                 weights = record.weights.get(key)
                 if weights is None:  # the step's weights, as its read computed them
-                    bias = model.read_bias(index, store, group, step, positions[:, step], query)
+                    bias = read_bias(model, index, store, group, step, positions[:, step], query)
                     weights = attention_weights(query, keys, bias)
                 grad_weights = torch.bmm(grad_context.unsqueeze(1), values.transpose(1, 2)).squeeze(1)
                 span_ratio, kept = getattr(attention, "span_ratio", None), record.kept.get(key)
                 if kept is None and record.dropout_base_seed is not None and attention.dropout.p > 0:
-                    seed = model.weights_dropout_seed(index, step, record.dropout_base_seed)  # as the step drew it
+                    seed = weights_dropout_seed(model, index, step, record.dropout_base_seed)  # as the step drew it
                     kept = WeightsTransform(None, 0.0, attention.dropout.p, seed).dropout_mask(weights)
                 if span_ratio is None and kept is None:
                     read, grad_scores = weights, torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
