@@ -228,11 +228,13 @@ def _product_kernel(left, right, output, rows, ROWS: tl.constexpr, INNER: tl.con
     )
 
 
-def _product(size, rows, dtype=torch.float16):
-    left = torch.randn(size, size, dtype=dtype, device="cuda")
-    right = torch.randn(size, size, dtype=dtype, device="cuda")
+def _product(size, rows, dtype=torch.float16, inner=None):
+    """A (size × inner) @ (inner × size) product in one tile (inner: size when None)."""
+    inner = size if inner is None else inner
+    left = torch.randn(size, inner, dtype=dtype, device="cuda")
+    right = torch.randn(inner, size, dtype=dtype, device="cuda")
     output = torch.zeros(size, size, dtype=dtype, device="cuda")
-    _product_kernel[(1,)](left, right, output, rows, ROWS=size, INNER=size, COLUMNS=size, num_warps=4)
+    _product_kernel[(1,)](left, right, output, rows, ROWS=size, INNER=inner, COLUMNS=size, num_warps=4)
     return left, right, output
 
 
@@ -254,7 +256,9 @@ def test_compiling_reports_shared_memory_over_the_limit_and_finds_tensor_cores()
     for target in SHARED_MEMORY_LIMITS:
         with record_launches(execute=False, target=target) as recorder:
             _product(64, rows=64)
-            _product(256, rows=256)  # two 256 × 256 fp16 operand tiles: 256 KB of shared memory
+            # fp16 operand tiles of 64 × 1024 and 1024 × 64: 256 KB of shared memory (a small accumulator, so that
+            # ptxas compiles it in seconds)
+            _product(64, rows=64, inner=1024)
         launches[target] = recorder.launches
     everything = [launch for recorded in launches.values() for launch in recorded]
     results = compile_launches(everything, jobs=2)
