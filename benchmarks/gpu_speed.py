@@ -570,7 +570,15 @@ def main(argv=None):
                         help="measure nothing: rewrite the speed page's GPU section from a gpu-check report "
                              "(a missing file: the section says not measured)")  # fmt: skip
     parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
+    parser.add_argument("--show", default=None, metavar="GPU_CHECK_JSON",
+                        help="measure nothing: print the section a gpu-check report gives (what make gpu-check ends "
+                             "with)")  # fmt: skip
     arguments = parser.parse_args(argv)
+    if arguments.show:
+        with open(arguments.show, encoding="utf-8") as file:
+            results = json.load(file)
+        print(docs_section(results))
+        return results
     if arguments.report:
         results = None
         if os.path.exists(arguments.report):

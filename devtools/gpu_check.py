@@ -41,7 +41,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: devtools/ and benchmarks/ from the repository's root
+if str(ROOT) not in sys.path:  # run as a script: devtools/ from the repository's root
     sys.path.insert(0, str(ROOT))
 
 SCHEMA = "memlm-gpu-check/1"
@@ -452,9 +452,8 @@ def _progress(stage: StageResult) -> None:
 
 
 def summary(report: dict) -> str:
-    """What the check found, for the end of its output: the tests that did not pass and the speed tables."""
-    from benchmarks.gpu_speed import docs_section
-
+    """What the check found, for the end of its output: the tests that did not pass (the speed tables follow, printed
+    by `benchmarks/gpu_speed.py --show`, see `main`)."""
     counts = report["tests"]["counts"]
     lines = [f"gpu-check: tests {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
              f"{counts['skipped']} skipped; {report['seconds']:.0f} s"]  # fmt: skip
@@ -464,8 +463,6 @@ def summary(report: dict) -> str:
             lines.append(f"  {case['outcome']}: {case['test']}: {last[:300]}")
     if report["error"]:
         lines.append("gpu-check: the check stopped: " + report["error"].strip().splitlines()[-1])
-    if not report_problems(report):
-        lines.append(docs_section(report))
     return "\n".join(lines)
 
 
@@ -484,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     out = arguments.out or default_out()
     report = run_check(arguments.wheels.resolve(), out.resolve())
     print(summary(report), flush=True)
+    if not report_problems(report):  # the speed tables, as the speed page will show them
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_speed.py"), "--show", str(out / REPORT_NAME)])
     print(f"gpu-check: wrote {out / REPORT_NAME} and {out / LOG_NAME}")
     passed = all(stage["status"] == "passed" for stage in report["stages"]) and len(report["stages"]) == len(STAGES)
     return 0 if passed and not report["error"] else 1

@@ -57,3 +57,18 @@ def test_no_module_of_memlm_imports_itself_back():
                     seen.add(target)
                     stack.append((target, [*route, target]))
     assert not circles, "import circles:\n" + "\n".join(sorted(set(circles), key=len)[:20])
+
+
+def test_the_tooling_below_imports_nothing_from_above():
+    """The layers outside the package read top-down too: `benchmarks/` and the scripts sit above `devtools/` and
+    `memlm/`, so neither imports from `benchmarks/` or `training/` (devtools runs a benchmark as a command)."""
+    above = {"benchmarks", "training"}
+    upward = []
+    for folder in ("devtools", "memlm"):
+        for path in sorted((ROOT.parent / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                upward += [f"{path.relative_to(ROOT.parent)}: {name}" for name in names if name.split(".")[0] in above]
+    assert not upward, "imports from above:\n" + "\n".join(upward)

@@ -80,3 +80,11 @@ def test_a_model_measurement_runs_on_a_tiny_model(model, measure, monkeypatch):
     result = gpu_speed._measure_model("deltanet", model, "torch", False, measure, TINY, 2, 12, 2, CPU, torch.float32)
     assert result["tokens_per_second"] > 0 and result["parameters"] > 70_000
     assert gpu_speed.os.environ["MEMLM_KERNELS"] == "reference"  # the backend it forced is given back
+
+
+def test_show_prints_the_section_of_a_report(tmp_path, capsys):
+    """What `make gpu-check` ends with (devtools/gpu_check.py runs the command, importing nothing from benchmarks/)."""
+    saved = tmp_path / "gpu_check.json"
+    saved.write_text(json.dumps(sample_report()))
+    gpu_speed.main(["--show", str(saved)])
+    assert capsys.readouterr().out == gpu_speed.docs_section(sample_report()) + "\n"
