@@ -199,10 +199,6 @@ def _named(rows: list[dict], key: str) -> list[dict]:
     return [{**row, "name": NAMES[row[key]]} for row in rows]
 
 
-REPORT_SECTION = "compiled_decoding"
-REPORT_COMMAND = "python benchmarks/compiled_decoding.py --report benchmarks/results/compiled_decoding.json"
-
-
 def docs_section(results: dict) -> str:
     """The compiled decoding section of docs/performance/speed.md, from one full run's results."""
     settings = results["settings"]
@@ -225,48 +221,47 @@ def docs_section(results: dict) -> str:
     )
 
 
+SECTION = report.Section(
+    "compiled_decoding",
+    "python benchmarks/compiled_decoding.py --report benchmarks/results/compiled_decoding.json",
+    docs_section,
+)
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = report.arguments(__doc__, repeats=5, section=SECTION,
+                              quick="tiny sizes, the eager backend, one repeat: a run that checks the script")  # fmt: skip
     parser.add_argument("--context", type=int, default=64, help="prompt before the timed decoding")
     parser.add_argument("--decode-steps", type=int, default=64, help="new tokens per timed generate call")
     parser.add_argument("--compile-context", type=int, default=16, help="prompt of the whole-forward compile")
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backend", default="inductor", help="the torch.compile backend")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, the eager backend, one repeat: a smoke run")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--write-docs", action="store_true", help="rewrite the section of the speed page")
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON", help="rewrite the section from a saved run")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one first compile, in a child process
-    arguments = parser.parse_args(argv)
-    if arguments.quick:
-        arguments.context, arguments.decode_steps, arguments.compile_context, arguments.repeats = 8, 12, 4, 1
-        arguments.backend = "eager"
-    return arguments
+    quick = {"context": 8, "decode_steps": 12, "compile_context": 4, "repeats": 1, "backend": "eager"}
+    return report.parse(parser, argv, quick)
 
 
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if args.measure:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         print(json.dumps(first_compile_seconds(**json.loads(args.measure))))
         return {}
-    if args.report:
-        return report.rewrite_from_saved_run(args.report, REPORT_SECTION, REPORT_COMMAND, docs_section)
+    saved = report.saved_run(args, SECTION)
+    if saved is not None:
+        return saved
     import memlm  # noqa: F401  (registers memlm's classes)
 
     sizes = QUICK_SIZES if args.quick else SIZES
     settings = {
         key: getattr(args, key) for key in ("context", "decode_steps", "compile_context", "repeats", "backend")
     }
-    results = {"settings": {**settings, "quick": args.quick, **report.machine()}}
+    results = {"settings": {**settings, "quick": args.quick, **report.start(args)}}
     results["first_compile"] = measure_first_compiles(args, sizes)
     results["decoding"] = measure_decoding(args, sizes)
     report.print_table("Greedy decoding, eager and compiled", DECODING_COLUMNS, _named(results["decoding"], "model"))
     report.print_table("First compile (seconds)", COMPILE_COLUMNS, _named(results["first_compile"], "family"))
-    report.keep_run(results, args.json, args.write_docs, REPORT_SECTION, REPORT_COMMAND, docs_section)
-    return results
+    return report.finish(results, args, SECTION)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,6 @@ docs/performance/speed.md from the results (see ``report.py``).
 """
 
 import argparse
-import json
-import platform
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -70,18 +66,6 @@ QUICK_SIZES = {
 VOCAB_SIZE = 258  # bytes and two special tokens, as memlm's byte-level runs use
 
 
-def median_time(function, warmup: int, repeats: int) -> float:
-    """Median wall-clock seconds of ``function()`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def make_inputs(batch_size: int, num_heads: int, length: int, head_dim: int, requires_grad: bool, seed: int = 0):
     """Query, key, value (B, H, T, D) and beta (B, H, T) as a DeltaNet layer produces them: L2-normalised
     queries and keys (queries also scaled by D^-1/2), β in (0, 1)."""
@@ -104,7 +88,9 @@ def delta_rule_training_time(backend: str, length: int, args) -> float:
         output.backward(grad_output)
 
     slow = backend == "reference"
-    return median_time(step, warmup=1 if slow else args.warmup, repeats=min(args.repeats, 3) if slow else args.repeats)
+    return report.median_seconds(
+        step, warmup=1 if slow else args.warmup, repeats=min(args.repeats, 3) if slow else args.repeats
+    )
 
 
 def attention_training_time(length: int, args) -> float:
@@ -115,7 +101,7 @@ def attention_training_time(length: int, args) -> float:
     def step():
         F.scaled_dot_product_attention(query, key, value, is_causal=True).backward(grad_output)
 
-    return median_time(step, warmup=max(1, args.warmup // 2), repeats=max(3, args.repeats // 2))
+    return report.median_seconds(step, warmup=max(1, args.warmup // 2), repeats=max(3, args.repeats // 2))
 
 
 def delta_rule_forward_time_per_token(length: int, args) -> float:
@@ -126,7 +112,9 @@ def delta_rule_forward_time_per_token(length: int, args) -> float:
         with torch.no_grad():
             delta_rule(query, key, value, beta, chunk_size=args.chunk_size, backend="torch")
 
-    return median_time(step, warmup=args.warmup, repeats=args.repeats) / (args.batch_size * args.num_heads * length)
+    return report.median_seconds(step, warmup=args.warmup, repeats=args.repeats) / (
+        args.batch_size * args.num_heads * length
+    )
 
 
 def training_table(args) -> list[dict]:
@@ -293,13 +281,13 @@ def decode_table(args) -> list[dict]:
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = report.arguments(__doc__, repeats=7, section=SECTION,
+                              quick="short sequences and contexts, fewer repeats")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--reference-max-length", type=int, default=2048, help="longest T at which the slow reference is timed"
     )
@@ -321,13 +309,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         default=("kernel", "decode", "models"),
         help="which tables to measure: the delta rule op (1, 2), DeltaNet's decode (3), the model comparison (4)",
     )
-    parser.add_argument("--quick", action="store_true", help="short sequences and contexts, fewer repeats")
-    parser.add_argument("--json", type=str, default=None, help="also write the results to this JSON file")
-    parser.add_argument("--write-docs", action="store_true", help="rewrite the DeltaNet section of the speed page")
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
-                        help="measure nothing: rewrite the speed page's DeltaNet section from a saved run's JSON")  # fmt: skip
-    parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = report.parse(parser, argv)
     sizes = {
         "training_lengths": TRAINING_LENGTHS,
         "forward_lengths": FORWARD_LENGTHS,
@@ -377,14 +359,15 @@ def print_model_tables(parameters: dict, training_rows: list[dict], decode_rows:
     )
 
 
-REPORT_SECTION = "delta_rule"
-REPORT_COMMAND = "python benchmarks/delta_rule.py --report benchmarks/results/delta_rule.json"
 # Issue 22's goals for the model table: DeltaNet / Llama training tokens/s at T = 2K and 8K.
 TRAINING_GOALS = {2048: 1.25, 8192: 2.5}
 
 
 def docs_section(results: dict) -> str:
     """The DeltaNet section of docs/performance/speed.md, from one full run's results."""
+    missing = {"training", "forward", "decode", "models"} - set(results)
+    if missing:
+        raise SystemExit(f"the docs quote a full run of every table; this one lacks {sorted(missing)}")
     settings = results["settings"]
     shape = f"B={settings['batch_size']}, H={settings['num_heads']}, D={settings['head_dim']}, chunk {settings['chunk_size']}"
     parts = [
@@ -447,29 +430,22 @@ def docs_section(results: dict) -> str:
     return "\n\n".join(parts)
 
 
-def write_docs(results: dict, page: str = report.SPEED_PAGE) -> None:
-    missing = {"training", "forward", "decode", "models"} - set(results)
-    if missing or results["settings"].get("quick"):
-        raise SystemExit(f"the docs quote a full run of every table; this one lacks {sorted(missing) or '--quick'}")
-    report.rewrite_section(page, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-    print(f"wrote the DeltaNet section of {page}")
+SECTION = report.Section(
+    "delta_rule", "python benchmarks/delta_rule.py --report benchmarks/results/delta_rule.json", docs_section
+)
 
 
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
-    if args.report:
-        with open(args.report) as file:
-            results = json.load(file)
-        write_docs(results, args.report_page)
-        return results
+    saved = report.saved_run(args, SECTION)
+    if saved is not None:
+        return saved
+    machine = report.start(args)
     shape = f"B={args.batch_size}, H={args.num_heads}, D={args.head_dim}, chunk={args.chunk_size}"
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
-    )
-    settings = {key: list(value) if isinstance(value, tuple) else value for key, value in vars(args).items()}
-    for key in ("json", "report", "report_page", "write_docs"):
-        settings.pop(key)
-    results = {"settings": settings | report.machine()}
+    settings = {
+        key: list(value) if isinstance(value, tuple) else value for key, value in report.own_settings(args).items()
+    }
+    results = {"settings": settings | machine}
     if "kernel" in args.tables:
         results["training"] = training_table(args)
         report.print_table(
@@ -509,12 +485,7 @@ def main(argv=None) -> dict:
         parameters, training_rows, decode_rows = model_table(args)
         results["models"] = {"parameters": parameters, "training": training_rows, "decode": decode_rows}
         print_model_tables(parameters, training_rows, decode_rows, args)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2)
-    if args.write_docs:
-        write_docs(results, args.report_page)
-    return results
+    return report.finish(results, args, SECTION)
 
 
 if __name__ == "__main__":

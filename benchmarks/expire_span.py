@@ -27,7 +27,6 @@ docs/performance/speed.md from the results (see ``report.py``).
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -137,8 +136,6 @@ def run_isolated(kind: str, args, memory: bool = False, **values) -> dict | list
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-REPORT_SECTION = "expire_span"
-REPORT_COMMAND = "python benchmarks/expire_span.py --report benchmarks/results/expire_span.json"
 # The two tables' (header, row key, format) columns, printed and in the docs; ratios are fixed / Expire-Span.
 TRAINING_COLUMNS = [
     ("L", "max_span", "d"),
@@ -203,6 +200,9 @@ def run_command(settings: dict) -> str:
 def docs_section(results: dict) -> str:
     """The Expire-Span section of docs/performance/speed.md, from one run's results (both tables)."""
     settings = results["settings"]
+    missing = {"training", "generation"} - set(settings["tables"])
+    if missing:
+        raise SystemExit(f"the docs quote both tables; this run lacks {sorted(missing)}")
     model = (
         f"hidden {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, "
         f"MLP {SIZES['intermediate_size']}, R = {SIZES['ramp']}, spans at L/{round(1 / SIZES['initial_span_fraction'])}"
@@ -224,52 +224,22 @@ def docs_section(results: dict) -> str:
     ])  # fmt: skip
 
 
-def write_docs(results: dict, page: str = report.SPEED_PAGE) -> None:
-    missing = {"training", "generation"} - set(results["settings"]["tables"])
-    if missing:
-        raise SystemExit(f"the docs quote both tables; this run lacks {sorted(missing)}")
-    report.rewrite_section(page, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-    print(f"wrote the Expire-Span section of {page}")
+SECTION = report.Section(
+    "expire_span", "python benchmarks/expire_span.py --report benchmarks/results/expire_span.json", docs_section
+)
 
 
 def argument_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = report.arguments(__doc__, repeats=5, section=SECTION)
     parser.add_argument("--segment", type=int, default=2048, help="tokens per training segment")
     parser.add_argument("--block-size", type=int, default=512, help="tokens per block of a segment")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (times are their median)")
     parser.add_argument("--decode-steps", type=int, default=32, help="greedy steps per timed decoding run")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument(
-        "--tables",
-        nargs="+",
-        choices=["training", "generation"],
-        default=["training", "generation"],
-        help="which tables to measure (generation alone takes a few minutes)",
-    )
-    parser.add_argument(
-        "--max-spans",
-        nargs="+",
-        type=int,
-        default=list(MAX_SPANS),
-        help="maximum spans L of the training table",
-    )
-    parser.add_argument(
-        "--contexts",
-        nargs="+",
-        type=int,
-        default=list(DECODE_CONTEXTS),
-        help="prefill lengths of the generation table",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads (default: torch's); 1 keeps a busy machine's other jobs from stalling a step",
-    )
-    parser.add_argument("--write-docs", action="store_true", help="rewrite the Expire-Span section of the speed page")
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
-                        help="measure nothing: rewrite the speed page's Expire-Span section from a saved run's JSON")  # fmt: skip
-    parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
+    parser.add_argument("--tables", nargs="+", choices=["training", "generation"], default=["training", "generation"],
+                        help="which tables to measure (generation alone takes a few minutes)")  # fmt: skip
+    parser.add_argument("--max-spans", nargs="+", type=int, default=list(MAX_SPANS),
+                        help="maximum spans L of the training table")  # fmt: skip
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(DECODE_CONTEXTS),
+                        help="prefill lengths of the generation table")  # fmt: skip
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -277,18 +247,16 @@ def argument_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     parser = argument_parser()
-    args = parser.parse_args(argv)
-    if args.report:
-        with open(args.report) as file:
-            saved = json.load(file)
-        write_docs(saved, args.report_page)
+    args = report.parse(parser, argv, {"segment": 256, "block_size": 64, "repeats": 1, "decode_steps": 4,
+                                       "max_spans": [256], "contexts": [64]})  # fmt: skip
+    saved = report.saved_run(args, SECTION)
+    if saved is not None:
         return saved
     if args.write_docs and len(args.tables) < 2:
         parser.error("--write-docs needs both tables (the docs quote both)")
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if args.measure is not None:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         request = json.loads(args.measure)
         if request["kind"] == "training":
             result = training_measurement(request["max_span"], request["expire"], args)
@@ -297,21 +265,17 @@ def main(argv=None):
         print(json.dumps(result))
         return result
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
-    left_out = ("json", "write_docs", "report", "report_page", "measure", "memory", "threads")
-    settings = {key: value for key, value in vars(args).items() if key not in left_out}
+    machine = report.start(args)
+    settings = {key: value for key, value in report.own_settings(args).items() if key not in ("measure", "memory")}
     # `threads` is the number torch used (report.machine()); `--threads` is kept apart, for the command line.
-    settings |= {"requested_threads": args.threads, "decode_max_span": DECODE_MAX_SPAN}
-    results = {"settings": settings | report.machine(), "training": [], "decode": {}}
+    settings |= {"requested_threads": settings.pop("threads"), "decode_max_span": DECODE_MAX_SPAN}
+    results = {"settings": settings | machine, "training": [], "decode": {}}
     try:
         run_tables(args, results)
-    finally:  # what was measured is kept even when a later measurement fails
-        if args.json:
-            with open(args.json, "w") as file:
-                json.dump(results, file, indent=2)
-    if args.write_docs:
-        write_docs(results, args.report_page)
-    return results
+    except BaseException:
+        report.finish(results, args)  # what was measured is kept even when a later measurement fails
+        raise
+    return report.finish(results, args, SECTION)
 
 
 def run_tables(args, results: dict) -> None:

@@ -21,10 +21,6 @@ the Feedback Transformer with `compile_step=True` (its step body through `torch.
 docs/performance/speed.md from the results (see ``report.py``).
 """
 
-import argparse
-import json
-import platform
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -92,8 +88,6 @@ def cache_bytes(cache) -> int:
                for layer in cache.layers)  # fmt: skip
 
 
-REPORT_SECTION = "feedback"
-REPORT_COMMAND = "python benchmarks/feedback.py --report benchmarks/results/feedback.json"
 # Issue 22's goals: Feedback / Llama training tokens/s, and decoding tokens/s after 2048 tokens.
 GOALS = {"train_tokens_per_s": ("training", 0.5), "decode_2048_tokens_per_s": ("decoding at 2K", 2.0)}
 ROWS = [
@@ -117,21 +111,25 @@ def table_rows(results: dict) -> list[dict]:
     return rows
 
 
+def columns(compiled: bool) -> list[tuple[str, str, str]]:
+    shown = [("", "what", "s"), ("Feedback", "feedback", ".1f"), ("Llama (sdpa)", "llama", ".1f"),
+             ("Feedback / Llama", "feedback_over_llama", ".2f")]  # fmt: skip
+    if compiled:
+        shown += [("compile_step", "feedback_compiled", ".1f"), ("compiled / Llama", "feedback_compiled_over_llama",
+                                                                  ".2f")]  # fmt: skip
+    return shown
+
+
 def docs_section(results: dict) -> str:
     """The Feedback Transformer section of docs/performance/speed.md, from one run's results."""
     settings = results["settings"]
     compiled = "feedback_compiled" in results["results"]
-    columns = [("", "what", "s"), ("Feedback", "feedback", ".1f"), ("Llama (sdpa)", "llama", ".1f"),
-               ("Feedback / Llama", "feedback_over_llama", ".2f")]  # fmt: skip
-    if compiled:
-        columns += [("compile_step", "feedback_compiled", ".1f"), ("compiled / Llama", "feedback_compiled_over_llama",
-                                                                    ".2f")]  # fmt: skip
     parts = [
         f"From `python benchmarks/feedback.py{' --compile-step' if compiled else ''}`: hidden 256, 4 layers, 4 heads, "
         f"MLP 768, τ = 2048; training = forward + backward on B = {settings['batch_size']} sequences of "
         f"T = {settings['length']}; decoding = {settings['decode_steps']} greedy steps at batch 1 after a prefill; "
         f"medians of {settings['repeats']} runs, the models in turns. {report.measured_on(settings)}",
-        report.markdown_table(columns, table_rows(results)),
+        report.markdown_table(columns(compiled), table_rows(results)),
     ]
     feedback, llama = results["results"]["feedback"], results["results"]["llama"]
     goals = []
@@ -142,30 +140,21 @@ def docs_section(results: dict) -> str:
     return "\n\n".join(parts)
 
 
-def write_docs(results: dict, page: str = report.SPEED_PAGE) -> None:
-    report.rewrite_section(page, REPORT_SECTION, REPORT_COMMAND, docs_section(results))
-    print(f"wrote the Feedback Transformer section of {page}")
+SECTION = report.Section("feedback", "python benchmarks/feedback.py --report benchmarks/results/feedback.json",
+                         docs_section)  # fmt: skip
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = report.arguments(__doc__, repeats=3, section=SECTION)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--compile-step", action="store_true", help="add the Feedback model with compile_step=True")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--write-docs", action="store_true", help="rewrite the Feedback section of the speed page")
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
-                        help="measure nothing: rewrite the speed page's Feedback section from a saved run's JSON")  # fmt: skip
-    parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.report:
-        with open(args.report) as file:
-            saved = json.load(file)
-        write_docs(saved, args.report_page)
+    args = report.parse(parser, argv, {"batch_size": 2, "length": 16, "decode_steps": 4, "repeats": 1})
+    saved = report.saved_run(args, SECTION)
+    if saved is not None:
         return saved
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+    machine = report.start(args)
     models = build_models(args.compile_step)
     results = {name: {} for name in models}
     seconds = report.interleaved_median_times(
@@ -183,23 +172,9 @@ def main(argv=None):
                 seen = decoding.cache.get_seq_length()
                 slots = models[name].config.memory_span if name.startswith("feedback") else seen
                 results[name]["cache_bytes_per_token"] = cache_bytes(decoding.cache) / slots
-    settings = {key: value for key, value in vars(args).items() if key not in ("json", "report", "report_page",
-                                                                                 "write_docs")}  # fmt: skip
-    saved = {"settings": settings | report.machine(), "results": results}
-    rows = table_rows(saved)
-    print(f"\n{'':28}{'Feedback':>14}{'Llama (sdpa)':>14}{'ratio':>10}"
-          + (f"{'compiled':>14}{'ratio':>10}" if args.compile_step else ""))  # fmt: skip
-    for row in rows:
-        line = f"{row['what']:28}{row['feedback']:14.1f}{row['llama']:14.1f}{row['feedback_over_llama']:10.2f}"
-        if args.compile_step:
-            line += f"{row['feedback_compiled']:14.1f}{row['feedback_compiled_over_llama']:10.2f}"
-        print(line)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(saved, file, indent=2)
-    if args.write_docs:
-        write_docs(saved, args.report_page)
-    return saved
+    saved = {"settings": report.own_settings(args) | machine, "results": results}
+    report.print_table("The Feedback Transformer next to 🤗 Llama", columns(args.compile_step), table_rows(saved))
+    return report.finish(saved, args, SECTION)
 
 
 if __name__ == "__main__":

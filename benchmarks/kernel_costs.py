@@ -48,7 +48,6 @@ memlm's traffic over FLA's, forward and backward, and memlm's share of dot FLOPs
 
 # ruff: noqa: B023  (every closure below is measured at once, inside its own loop iteration)
 
-import argparse
 import dataclasses
 import json
 import math
@@ -411,10 +410,9 @@ def static_section(results: dict) -> str:
     )
 
 
-def write_docs(results: dict, page: str = report.SPEED_PAGE) -> None:
-    target = results["settings"]["target"]
-    report.rewrite_section(page, f"{REPORT_SECTION}_{target}", report_command(target), static_section(results))
-    print(f"wrote the {target} static-cost section of {page}")
+def section(target: str) -> report.Section:
+    """The speed page's static-cost section of `target`."""
+    return report.Section(f"{REPORT_SECTION}_{target}", report_command(target), static_section)
 
 
 def print_table(title, header, rows):
@@ -425,52 +423,37 @@ def print_table(title, header, rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU: interpreter)")
+    parser = report.arguments(__doc__, repeats=10, section=section("sm_90"),
+                              quick="tiny shapes, to check the script (CPU: interpreter)")  # fmt: skip
     parser.add_argument("--static", action="store_true", help="the static cost table (no GPU needed)")
     parser.add_argument("--target", default="sm_90", choices=["sm_80", "sm_90"], help="GPU target of --static")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--write-docs", action="store_true",
-                        help="with --static: rewrite the target's static-cost section of the speed page")  # fmt: skip
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
-                        help="compute nothing: rewrite the speed page's static-cost section from a saved --static run")  # fmt: skip
-    parser.add_argument("--report-page", default=report.SPEED_PAGE, help=argparse.SUPPRESS)
-    arguments = parser.parse_args(argv)
-    if arguments.report:
+    arguments = report.parse(parser, argv)
+    if arguments.report:  # the section of the target the saved run was computed for
         with open(arguments.report) as file:
-            results = json.load(file)
-        write_docs(results, arguments.report_page)
-        return results
+            target = json.load(file)["settings"]["target"]
+        return report.saved_run(arguments, section(target))
+    report.start(arguments)
     if arguments.static:
         # The launches are recorded and counted in Triton's interpreter, set before any kernel is imported.
         os.environ["TRITON_INTERPRET"] = "1"
-        shape = (2, 128, 2) if arguments.smoke else STATIC_SHAPE
-        widths = (64,) if arguments.smoke else STATIC_WIDTHS
+        shape = (2, 128, 2) if arguments.quick else STATIC_SHAPE
+        widths = (64,) if arguments.quick else STATIC_WIDTHS
         rows = static_rows(widths, shape, arguments.target)
         print_static(rows, shape, arguments.target)
         import triton
 
         from memlm.kernels import flash_linear_attention_version
 
-        settings = {"target": arguments.target, "shape": list(shape), "widths": list(widths), "smoke": arguments.smoke,
+        settings = {"target": arguments.target, "shape": list(shape), "widths": list(widths), "quick": arguments.quick,
                     "fla": flash_linear_attention_version(), "triton": triton.__version__} | report.machine()  # fmt: skip
-        results = {"settings": settings, "static": rows}
-        if arguments.json:
-            with open(arguments.json, "w") as file:
-                json.dump(results, file, indent=2)
-        if arguments.write_docs:
-            if arguments.smoke:
-                raise SystemExit("--write-docs: the docs quote a full --static run, not --smoke")
-            write_docs(results, arguments.report_page)
-        return results
+        return report.finish({"settings": settings, "static": rows}, arguments, section(arguments.target))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("No GPU: run on a CUDA machine, or with --smoke and TRITON_INTERPRET=1 to check the script.")
-    smoke = arguments.smoke
+    smoke = arguments.quick
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     repeats = 1 if smoke else arguments.repeats
-    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
     results = {
         "delta_rule": delta_rule_rows([(1, 32, 2, 16)] if smoke else DELTA_SHAPES, device, dtype, repeats),
         "step": step_rows([(2, 2, 16)] if smoke else STEP_SHAPES, device, dtype, repeats),
@@ -523,10 +506,7 @@ def main(argv=None):
                 ["(B, T)", "real tokens", "packed (cu_seqlens)", "masked"],
                 [[str(row["shape"]), f"{row['real']:.0%}", cell(row["packed"]), cell(row["masked"], row["packed"])]
                  for row in results["padded"]])  # fmt: skip
-    if arguments.json:
-        with open(arguments.json, "w") as file:
-            json.dump(results, file, indent=2)
-    return results
+    return report.finish(results, arguments)
 
 
 if __name__ == "__main__":

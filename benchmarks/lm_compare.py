@@ -100,6 +100,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+try:  # run as a script (python benchmarks/lm_compare.py) or imported as benchmarks.lm_compare
+    import report
+except ImportError:
+    from benchmarks import report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PLOT = os.path.join(ROOT, "docs", "performance", "lm_compare.png")
 CORPORA = {
@@ -429,7 +434,7 @@ def measure_memory(configs: dict, args) -> dict:
     """Peak memory of a training step per model, each in a fresh process (all in one with --smoke)."""
     requests = [{"model": name, "config": config.to_dict(), "batch_size": args.batch_size, "length": args.length,
                  "carry": CARRIES[name] and args.carry_memory} for name, config in configs.items()]  # fmt: skip
-    groups = [requests] if args.smoke else [[request] for request in requests]
+    groups = [requests] if args.quick else [[request] for request in requests]
     environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     results = {}
     for group in groups:
@@ -552,7 +557,7 @@ def print_tables(results: dict, args) -> None:
     print_table(
         f"Decoding (batch 1, greedy, seed {args.seeds[0]} on {args.corpus[0]}), cache size, and the peak memory rise "
         f"of a training step ({args.batch_size} × {args.length} tokens; VmHWM rise, "
-        f"{'all models in one process (smoke)' if args.smoke else 'in a fresh process per model'})",
+        f"{'all models in one process (smoke)' if args.quick else 'in a fresh process per model'})",
         header,
         rows,
     )
@@ -887,8 +892,7 @@ def write_report(results: dict, page: str = REPORT_PAGE, cards: str = HUB_CARDS,
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and a few steps of every model (CI)")
+    parser = report.arguments(__doc__, threads=2, quick="tiny sizes and a few steps of every model (CI)")
     parser.add_argument("--corpus", nargs="+", choices=list(CORPORA), default=["stdlib", "pydoc"])
     parser.add_argument("--models", nargs="+", choices=list(LABELS), default=list(LABELS),
                         help="which models (Llama, the reference, is always included)")  # fmt: skip
@@ -908,8 +912,6 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--carry-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="the memlm models carry their memory across segments (default)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None, help="also write every run and the summaries to this JSON file")
     parser.add_argument("--plot", default=None, help=f"PNG of the curves (default {DEFAULT_PLOT}, with --smoke a "
                         "temporary folder; '' for none)")  # fmt: skip
     parser.add_argument("--write-docs", action="store_true",
@@ -929,11 +931,11 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         return args
     for option, full in FULL.items():
         if getattr(args, option) is None:
-            setattr(args, option, SMOKE[option] if args.smoke else full)
+            setattr(args, option, SMOKE[option] if args.quick else full)
     if args.plot is None:
         # A smoke run's curves mean nothing: they go to a temporary folder, not over the measured picture.
         args.plot = DEFAULT_PLOT
-        if args.smoke:
+        if args.quick:
             args.plot = os.path.join(tempfile.mkdtemp(prefix="lm_compare_smoke_"), "lm_compare.png")
     for option in ("steps", "eval_every", "hidden_size", "num_layers", "num_heads", "intermediate_size", "length",
                    "batch_size", "eval_tokens", "eval_rows", "max_span", "memory_span", "max_bytes", "decode_steps",
@@ -964,18 +966,15 @@ def trains(name: str, seed: int, args) -> bool:
 
 
 def machine() -> dict:
-    """What the run ran on, for the report."""
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as info:
-            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(), "cpu": cpu,
-            "python": platform.python_version(),
+    """What the run ran on, for the report: `report.machine()`'s facts under the names the docs read, and Python's
+    version and the time."""
+    measured = report.machine()
+    return {"torch": measured["torch"], "threads": measured["threads"], "cores": measured["cpus"],
+            "cpu": measured["processor"], "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
 
 
-def report(path: str, args) -> dict:
+def report_saved_run(path: str, args) -> dict:
     """Writes the documentation's and the hub cards' sections from the JSON of a run, redrawing its plot (--report)."""
     with open(path, encoding="utf-8") as file:
         results = json.load(file)
@@ -995,7 +994,7 @@ def main(argv=None) -> dict:
         print(json.dumps(result))
         return {"memory": result}
     if args.report is not None:
-        return report(args.report, args)
+        return report_saved_run(args.report, args)
     from tqdm.auto import tqdm
     from transformers.utils import logging
 
@@ -1004,7 +1003,7 @@ def main(argv=None) -> dict:
     from memlm.training.pretrain import token_byte_lengths
 
     logging.set_verbosity_error()  # 🤗 Mamba says at every build that its CUDA kernels are not installed
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}", flush=True)
+    report.start(args)
     started = time.perf_counter()
     tokenizer = byte_level_tokenizer()
     byte_lengths = token_byte_lengths(tokenizer)
@@ -1038,8 +1037,8 @@ def main(argv=None) -> dict:
     results = {
         "settings": {
             key: value
-            for key, value in vars(args).items()
-            if key not in ("measure_memory", "report", "report_page", "model_pages", "hub_cards")
+            for key, value in report.own_settings(args).items()
+            if key not in ("measure_memory", "model_pages", "hub_cards")
         },
         "machine": machine(),
         "corpora": {corpus: CORPORA[corpus] for corpus in args.corpus},
@@ -1059,9 +1058,7 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(results, args, args.plot)
         print(f"plot: {args.plot}")
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2, default=str)
+    report.finish(results, args)
     if args.write_docs:
         write_report(results, args.report_page, args.hub_cards, args.plot or None, args.model_pages)
         print(f"wrote {args.report_page}, the model pages in {args.model_pages} and the hub cards in {args.hub_cards}")

@@ -35,10 +35,7 @@ evaluation loss against S for each feature map; shaded: lowest to highest over t
 otherwise.
 """
 
-import argparse
-import json
 import os
-import platform
 import time
 
 import torch
@@ -52,6 +49,12 @@ from memlm.training.tasks.common import (
     seeds_problem,
     train_on_task,
 )
+
+try:  # run as a script (python benchmarks/paper_deltanet.py) or imported as benchmarks.paper_deltanet
+    import report
+except ImportError:
+    from benchmarks import report
+
 
 DEFAULT_PLOT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "performance", "paper_deltanet.png"
@@ -221,45 +224,35 @@ def plot(rules: list[dict], capacity: list[dict], args, path: str) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny budget (a few seconds), for CI")
+    parser = report.arguments(__doc__, threads=2, quick="tiny budget (a few seconds), for CI")
     parser.add_argument("--comparisons", nargs="+", choices=("rules", "capacity"), default=["rules", "capacity"])
-    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default 800, smoke 4)")
-    parser.add_argument("--eval-every", type=int, default=None, help="default 50, smoke 2")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default 800, quick 4)")
+    parser.add_argument("--eval-every", type=int, default=None, help="default 50, quick 2")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--initializer-range", type=float, default=0.1)
     parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--train-sequences", type=int, default=None, help="default 20000, smoke 64")
+    parser.add_argument("--train-sequences", type=int, default=None, help="default 20000, quick 64")
     parser.add_argument("--test-sequences", type=int, default=20, help="each with every possible query (paper)")
-    parser.add_argument("--rules-keys", type=int, default=None, help="S of setting 2 (default 20, smoke 4)")
-    parser.add_argument("--rules-pairs", type=int, default=None, help="L of setting 2 (default 40, smoke 8)")
+    parser.add_argument("--rules-keys", type=int, default=None, help="S of setting 2 (default 20, quick 4)")
+    parser.add_argument("--rules-pairs", type=int, default=None, help="L of setting 2 (default 40, quick 8)")
     parser.add_argument("--rules-key-dim", type=int, default=16, help="d_key of the update-rule models")
     parser.add_argument("--capacity-keys", type=int, nargs="+", default=None,
-                        help="the values of S of setting 1 (default 4 8 16 24, smoke 4 8)")  # fmt: skip
+                        help="the values of S of setting 1 (default 4 8 16 24, quick 4 8)")  # fmt: skip
     parser.add_argument("--capacity-key-dim", type=int, default=4, help="d_key of the capacity models")
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
-                        help="one run of every comparison per seed (default 0 1 2, smoke 0 1)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None)
+                        help="one run of every comparison per seed (default 0 1 2, quick 0 1)")  # fmt: skip
     parser.add_argument("--plot", default=DEFAULT_PLOT)
-    args = parser.parse_args(argv)
-    defaults = {"steps": (800, 4), "eval_every": (50, 2), "train_sequences": (20000, 64), "rules_keys": (20, 4),
-                "rules_pairs": (40, 8), "capacity_keys": ([4, 8, 16, 24], [4, 8]),
-                "seeds": ([0, 1, 2], [0, 1])}  # fmt: skip
-    for option, (full, smoke) in defaults.items():
-        if getattr(args, option) is None:
-            setattr(args, option, smoke if args.smoke else full)
-    for option in ("steps", "eval_every", "batch_size", "hidden_size", "train_sequences", "test_sequences",
-                   "rules_keys", "rules_pairs", "rules_key_dim", "capacity_key_dim", "threads"):  # fmt: skip
-        if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be a positive integer, got {getattr(args, option)}")
+    unset = {"steps": (800, 4), "eval_every": (50, 2), "train_sequences": (20000, 64), "rules_keys": (20, 4),
+             "rules_pairs": (40, 8), "capacity_keys": ([4, 8, 16, 24], [4, 8]), "seeds": ([0, 1, 2], [0, 1])}  # fmt: skip
+    positive = ("steps", "eval_every", "batch_size", "hidden_size", "train_sequences", "test_sequences", "rules_keys",
+                "rules_pairs", "rules_key_dim", "capacity_key_dim", "threads")  # fmt: skip
+    args = report.parse(parser, argv, unset=unset, positive=positive)
     if any(num_keys < 1 for num_keys in args.capacity_keys):
         parser.error(f"--capacity-keys must be positive integers, got {args.capacity_keys}")
     if problem := seeds_problem(args.seeds):
         parser.error(problem)
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}", flush=True)
+    report.start(args)
 
     started = time.perf_counter()
     per_seed = []
@@ -282,9 +275,7 @@ def main(argv=None):
         plot(summary["update_rules"], summary["capacity"], args, args.plot)
         print(f"plot: {args.plot}")
     results = {"seeds": args.seeds, "per_seed": per_seed, "summary": summary}
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"settings": vars(args), **results}, file, indent=2)
+    report.finish({"settings": report.own_settings(args), **results}, args)
     return results
 
 

@@ -36,10 +36,7 @@ seeds, shaded from the lowest to the highest) unless `--plot` says otherwise (`-
 every seed's rows and the summaries.
 """
 
-import argparse
-import json
 import os
-import platform
 import time
 
 import torch
@@ -58,6 +55,12 @@ from memlm.training.tasks.common import (
 )
 from memlm.training.tasks.corridor import corridor_dataset, corridor_symbols
 from memlm.training.tasks.far_copy import far_copy_dataset, far_copy_symbols
+
+try:  # run as a script (python benchmarks/paper_expire_span.py) or imported as benchmarks.paper_expire_span
+    import report
+except ImportError:
+    from benchmarks import report
+
 
 DEFAULT_PLOT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "performance", "paper_expire_span.png"
@@ -173,7 +176,7 @@ def train_and_measure(
     model = build_model(args, seed, setting["vocab_size"], max_span, block_size, expire)
     label = f"{'Expire-Span' if expire else 'fixed span'} {max_span}"
     started = time.perf_counter()
-    with tqdm(total=args.steps, desc=label, leave=False, disable=True if args.smoke else None) as progress:
+    with tqdm(total=args.steps, desc=label, leave=False, disable=True if args.quick else None) as progress:
 
         def advance(step: int, loss: float) -> None:
             progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -327,45 +330,36 @@ def plot(summaries: dict, settings: dict, seeds: list[int], path: str) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny tasks and budget (a few seconds), for CI")
+    parser = report.arguments(__doc__, threads=2, quick="tiny tasks and budget (a few seconds), for CI")
     parser.add_argument("--tasks", nargs="+", choices=("corridor", "far_copy"), default=["corridor", "far_copy"])
-    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default 300, smoke 3)")
-    parser.add_argument("--batch-size", type=int, default=None, help="default 32, smoke 8")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default 300, quick 3)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default 32, quick 8")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--train-examples", type=int, default=None, help="default 2048, smoke 32")
-    parser.add_argument("--test-examples", type=int, default=None, help="default 256, smoke 8")
+    parser.add_argument("--train-examples", type=int, default=None, help="default 2048, quick 32")
+    parser.add_argument("--test-examples", type=int, default=None, help="default 256, quick 8")
     parser.add_argument("--hidden-size", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--ramp", type=float, default=4.0, help="R of the soft mask")
     parser.add_argument("--span-loss", type=float, default=1e-3, help="α of the span loss")
     parser.add_argument("--initial-span-fraction", type=float, default=0.5)
     parser.add_argument("--fixed-spans", type=float, nargs="*", default=None,
-                        help="further fixed spans as fractions of L (default 0.25 0.5 1; smoke 1)")  # fmt: skip
+                        help="further fixed spans as fractions of L (default 0.25 0.5 1; quick 1)")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="every model once per seed, which sets the data, initialisation and batch order "
-                        "(default 0 1 2, smoke 0 1)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None)
+                        "(default 0 1 2, quick 0 1)")  # fmt: skip
     parser.add_argument("--plot", default=DEFAULT_PLOT)
-    args = parser.parse_args(argv)
-    defaults = {"steps": (300, 3), "batch_size": (32, 8), "train_examples": (2048, 32), "test_examples": (256, 8),
-                "fixed_spans": ([0.25, 0.5, 1.0], [1.0]), "seeds": ([0, 1, 2], [0, 1])}  # fmt: skip
-    for option, (full, smoke) in defaults.items():
-        if getattr(args, option) is None:
-            setattr(args, option, smoke if args.smoke else full)
-    for option in ("steps", "batch_size", "train_examples", "test_examples", "hidden_size", "layers", "threads"):
-        if getattr(args, option) < 1:
-            raise ValueError(f"--{option.replace('_', '-')} must be a positive integer, got {getattr(args, option)}.")
+    unset = {"steps": (300, 3), "batch_size": (32, 8), "train_examples": (2048, 32), "test_examples": (256, 8),
+             "fixed_spans": ([0.25, 0.5, 1.0], [1.0]), "seeds": ([0, 1, 2], [0, 1])}  # fmt: skip
+    positive = ("steps", "batch_size", "train_examples", "test_examples", "hidden_size", "layers", "threads")
+    args = report.parse(parser, argv, unset=unset, positive=positive)
     if any(not 0 < fraction <= 1 for fraction in args.fixed_spans):
-        raise ValueError(f"--fixed-spans must be fractions of L in (0, 1], got {args.fixed_spans}.")
+        parser.error(f"--fixed-spans must be fractions of L in (0, 1], got {args.fixed_spans}")
     args.fixed_spans = sorted(set(args.fixed_spans))
     if problem := seeds_problem(args.seeds):
         parser.error(problem)
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}", flush=True)
+    report.start(args)
 
-    settings = task_settings(args.smoke)
+    settings = task_settings(args.quick)
     started = time.perf_counter()
     per_seed = [
         {"seed": seed, "tasks": {name: run_task(args, name, settings[name], seed) for name in args.tasks}}
@@ -379,10 +373,8 @@ def main(argv=None):
         plot(summaries, settings, args.seeds, args.plot)
         print(f"plot: {args.plot}")
     results = {"seeds": args.seeds, "per_seed": per_seed, "summary": summaries}
-    if args.json:
-        tasks = {name: settings[name]["options"] for name in args.tasks}
-        with open(args.json, "w") as file:
-            json.dump({"settings": vars(args), "tasks": tasks, "results": results}, file, indent=2)
+    tasks = {name: settings[name]["options"] for name in args.tasks}
+    report.finish({"settings": report.own_settings(args), "tasks": tasks, "results": results}, args)
     return results
 
 

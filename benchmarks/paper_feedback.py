@@ -33,9 +33,6 @@ at 500 steps it is still behind Llama). A Feedback step on the programs (up to 6
 on the walk, so the programs run as a second command with fewer steps. Each seed adds the time of one run.
 """
 
-import argparse
-import json
-import platform
 import time
 
 import torch
@@ -51,6 +48,12 @@ from memlm.training.tasks.common import (
     train_on_task,
 )
 from memlm.training.tasks.random_walk import random_walk_dataset, random_walk_symbols
+
+try:  # run as a script (python benchmarks/paper_feedback.py) or imported as benchmarks.paper_feedback
+    import report
+except ImportError:
+    from benchmarks import report
+
 
 DEFAULT_PLOT = "docs/performance/paper_feedback.png"
 TASKS = ("random_walk", "algorithmic3", "algorithmic5")
@@ -186,7 +189,7 @@ def plot(summaries: dict, path: str) -> None:
 
 
 def parse_arguments(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = report.arguments(__doc__, threads=2, quick="a few seconds: tiny models, data and steps (CI)")
     parser.add_argument("--tasks", default="random_walk", help=f"comma-separated, from {TASKS}")
     parser.add_argument("--grid-size", type=int, default=4, help="random walk grid side (paper: 8)")
     parser.add_argument("--episode-length", type=int, default=24, help="random walk actions per episode (paper: 100)")
@@ -213,29 +216,19 @@ def parse_arguments(argv=None):
         type=int,
         nargs="+",
         default=None,
-        help="one run per seed (datasets, initialisation, data order); default 0 1 2, with --smoke 0 1",
+        help="one run per seed (datasets, initialisation, data order); default 0 1 2, with --quick 0 1",
     )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="a few seconds: tiny models, data and steps (CI)")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--plot", default=None, help=f"PNG path (default {DEFAULT_PLOT}; none with --smoke)")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
-    elif args.plot is None:
+    parser.add_argument("--plot", default=None, help=f"PNG path (default {DEFAULT_PLOT}; none with --quick)")
+    positive = ("steps", "eval_every", "train_examples", "eval_examples", "batch_size", "threads")
+    args = report.parse(parser, argv, quick=SMOKE, unset={"seeds": ([0, 1, 2], [0, 1])}, positive=positive)
+    if args.plot is None and not args.quick:
         args.plot = DEFAULT_PLOT
     args.tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
     for task in args.tasks:
         if task not in TASKS:
             parser.error(f"--tasks: unknown task {task!r}; choose from {TASKS}")
-    if args.seeds is None:
-        args.seeds = [0, 1] if args.smoke else [0, 1, 2]
     if problem := seeds_problem(args.seeds):
         parser.error(problem)
-    for name in ("steps", "eval_every", "train_examples", "eval_examples", "batch_size", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
 
 
@@ -279,9 +272,8 @@ def print_tables(summaries: dict, per_seed: dict, args) -> None:
 
 def main(argv=None):
     args = parse_arguments(argv)
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
-          f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_heads} heads, MLP {args.intermediate_size}; "
+    report.start(args)
+    print(f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_heads} heads, MLP {args.intermediate_size}; "
           f"{args.steps} steps of {args.batch_size}, learning rate {args.learning_rate}; "
           f"seeds {' '.join(map(str, args.seeds))}")  # fmt: skip
     per_seed = {task: [] for task in args.tasks}
@@ -294,9 +286,7 @@ def main(argv=None):
         plot(summaries, args.plot)
         print(f"plot: {args.plot}")
     results = {"seeds": args.seeds, "per_seed": per_seed, "summary": summaries}
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"settings": vars(args), "paper": PAPER, **results}, file, indent=2)
+    report.finish({"settings": report.own_settings(args), "paper": PAPER, **results}, args)
     return results
 
 

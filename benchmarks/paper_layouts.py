@@ -281,10 +281,6 @@ def _with_parameters(rows: list[dict]) -> list[dict]:
     ]
 
 
-REPORT_SECTION = "paper_layouts"
-REPORT_COMMAND = "python benchmarks/paper_layouts.py --report benchmarks/results/paper_layouts.json"
-
-
 def docs_section(results: dict) -> str:
     """The "papers' layouts" section of docs/performance/speed.md, from one full run's results."""
     settings = results["settings"]
@@ -302,34 +298,32 @@ def docs_section(results: dict) -> str:
     )
 
 
+SECTION = report.Section(
+    "paper_layouts", "python benchmarks/paper_layouts.py --report benchmarks/results/paper_layouts.json", docs_section
+)
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = report.arguments(__doc__, repeats=5, section=SECTION)
     parser.add_argument("--length", type=int, default=2048, help="tokens per training row")
     parser.add_argument("--batch-size", type=int, default=4, help="training rows per step")
     parser.add_argument("--context", type=int, default=2048, help="prompt before the timed decoding")
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="short sizes, few repeats: a smoke run")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--write-docs", action="store_true", help="rewrite the section of the speed page")
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON", help="rewrite the section from a saved run")
-    arguments = parser.parse_args(argv)
-    if arguments.quick:
-        arguments.length, arguments.batch_size, arguments.context = 64, 2, 32
-        arguments.decode_steps, arguments.repeats = 2, 1
-    return arguments
+    quick = {"length": 64, "batch_size": 2, "context": 32, "decode_steps": 2, "repeats": 1}
+    return report.parse(parser, argv, quick)
 
 
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
-    if args.report:
-        return report.rewrite_from_saved_run(args.report, REPORT_SECTION, REPORT_COMMAND, docs_section)
+    saved = report.saved_run(args, SECTION)
+    if saved is not None:
+        return saved
+    machine = report.start(args)
     rows = measure(args)
     settings = {key: getattr(args, key) for key in ("length", "batch_size", "context", "decode_steps", "repeats")}
-    results = {"settings": {**settings, "quick": args.quick, **report.machine()}, "rows": rows}
+    results = {"settings": {**settings, "quick": args.quick, **machine}, "rows": rows}
     report.print_table("The papers' layouts next to memlm's default", COLUMNS, _with_parameters(rows))
-    report.keep_run(results, args.json, args.write_docs, REPORT_SECTION, REPORT_COMMAND, docs_section)
-    return results
+    return report.finish(results, args, SECTION)
 
 
 if __name__ == "__main__":

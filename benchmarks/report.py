@@ -1,22 +1,126 @@
-"""What the speed scripts share: timing functions in turns, and writing their measured tables into the
-documentation's speed page from a run's JSON.
+"""The benchmarks' one harness: what every script shares, so that each script holds only what it measures.
 
-Each script (`delta_rule.py`, `feedback.py`, `kernel_costs.py --static`) keeps its own section of
-`docs/performance/speed.md` between two markers, and rewrites it from the results of one run:
-`--write-docs` right after measuring, or `--report RESULTS_JSON` from a saved run (the JSON the documentation quotes
-is kept under `benchmarks/results/`). Nothing between the markers is written by hand.
+- the arguments (`arguments` → `parse`): `--repeats`, `--threads`, `--quick` (also spelled `--smoke`: small sizes, a
+  run that checks the script), `--json`, and for a script with a section of the speed page `--write-docs` and
+  `--report RESULTS_JSON`;
+- the start of a run (`start`: torch's threads, the machine line) and its end (`finish`: the JSON, the docs);
+- timing: `median_seconds` for one function, `interleaved_median_times` for several timed in turns;
+- the tables: `print_table` for the terminal, `markdown_table` for the docs.
+
+A script with a section of `docs/performance/speed.md` (a `Section`) keeps it between two markers and rewrites it
+from the results of one run: `--write-docs` right after measuring, or `--report RESULTS_JSON` from a saved run (the
+JSON the documentation quotes is kept under `benchmarks/results/`). Nothing between the markers is written by hand.
 """
 
+import argparse
+import dataclasses
 import datetime
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEED_PAGE = os.path.join(ROOT, "docs", "performance", "speed.md")
 RESULTS_FOLDER = os.path.join(ROOT, "benchmarks", "results")
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A script's section of the speed page: the markers' `name`, the `command` that writes it from the saved run,
+    and `write`, which turns a run's results into the section's Markdown."""
+
+    name: str
+    command: str
+    write: Callable[[dict], str]
+
+
+def arguments(description: str, *, repeats: int | None = None, threads: int | None = None,
+              section: Section | None = None, quick: str = "small sizes, few repeats: a run that checks the script"):  # fmt: skip
+    """An `argparse.ArgumentParser` with the arguments every script takes (its own are added after): `--repeats`
+    (default `repeats`; none when None), `--threads` (default `threads`; None: torch's choice), `--quick` / `--smoke`,
+    `--json`, and with a `section` `--write-docs` and `--report`."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats, help="timed runs per measurement (their median)")
+    parser.add_argument("--threads", type=int, default=threads, help="torch threads (default: %(default)s)")
+    parser.add_argument("--quick", "--smoke", dest="quick", action="store_true", help=quick)
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    if section is not None:
+        parser.add_argument("--write-docs", action="store_true", help="rewrite the script's section of the speed page")
+        parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                            help="measure nothing: rewrite the section from a saved run's JSON")  # fmt: skip
+        parser.add_argument("--report-page", default=SPEED_PAGE, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv=None, quick: dict | None = None, unset: dict | None = None,
+          positive: tuple = ()) -> argparse.Namespace:  # fmt: skip
+    """The parsed arguments: with `--quick`, those named in `quick` take its values; those left None take their
+    (full, quick) value from `unset`; those named in `positive` must be integers ≥ 1 (else the parser's error)."""
+    args = parser.parse_args(argv)
+    for name, value in (quick or {}).items() if args.quick else ():
+        setattr(args, name, value)
+    for name, (full, small) in (unset or {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.quick else full)
+    for name in positive:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    return args
+
+
+def own_settings(args: argparse.Namespace) -> dict:
+    """The run's arguments, for its results' settings: all but where the results go (`--json`, the docs)."""
+    return {
+        key: value for key, value in vars(args).items() if key not in ("json", "write_docs", "report", "report_page")
+    }
+
+
+def start(args: argparse.Namespace) -> dict:
+    """Before measuring: torch's threads as asked, the machine's line printed; returns `machine()`, for the results'
+    settings."""
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    measured = machine()
+    print(f"torch {measured['torch']}, {measured['threads']} threads, {measured['processor']}", flush=True)
+    return measured
+
+
+def saved_run(args: argparse.Namespace, section: Section) -> dict | None:
+    """`--report RESULTS_JSON`: the section rewritten from a saved run, whose results are returned; else None."""
+    if not args.report:
+        return None
+    with open(args.report) as file:
+        results = json.load(file)
+    if results.get("settings", {}).get("quick"):
+        raise SystemExit(f"the docs quote a full run; {args.report} holds a --quick one")
+    rewrite_section(args.report_page, section.name, section.command, section.write(results))
+    print(f"wrote the {section.name} section of {args.report_page}")
+    return results
+
+
+def finish(results: dict, args: argparse.Namespace, section: Section | None = None, write_docs: bool = True) -> dict:
+    """After a run: `--json` writes its results, `--write-docs` the script's section of the speed page (from a full
+    run only, and not when `write_docs` is False). Returns the results."""
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=2, default=str)
+    if section is not None and args.write_docs and write_docs:
+        if args.quick:
+            raise SystemExit("the docs quote a full run, not --quick")
+        rewrite_section(args.report_page, section.name, section.command, section.write(results))
+        print(f"wrote the {section.name} section of {args.report_page}")
+    return results
+
+
+def median_seconds(function, warmup: int, repeats: int) -> float:
+    """Median wall-clock seconds of `function()` over `repeats` runs after `warmup` untimed ones."""
+    return interleaved_median_times({"function": function}, warmup, repeats)["function"]
 
 
 def machine() -> dict:
@@ -97,27 +201,6 @@ def rewrite_section(page: str, name: str, command: str, section: str) -> None:
     text = text[:start] + f"{begin}\n{section}\n" + text[stop:]
     with open(page, "w") as file:
         file.write(text)
-
-
-def rewrite_from_saved_run(path: str, name: str, command: str, docs_section) -> dict:
-    """`--report RESULTS_JSON`: rewrite `name`'s section of the speed page from a saved run; returns its results."""
-    with open(path) as file:
-        results = json.load(file)
-    rewrite_section(SPEED_PAGE, name, command, docs_section(results))
-    print(f"wrote the {name} section of {SPEED_PAGE}")
-    return results
-
-
-def keep_run(results: dict, json_path: str | None, write_docs: bool, name: str, command: str, docs_section) -> None:
-    """After a run: `--json` writes its results, `--write-docs` its section of the speed page (a full run only)."""
-    if json_path:
-        with open(json_path, "w") as file:
-            json.dump(results, file, indent=2)
-    if write_docs:
-        if results["settings"].get("quick"):
-            raise SystemExit("the docs quote a full run, not --quick")
-        rewrite_section(SPEED_PAGE, name, command, docs_section(results))
-        print(f"wrote the {name} section of {SPEED_PAGE}")
 
 
 def interleaved_median_times(functions: dict, warmup: int, repeats: int) -> dict:

@@ -190,10 +190,6 @@ def _shown(rows: list[dict]) -> list[dict]:
     ]  # fmt: skip
 
 
-REPORT_SECTION = "speculative_decoding"
-REPORT_COMMAND = "python benchmarks/speculative_decoding.py --report benchmarks/results/speculative_decoding.json"
-
-
 def docs_section(results: dict) -> str:
     """The "speculative decoding" section of docs/performance/speed.md, from one full run's results."""
     settings, info = results["settings"], results["text"]
@@ -215,8 +211,16 @@ def docs_section(results: dict) -> str:
     )
 
 
+SECTION = report.Section(
+    "speculative_decoding",
+    "python benchmarks/speculative_decoding.py --report benchmarks/results/speculative_decoding.json",
+    docs_section,
+)
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = report.arguments(__doc__, repeats=3, section=SECTION,
+                              quick="tiny models, short texts, one repeat: a run that checks the script")  # fmt: skip
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models to time")
     parser.add_argument("--module", default="textwrap", help="the standard library module whose source is the text")
     parser.add_argument("--piece-length", type=int, default=512, help="tokens of the source, written twice")
@@ -226,17 +230,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=400, help="the most training steps per model")
     parser.add_argument("--target-loss", type=float, default=0.05, help="training stops below this loss")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--quick", action="store_true", help="tiny models, short texts, one repeat: a smoke run")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--write-docs", action="store_true", help="rewrite the section of the speed page")
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON", help="rewrite the section from a saved run")
-    arguments = parser.parse_args(argv)
-    if arguments.quick:
-        arguments.piece_length, arguments.lead, arguments.new_tokens, arguments.lookup_tokens = 64, 16, 16, 4
-        arguments.train_steps, arguments.repeats = 2, 1
-    return arguments
+    quick = {"piece_length": 64, "lead": 16, "new_tokens": 16, "lookup_tokens": 4, "train_steps": 2, "repeats": 1}
+    return report.parse(parser, argv, quick)
 
 
 SETTINGS = ("module", "piece_length", "lead", "new_tokens", "lookup_tokens", "train_steps", "target_loss",
@@ -245,18 +240,17 @@ SETTINGS = ("module", "piece_length", "lead", "new_tokens", "lookup_tokens", "tr
 
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
-    if args.report:
-        return report.rewrite_from_saved_run(args.report, REPORT_SECTION, REPORT_COMMAND, docs_section)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    saved = report.saved_run(args, SECTION)
+    if saved is not None:
+        return saved
+    machine = report.start(args)
     rows, info = measure(args)
     settings = {key: getattr(args, key) for key in SETTINGS}
-    results = {"settings": {**settings, "quick": args.quick, **report.machine()}, "text": info, "rows": rows}
+    results = {"settings": {**settings, "quick": args.quick, **machine}, "text": info, "rows": rows}
     report.print_table("Speculative decoding next to plain greedy decoding", COLUMNS, _shown(rows))
     differing = [row["model"] for row in rows if not (row["lookup_identical"] and row["assistant_identical"])]
     # The JSON is kept either way; the docs never quote a run whose tokens changed.
-    write_docs = args.write_docs and not differing
-    report.keep_run(results, args.json, write_docs, REPORT_SECTION, REPORT_COMMAND, docs_section)
+    report.finish(results, args, SECTION, write_docs=not differing)
     if differing:
         raise SystemExit(f"speculative decoding changed the tokens of {', '.join(differing)}")
     return results

@@ -16,18 +16,17 @@ With `--decode` a "step" is `feedback.py`'s decoding: 64 greedy tokens at batch 
 The shares are what the speed page's text refers to; the times themselves are inflated by the profiler.
 """
 
-import argparse
 import resource
 import time
 
-import torch
 from torch.profiler import profile
 
 try:  # run as a script (python benchmarks/step_profile.py) or imported as benchmarks.step_profile
     import delta_rule
     import feedback
+    import report
 except ImportError:
-    from benchmarks import delta_rule, feedback
+    from benchmarks import delta_rule, feedback, report
 
 # Ops whose time (and their children's) belongs to a region, by the name the profiler gives them.
 REGIONS = {
@@ -97,16 +96,23 @@ def print_profile(name: str, totals: dict, seconds: float, faults: int) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = report.arguments(__doc__)
     parser.add_argument("--steps", type=int, default=2, help="profiled training steps per model")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None, help="default: all four (training), "
                         "feedback and feedback_llama (--decode)")  # fmt: skip
     parser.add_argument("--decode", action="store_true", help="profile decoding instead of a training step")
-    args = parser.parse_args(argv)
+    args = report.parse(parser, argv, quick={"steps": 1})
     models = args.models or (["feedback", "feedback_llama"] if args.decode else list(MODELS))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    report.start(args)
+    profiles = {}
     for name in models:
-        print_profile(name, *profile_step(build(name, args.decode), args.steps))
+        profiles[name] = profile_step(build(name, args.decode), args.steps)
+        print_profile(name, *profiles[name])
+    saved = {}
+    for name, (regions, step, faults) in profiles.items():
+        shares = {f"{region}, {kind}": seconds for (region, kind), seconds in regions.items()}
+        saved[name] = {"seconds_by_region": shares, "step_seconds": step, "minor_page_faults": faults}
+    report.finish({"settings": report.own_settings(args), "profiles": saved}, args)
 
 
 if __name__ == "__main__":

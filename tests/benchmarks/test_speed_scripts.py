@@ -183,32 +183,47 @@ def test_speculative_decoding_table_times_three_ways_for_each_model_and_keeps_th
             assert row[f"{mode}_acceptance"] is None or 0 <= row[f"{mode}_acceptance"] <= 1
 
 
-def test_a_run_is_kept_as_json_and_only_a_full_one_rewrites_its_section(tmp_path, monkeypatch):
-    """benchmarks/report.py's `keep_run` (`--json`, `--write-docs`) and `rewrite_from_saved_run` (`--report`): the
-    JSON holds the results, a --quick run never reaches the docs, a full one rewrites its section between the markers
-    and nothing else, and the saved JSON rewrites it the same way."""
+def test_the_harness_parses_keeps_the_json_and_only_a_full_run_rewrites_its_section(tmp_path, monkeypatch):
+    """benchmarks/report.py, what every script shares: the arguments (`--quick` also spelled `--smoke`, the values
+    it sets, those left unset, the positive ones), `finish` (`--json`, `--write-docs`) and `saved_run` (`--report`):
+    the JSON holds the results, a --quick run never reaches the docs, a full one rewrites its section between the
+    markers and nothing else, and the saved JSON rewrites it the same way."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import report
 
     page = tmp_path / "speed.md"
-    begin, end = report.markers("demo", "python demo.py --report demo.json")
+    section = report.Section("demo", "python demo.py --report demo.json", lambda results: f"rows: {results['rows']}")
+    begin, end = report.markers(section.name, section.command)
     page.write_text(f"# Speed\n\n{begin}\nold\n{end}\n\nafter\n", encoding="utf-8")
-    monkeypatch.setattr(report, "SPEED_PAGE", str(page))
+    parser = report.arguments("Demo.\n\nMore.", repeats=5, threads=2, section=section)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--length", type=int, default=64)
 
-    def section(results):
-        return f"rows: {results['rows']}"
+    def parse(*argv):
+        return report.parse(parser, [*argv, "--report-page", str(page)], quick={"length": 8, "repeats": 1},
+                            unset={"steps": (100, 3)}, positive=("steps", "threads"))  # fmt: skip
 
+    full, quick = parse(), parse("--smoke")
+    assert (full.steps, full.length, full.repeats, full.threads, full.quick) == (100, 64, 5, 2, False)
+    assert (quick.steps, quick.length, quick.repeats, quick.quick) == (3, 8, 1, True)
+    assert parse("--quick", "--steps", "7").steps == 7
+    with pytest.raises(SystemExit):
+        parse("--threads", "0")
     saved = tmp_path / "demo.json"
-    quick = {"settings": {"quick": True}, "rows": [1]}
+    quick_run = {"settings": {"quick": True}, "rows": [1]}
     with pytest.raises(SystemExit, match="full run, not --quick"):
-        report.keep_run(quick, str(saved), True, "demo", "python demo.py --report demo.json", section)
-    assert json.loads(saved.read_text()) == quick and "\nold\n" in page.read_text()
-    full = {"settings": {"quick": False}, "rows": [2]}
-    report.keep_run(full, str(saved), True, "demo", "python demo.py --report demo.json", section)
+        report.finish(quick_run, parse("--quick", "--json", str(saved), "--write-docs"), section)
+    assert json.loads(saved.read_text()) == quick_run and "\nold\n" in page.read_text()
+    full_run = {"settings": {"quick": False}, "rows": [2]}
+    assert report.finish(full_run, parse("--json", str(saved), "--write-docs"), section) == full_run
     assert page.read_text() == f"# Speed\n\n{begin}\nrows: [2]\n{end}\n\nafter\n"
     page.write_text(f"# Speed\n\n{begin}\nold\n{end}\n\nafter\n", encoding="utf-8")
-    assert report.rewrite_from_saved_run(str(saved), "demo", "python demo.py --report demo.json", section) == full
+    assert report.saved_run(parse(), section) is None  # no --report: measure
+    assert report.saved_run(parse("--report", str(saved)), section) == full_run
     assert report.section_text(str(page), "demo") == "rows: [2]"
+    saved.write_text(json.dumps(quick_run))
+    with pytest.raises(SystemExit, match="holds a --quick one"):
+        report.saved_run(parse("--report", str(saved)), section)
 
 
 def test_speculative_decoding_trains_each_model_until_its_target_loss_at_most_the_steps_allowed(monkeypatch):

@@ -273,9 +273,10 @@ def load_benchmark():
     "arguments, message",
     [(["--steps", "0"], "--steps"), (["--threads", "0"], "--threads"), (["--fixed-spans", "1.5"], "--fixed-spans")],
 )
-def test_paper_expire_span_benchmark_rejects_bad_arguments(arguments, message):
-    with pytest.raises(ValueError, match=message):
+def test_paper_expire_span_benchmark_rejects_bad_arguments(arguments, message, capsys):
+    with pytest.raises(SystemExit) as error:
         load_benchmark().main(["--smoke", "--plot", "", *arguments])
+    assert error.value.code == 2 and f"error: {message} must be" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
