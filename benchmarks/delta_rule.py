@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from memlm.compat import cache_keyword, output_cache
 from memlm.kernels.delta_rule import delta_rule
 
 try:  # run as a script (python benchmarks/delta_rule.py) or imported as benchmarks.delta_rule
@@ -208,27 +207,6 @@ def training_step(model, length: int, args):
     return step
 
 
-def decode_steps(model, context: int, args, prefill: int | None):
-    """Prefill `context` tokens (at most `prefill`), then return a function running ``args.decode_steps`` greedy
-    steps of one token each through the model's forward with its cache, under the name the installed 🤗 gives it
-    (``cache``; before 🤗 5.24 ``past_key_values``, or ``cache_params`` for 🤗 Mamba)."""
-    cache_argument = cache_keyword(model)
-    with torch.no_grad():
-        prompt_length = context if prefill is None else min(prefill, context)
-        generator = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, model.config.vocab_size, (1, prompt_length), generator=generator)
-        cache = output_cache(model(prompt, use_cache=True, logits_to_keep=1))
-    token = prompt[:, -1:]
-
-    def steps():
-        nonlocal token
-        with torch.no_grad():
-            for _ in range(args.decode_steps):
-                token = model(token, use_cache=True, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
-
-    return steps
-
-
 def model_table(args) -> tuple[dict, list[dict], list[dict]]:
     """Parameter counts, then training rows (per T) and decode rows (per context), with the DeltaNet ratios. The
     models are timed in turns (see `report.interleaved_median_times`)."""
@@ -250,7 +228,10 @@ def model_table(args) -> tuple[dict, list[dict], list[dict]]:
     decode_rows = []
     for context in tqdm(args.model_decode_contexts, desc="model decode", leave=False):
         functions = {
-            name: decode_steps(model, context, args, prefill=args.mamba_prefill if name == "mamba" else None)
+            # (🤗 Mamba's PyTorch prefill is a step loop: at most --mamba-prefill tokens)
+            name: report.Decoding(
+                model, min(context, args.mamba_prefill) if name == "mamba" else context, args.decode_steps
+            )
             for name, model in models.items()
         }
         seconds = report.interleaved_median_times(functions, 1, args.repeats)
@@ -270,7 +251,7 @@ def decode_table(args) -> list[dict]:
     timed in turns (one cache each), so that a machine busy with something else slows them alike."""
     model = deltanet_model().eval()
     functions = {
-        context: decode_steps(model, context, args, prefill=None)
+        context: report.Decoding(model, context, args.decode_steps)
         for context in tqdm(args.decode_contexts, desc="decode prefill", leave=False)
     }
     seconds = report.interleaved_median_times(functions, 1, args.repeats)

@@ -101,22 +101,11 @@ def decode_measurement(args) -> dict[str, list[dict]]:
     rows = {name: [] for name in models}
     with torch.no_grad():
         for context in args.contexts:
-            prompt = torch.randint(0, 258, (1, context), generator=torch.Generator().manual_seed(1))
-            caches, tokens, timings = {}, {}, {name: [] for name in models}
-            for name, model in models.items():
-                caches[name] = model(prompt, use_cache=True, logits_to_keep=1).cache
-                tokens[name] = prompt[:, -1:]
-            for _ in range(args.repeats):
-                for name, model in models.items():
-                    token, cache = tokens[name], caches[name]
-                    start = time.perf_counter()
-                    for _ in range(args.decode_steps):
-                        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                    timings[name].append((time.perf_counter() - start) / args.decode_steps)
-                    tokens[name] = token
-            for name in models:
-                rows[name].append({"context": context, "ms_per_token": statistics.median(timings[name]) * 1e3,
-                                   "memory_entries": max(caches[name].memory_entries())})  # fmt: skip
+            decodings = {name: report.Decoding(model, context, args.decode_steps) for name, model in models.items()}
+            seconds = report.interleaved_median_times(decodings, 0, args.repeats)
+            for name, decoding in decodings.items():
+                rows[name].append({"context": context, "ms_per_token": seconds[name] / args.decode_steps * 1e3,
+                                   "memory_entries": max(decoding.cache.memory_entries())})  # fmt: skip
     return rows
 
 

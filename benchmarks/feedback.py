@@ -25,7 +25,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
-from memlm.compat import cache_keyword, output_cache
 
 try:  # run as a script (python benchmarks/feedback.py) or imported as benchmarks.feedback
     import report
@@ -59,33 +58,6 @@ def training_step(model, batch_size: int, length: int):
         model(tokens, labels=tokens).loss.backward()
 
     return step
-
-
-class Decoding:
-    """Greedy decoding (batch 1) of `steps` tokens after a prefill of `context` tokens; `cache` is the last one."""
-
-    def __init__(self, model, context: int, steps: int):
-        model.eval()
-        self.model, self.steps = model, steps
-        self.prompt = torch.randint(0, 258, (1, context), generator=torch.Generator().manual_seed(1))
-        self.cache_argument = cache_keyword(model)  # `cache`, or `past_key_values` before 🤗 5.24
-        with torch.no_grad():
-            self.cache = output_cache(model(self.prompt, use_cache=True, logits_to_keep=1))
-
-    @torch.no_grad()
-    def __call__(self):
-        token = self.prompt[:, -1:]
-        for _ in range(self.steps):
-            output = self.model(token, use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
-            self.cache = output_cache(output)
-            token = output.logits[:, -1:].argmax(-1)
-
-
-def cache_bytes(cache) -> int:
-    if hasattr(cache, "memory_bytes"):
-        return cache.memory_bytes()
-    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-               for layer in cache.layers)  # fmt: skip
 
 
 # Issue 22's goals: Feedback / Llama training tokens/s, and decoding tokens/s after 2048 tokens.
@@ -163,7 +135,7 @@ def main(argv=None):
     for name in models:
         results[name]["train_tokens_per_s"] = args.batch_size * args.length / seconds[name]
     for context in DECODE_CONTEXTS:
-        decodings = {name: Decoding(model, context, args.decode_steps) for name, model in models.items()}
+        decodings = {name: report.Decoding(model, context, args.decode_steps) for name, model in models.items()}
         seconds = report.interleaved_median_times(decodings, 1, args.repeats)
         for name, decoding in decodings.items():
             results[name][f"decode_{context}_tokens_per_s"] = args.decode_steps / seconds[name]
@@ -171,7 +143,7 @@ def main(argv=None):
                 # The Feedback ring holds τ slots; Llama holds every token seen: per token of context.
                 seen = decoding.cache.get_seq_length()
                 slots = models[name].config.memory_span if name.startswith("feedback") else seen
-                results[name]["cache_bytes_per_token"] = cache_bytes(decoding.cache) / slots
+                results[name]["cache_bytes_per_token"] = report.cache_bytes(decoding.cache) / slots
     saved = {"settings": report.own_settings(args) | machine, "results": results}
     report.print_table("The Feedback Transformer next to 🤗 Llama", columns(args.compile_step), table_rows(saved))
     return report.finish(saved, args, SECTION)

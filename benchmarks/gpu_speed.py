@@ -281,24 +281,8 @@ def training_tokens_per_second(model, batch: int, length: int, device, repeats: 
 def decoding_tokens_per_second(model, context: int, steps: int, device, repeats: int) -> float:
     """Greedy steps of one token through the forward with the cache, after a prompt of ``context`` tokens (batch 1);
     each timed round continues from where the last one stopped."""
-    import torch
-
-    from memlm.compat import cache_keyword, output_cache
-
-    cache_argument = cache_keyword(model)
-    generator = torch.Generator(device=device).manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (1, context), device=device, generator=generator)
-    with torch.no_grad():
-        cache = output_cache(model(prompt, use_cache=True, logits_to_keep=1))
-    token = prompt[:, -1:]
-
-    def steps_once():
-        nonlocal token
-        with torch.no_grad():
-            for _ in range(steps):
-                token = model(token, use_cache=True, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
-
-    return steps / event_seconds(steps_once, device, warmup=1, repeats=repeats)
+    decoding = report.Decoding(model, context, steps, device=device)
+    return steps / event_seconds(decoding, device, warmup=1, repeats=repeats)
 
 
 def model_plan(compiled: bool) -> list[tuple[str, str, str, bool, str]]:

@@ -330,26 +330,6 @@ def at_seconds(curve: list[dict], budget: float) -> float:
 # --- decoding, cache and memory --------------------------------------------------------------------------------------
 
 
-def cache_bytes(cache) -> int:
-    """Bytes of every distinct tensor storage reachable from a cache object."""
-    seen, total, stack, visited = set(), 0, [cache], set()
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif hasattr(value, "__dict__") and id(value) not in visited:
-            visited.add(id(value))
-            stack.extend(vars(value).values())
-    return total
-
-
 def forward_with_cache(model, name: str, tokens, cache):
     """(logits, cache) of `tokens` after `cache`, through the keyword the model takes on the installed 🤗 (`cache`;
     before 🤗 5.24 `past_key_values`, or `cache_params` for 🤗 Mamba)."""
@@ -372,7 +352,7 @@ def decode_measurements(model, name: str, context_tokens: torch.Tensor, args) ->
                 chunk = context_tokens[None, start : min(start + 1024, context)]
                 logits, cache = forward_with_cache(model, name, chunk, cache)
         done = context
-        stored = cache_bytes(cache)
+        stored = report.cache_bytes(cache)
         decoding = copy.deepcopy(cache)
         token = logits[:, -1:].argmax(-1)
         started = time.perf_counter()

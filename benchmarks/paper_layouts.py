@@ -25,8 +25,6 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from memlm.compat import cache_keyword, output_cache
-
 try:  # run as a script (python benchmarks/paper_layouts.py) or imported as benchmarks.paper_layouts
     import report
 except ImportError:
@@ -173,40 +171,6 @@ def training_peak_megabytes(config, length: int, batch_size: int) -> float | Non
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def tensor_bytes(value, seen=None) -> int:
-    """Bytes of the tensors in `value` (a tensor, a list or tuple, or an object's attributes, one level at a time)."""
-    seen = set() if seen is None else seen
-    if isinstance(value, torch.Tensor):
-        if id(value) in seen:
-            return 0
-        seen.add(id(value))
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(item, seen) for item in value)
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return sum(tensor_bytes(item, seen) for item in vars(value).values())
-    return 0
-
-
-def decode_steps(model, context: int, steps: int, sizes: dict | None = None):
-    cache_argument = cache_keyword(model)
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, VOCAB_SIZE, (1, context), generator=generator)
-    with torch.no_grad():
-        cache = output_cache(model(prompt, use_cache=True, logits_to_keep=1))
-    if sizes is not None:  # what the memory holds after the prompt
-        sizes["cache_bytes"] = tensor_bytes(list(cache.layers))
-    token = prompt[:, -1:]
-
-    def run():
-        nonlocal token
-        with torch.no_grad():
-            for _ in range(steps):
-                token = model(token, use_cache=True, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
-
-    return run
-
-
 def measure(args) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
@@ -229,21 +193,16 @@ def measure(args) -> list[dict]:
             1,
             args.repeats,
         )
-        cache_sizes = {name: {} for name in models}
-        decoding = report.interleaved_median_times(
-            {
-                name: decode_steps(model, context, args.decode_steps, cache_sizes[name])
-                for name, model in models.items()
-            },
-            1,
-            args.repeats,
-        )
+        decodings = {name: report.Decoding(model, context, args.decode_steps) for name, model in models.items()}
+        # What the memory holds after the prompt.
+        cache_sizes = {name: report.cache_bytes(list(decoding.cache.layers)) for name, decoding in decodings.items()}
+        decoding = report.interleaved_median_times(decodings, 1, args.repeats)
         row = {"family": family, "training_shape": f"{batch_size} × {length}", "context": context}
         for name in models:
             row[f"{name}_parameters"] = parameters[name]
             row[f"{name}_training_tokens_per_s"] = batch_size * length / training[name]
             row[f"{name}_decode_tokens_per_s"] = args.decode_steps / decoding[name]
-            row[f"{name}_cache_megabytes"] = cache_sizes[name]["cache_bytes"] / 2**20
+            row[f"{name}_cache_megabytes"] = cache_sizes[name] / 2**20
             row[f"{name}_training_peak_megabytes"] = peaks[name]
         for kind in ("training", "decode"):
             row[f"{kind}_official_over_default"] = (

@@ -4,7 +4,8 @@
   run that checks the script), `--json`, and for a script with a section of the speed page `--write-docs` and
   `--report RESULTS_JSON`;
 - the start of a run (`start`: torch's threads, the machine line) and its end (`finish`: the JSON, the docs);
-- timing: `median_seconds` for one function, `interleaved_median_times` for several timed in turns;
+- timing: `median_seconds` for one function, `interleaved_median_times` for several timed in turns, `Decoding` for
+  greedy decoding after a prefill, and `cache_bytes` for what a cache holds;
 - the tables: `print_table` for the terminal, `markdown_table` for the docs.
 
 A script with a section of `docs/performance/speed.md` (a `Section`) keeps it between two markers and rewrites it
@@ -121,6 +122,65 @@ def finish(results: dict, args: argparse.Namespace, section: Section | None = No
 def median_seconds(function, warmup: int, repeats: int) -> float:
     """Median wall-clock seconds of `function()` over `repeats` runs after `warmup` untimed ones."""
     return interleaved_median_times({"function": function}, warmup, repeats)["function"]
+
+
+class Decoding:
+    """Greedy decoding for timing: a prefill of `context` random tokens (seeded) at batch `batch_size`, then each call
+    runs `steps` greedy steps of one token per row through the model's forward with its cache (under the keyword the
+    installed 🤗 gives it: `cache`, before 5.24 `past_key_values`, `cache_params` for 🤗 Mamba), carrying the tokens
+    and the cache on to the next call; `cache` is the latest. The prompt is drawn on the CPU and moved to `device`;
+    with `prefill_chunk` it is read that many tokens at a time."""
+
+    def __init__(self, model, context: int, steps: int, batch_size: int = 1, seed: int = 0, device=None,
+                 prefill_chunk: int | None = None):  # fmt: skip
+        import torch
+
+        from memlm.compat import cache_keyword, output_cache
+
+        self.model, self.steps, self.output_cache = model.eval(), steps, output_cache
+        self.keyword = cache_keyword(model)
+        generator = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator).to(device)
+        self.cache = None
+        with (
+            torch.no_grad()
+        ):  # in pieces of `prefill_chunk` tokens, carrying the cache (bounds a long prompt's memory)
+            for start in range(0, context, prefill_chunk or context):
+                piece = prompt[:, start : start + (prefill_chunk or context)]
+                cached = {} if self.cache is None else {self.keyword: self.cache}
+                self.cache = output_cache(model(piece, use_cache=True, logits_to_keep=1, **cached))
+        self.token = prompt[:, -1:]
+
+    def __call__(self):
+        import torch
+
+        with torch.no_grad():
+            for _ in range(self.steps):
+                output = self.model(self.token, use_cache=True, logits_to_keep=1, **{self.keyword: self.cache})
+                self.cache, self.token = self.output_cache(output), output.logits[:, -1:].argmax(-1)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of every distinct tensor storage reachable from a cache object (memlm's memories, a Transformer's keys
+    and values, whatever the class keeps them in; a preallocated buffer counts whole)."""
+    import torch
+
+    seen, total, stack, visited = set(), 0, [cache], set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif hasattr(value, "__dict__") and id(value) not in visited:
+            visited.add(id(value))
+            stack.extend(vars(value).values())
+    return total
 
 
 def machine() -> dict:

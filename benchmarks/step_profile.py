@@ -48,7 +48,7 @@ def build(name: str, decode: bool = False, context: int = 2048):
     arguments)."""
     if decode:
         models = delta_rule.comparison_models() if name in ("deltanet", "llama") else feedback.build_models()
-        return feedback.Decoding(models["llama" if name.endswith("llama") else name], context, 64)
+        return report.Decoding(models["llama" if name.endswith("llama") else name], context, 64)
     if name in ("deltanet", "llama"):
         args = delta_rule.parse_arguments([])
         model = delta_rule.comparison_models()[name]

@@ -117,7 +117,7 @@ def test_cache_bytes_counts_each_storage_once():
         def __init__(self):
             self.keys, self.view, self.other = shared, shared[:2], [torch.zeros(3, dtype=torch.float64)]
 
-    assert benchmark.cache_bytes([Layer(), Layer()]) == 4 * 8 * 4 + 2 * 3 * 8
+    assert benchmark.report.cache_bytes([Layer(), Layer()]) == 4 * 8 * 4 + 2 * 3 * 8
 
 
 def test_unknown_corpus_and_bad_options_are_refused():

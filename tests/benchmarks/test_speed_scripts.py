@@ -150,6 +150,27 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
         assert abs(row["training_peak_official_over_default"] - peaks[0] / peaks[1]) < 1e-9
 
 
+def test_batched_decoding_times_every_batch_and_context_and_a_fixed_memory_does_not_grow(tmp_path):
+    """benchmarks/batched_decoding.py --quick: a row per (batch, context), every model in it but 🤗 Mamba beyond
+    --mamba-context, ratios to Llama from the row's own numbers; DeltaNet's cache keeps its size as the context grows
+    while Llama's keys and values grow with it (and with the batch)."""
+    results = run_script("batched_decoding.py", "--quick", "--mamba-context", "8", output=tmp_path / "results.json")
+    rows = {(row["batch_size"], row["context"]): row for row in results["rows"]}
+    assert list(rows) == [(1, 8), (1, 40), (3, 8), (3, 40)]
+    for (_, context), row in rows.items():
+        assert ("mamba_tokens_per_s" in row) == (context <= 8)
+        for name in ("deltanet", "expire_span", "feedback", "llama"):
+            assert row[f"{name}_tokens_per_s"] > 0 and row[f"{name}_cache_megabytes"] > 0
+            assert abs(row[f"{name}_over_llama"] - row[f"{name}_tokens_per_s"] / row["llama_tokens_per_s"]) < 1e-9
+    for batch_size in (1, 3):
+        short, long = rows[batch_size, 8], rows[batch_size, 40]
+        assert short["deltanet_cache_megabytes"] == long["deltanet_cache_megabytes"]
+        assert (
+            long["llama_cache_megabytes"] > 4 * short["llama_cache_megabytes"]
+        )  # 40 keys and values per layer, not 8
+    assert rows[3, 40]["llama_cache_megabytes"] == pytest.approx(3 * rows[1, 40]["llama_cache_megabytes"], rel=0.05)
+
+
 def test_compiled_decoding_compares_eager_and_compiled_and_times_first_compiles(tmp_path):
     """benchmarks/compiled_decoding.py --quick (Dynamo only, in one process): both ways of decoding for the three
     models, and the first compiles of each family, Expire-Span's decoding step left out (generate decodes it eagerly)."""
