@@ -32,7 +32,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -73,34 +72,7 @@ def median_milliseconds(function, device, repeats: int = 3) -> float:
         import triton.testing
 
         return float(triton.testing.do_bench(function, warmup=25, rep=100, return_mode="median"))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def event_seconds(function, device, warmup: int, repeats: int) -> float:
-    """Median seconds of ``function()`` after ``warmup`` untimed calls: CUDA events on CUDA, else ``perf_counter``."""
-    import torch
-
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            function()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            function()
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    return report.median_seconds(function, 0, repeats) * 1e3
 
 
 def synchronize(device) -> None:
@@ -273,7 +245,7 @@ def training_tokens_per_second(model, batch: int, length: int, device, repeats: 
 
     model.train()
     try:
-        return batch * length / event_seconds(step, device, warmup=2, repeats=repeats)
+        return batch * length / report.median_seconds(step, 2, repeats, device)
     finally:
         model.eval()
 
@@ -282,7 +254,7 @@ def decoding_tokens_per_second(model, context: int, steps: int, device, repeats:
     """Greedy steps of one token through the forward with the cache, after a prompt of ``context`` tokens (batch 1);
     each timed round continues from where the last one stopped."""
     decoding = report.Decoding(model, context, steps, device=device)
-    return steps / event_seconds(decoding, device, warmup=1, repeats=repeats)
+    return steps / report.median_seconds(decoding, 1, repeats, device)
 
 
 def model_plan(compiled: bool) -> list[tuple[str, str, str, bool, str]]:

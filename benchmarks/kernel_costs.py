@@ -52,9 +52,7 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -91,21 +89,9 @@ def measure(function, repeats: int, device) -> tuple[float, float]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-    timings = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            function()
-            end.record()
-            torch.cuda.synchronize()
-            timings.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            function()
-            timings.append((time.perf_counter() - began) * 1e3)
+    milliseconds = report.median_seconds(function, 0, repeats, device) * 1e3
     peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20 if cuda else float("nan")
-    return statistics.median(timings), peak
+    return milliseconds, peak
 
 
 def forward_backward(run, inputs):

@@ -119,9 +119,24 @@ def finish(results: dict, args: argparse.Namespace, section: Section | None = No
     return results
 
 
-def median_seconds(function, warmup: int, repeats: int) -> float:
-    """Median wall-clock seconds of `function()` over `repeats` runs after `warmup` untimed ones."""
-    return interleaved_median_times({"function": function}, warmup, repeats)["function"]
+def median_seconds(function, warmup: int, repeats: int, device=None) -> float:
+    """Median seconds of `function()` over `repeats` runs after `warmup` untimed ones: wall-clock time, or on a CUDA
+    `device` the time between two CUDA events around each run."""
+    if device is None or device.type != "cuda":
+        return interleaved_median_times({"function": function}, warmup, repeats)["function"]
+    import torch
+
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 class Decoding:
