@@ -103,7 +103,23 @@ def docs_section(results: dict) -> str:
             "counts the tokens of every row; cache = the bytes its tensors hold after the prompt (🤗 Mamba only up to "
             f"{settings['mamba_context']} tokens of context: its PyTorch prefill is a loop over the tokens).",
             report.markdown_table(columns(settings["models"]), results["rows"]),
+            goals(results["rows"]),
         ]
+    )
+
+
+def goals(rows: list[dict]) -> str:
+    """Issue 40's goals for DeltaNet, judged from the rows: at least Llama's speed in every cell, and at least ten
+    times it at the largest batch after the longest context."""
+    lowest = min(rows, key=lambda row: row["deltanet_over_llama"])
+    largest = max(rows, key=lambda row: (row["batch_size"], row["context"]))
+    every = lowest["deltanet_over_llama"] >= 1
+    far = largest["deltanet_over_llama"] >= 10
+    return (
+        f"DeltaNet over Llama: at least 1× in every cell — {'met' if every else 'missed'} (lowest "
+        f"{lowest['deltanet_over_llama']:.2f}× at batch {lowest['batch_size']} after {lowest['context']} tokens); at "
+        f"least 10× at batch {largest['batch_size']} after {largest['context']} tokens — {'met' if far else 'missed'} "
+        f"({largest['deltanet_over_llama']:.2f}×)."
     )
 
 

@@ -108,11 +108,17 @@ SPEED_SECTIONS = {
     "paper_layouts": ("paper_layouts.py", "paper_layouts.json", "docs_section"),
     "speculative_decoding": ("speculative_decoding.py", "speculative_decoding.json", "docs_section"),
     "compiled_decoding": ("compiled_decoding.py", "compiled_decoding.json", "docs_section"),
+    "batched_decoding": ("batched_decoding.py", "batched_decoding.json", "docs_section"),
     # The report of a `make gpu-check` run on a GPU; until one is kept the section says it is not measured.
     "gpu_check": ("gpu_speed.py", "gpu_check.json", "docs_section"),
     "kernel_costs_static_sm_90": ("kernel_costs.py", "kernel_costs_static_sm_90.json", "static_section"),
     "kernel_costs_static_sm_80": ("kernel_costs.py", "kernel_costs_static_sm_80.json", "static_section"),
 }
+
+
+def test_every_measured_section_of_the_speed_page_is_checked_against_its_json():
+    page = (ROOT / "docs" / "performance" / "speed.md").read_text(encoding="utf-8")
+    assert sorted(re.findall(r"<!-- (\w+): begin;", page)) == sorted(SPEED_SECTIONS)
 
 
 @pytest.mark.parametrize("section", sorted(SPEED_SECTIONS))
