@@ -140,13 +140,13 @@ def median_seconds(function, warmup: int, repeats: int, device=None) -> float:
 
 
 class Decoding:
-    """Greedy decoding for timing: a prefill of `context` random tokens (seeded) at batch `batch_size`, then each call
+    """Greedy decoding for timing: a prefill of `context` random tokens (seed 0) at batch `batch_size`, then each call
     runs `steps` greedy steps of one token per row through the model's forward with its cache (under the keyword the
     installed 🤗 gives it: `cache`, before 5.24 `past_key_values`, `cache_params` for 🤗 Mamba), carrying the tokens
     and the cache on to the next call; `cache` is the latest. The prompt is drawn on the CPU and moved to `device`;
     with `prefill_chunk` it is read that many tokens at a time."""
 
-    def __init__(self, model, context: int, steps: int, batch_size: int = 1, seed: int = 0, device=None,
+    def __init__(self, model, context: int, steps: int, batch_size: int = 1, device=None,
                  prefill_chunk: int | None = None):  # fmt: skip
         import torch
 
@@ -154,12 +154,11 @@ class Decoding:
 
         self.model, self.steps, self.output_cache = model.eval(), steps, output_cache
         self.keyword = cache_keyword(model)
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=generator).to(device)
         self.cache = None
-        with (
-            torch.no_grad()
-        ):  # in pieces of `prefill_chunk` tokens, carrying the cache (bounds a long prompt's memory)
+        # The prompt in pieces of `prefill_chunk` tokens, carrying the cache (bounds a long prompt's memory).
+        with torch.no_grad():
             for start in range(0, context, prefill_chunk or context):
                 piece = prompt[:, start : start + (prefill_chunk or context)]
                 cached = {} if self.cache is None else {self.keyword: self.cache}

@@ -150,7 +150,7 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
         assert abs(row["training_peak_official_over_default"] - peaks[0] / peaks[1]) < 1e-9
 
 
-def test_batched_decoding_times_every_batch_and_context_and_a_fixed_memory_does_not_grow(tmp_path):
+def test_batched_decoding_times_every_batch_and_context_and_a_fixed_memory_does_not_grow(tmp_path, monkeypatch):
     """benchmarks/batched_decoding.py --quick: a row per (batch, context), every model in it but 🤗 Mamba beyond
     --mamba-context, ratios to Llama from the row's own numbers; DeltaNet's cache keeps its size as the context grows
     while Llama's keys and values grow with it (and with the batch)."""
@@ -169,6 +169,12 @@ def test_batched_decoding_times_every_batch_and_context_and_a_fixed_memory_does_
             long["llama_cache_megabytes"] > 4 * short["llama_cache_megabytes"]
         )  # 40 keys and values per layer, not 8
     assert rows[3, 40]["llama_cache_megabytes"] == pytest.approx(3 * rows[1, 40]["llama_cache_megabytes"], rel=0.05)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import batched_decoding
+
+    assert batched_decoding.parse_arguments(["--models", "llama", "deltanet"]).models == ["deltanet", "llama"]
+    with pytest.raises(SystemExit):
+        batched_decoding.parse_arguments(["--contexts", "0"])
 
 
 def test_compiled_decoding_compares_eager_and_compiled_and_times_first_compiles(tmp_path):

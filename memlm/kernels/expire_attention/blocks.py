@@ -51,9 +51,9 @@ def run_layer_over_blocks(layer, hidden_states, blocks: list[Block], memory, kee
     """One layer over the blocks in order. `layer(block_hidden_states, positions, valid, cos, sin, memory=...,
     first_positions=..., recompute_memory=..., keep_span_inputs=..., last_block=..., **options)` returns the block's
     output, the memories after the block as the next block reads them (the earlier ones, pruned, then the block's),
-    its spans, its span-loss sum and its number of memories read. `recompute_memory`: the first block computes the carried
-    memories' keys, values and spans again from their hidden states (later blocks read memories made with the same
-    weights).
+    its spans, its span-loss sum and its number of memories read. `recompute_memory`: the first block computes the
+    carried memories' keys, values and spans again from their hidden states (later blocks read memories made with the
+    same weights).
 
     Returns the layer's output (B, T, D), its memories after the last block (detached: truncated back-propagation
     through time, as the official code carries them), the spans of each block, and the summed span loss and reads."""

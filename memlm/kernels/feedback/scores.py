@@ -151,9 +151,9 @@ def read_memory(model, layer_idx: int, store, step: int, positions: torch.Tensor
     bias, relative = shared
     if bias is None:  # each layer's own relative bias (and the adaptive span's trimmed window)
         bias = read_bias(model, layer_idx, store, group, step, positions, query)
-    seed = weights_dropout_seed(model, layer_idx, step)
-    if model.default_step:
+    if model.default_step:  # (decoding's path: no dropout on the weights, no other terms)
         return store.read(group, step, query, bias.to(query.dtype))
+    seed = weights_dropout_seed(model, layer_idx, step)
     if not model.shared_bias:  # the official blocks with a relative bias per layer
         transform = weights_transform(model, attention, store.window(group, step), positions, seed=seed)
         return store.read(group, step, query, bias, transform)
