@@ -479,6 +479,8 @@ class StaticMemoryCacheLayer(MemoryCacheLayer):
         unless gradients flow through it. The first state also moves the token count to its device, where a compiled
         step adds to it."""
         current = getattr(self, name)
+        if new is current:  # written where it lies (DeltaNet's decoding step)
+            return
         if new is not None and not self.record_past and writes_in_place(current, new):
             current.copy_(new)
             return

@@ -32,7 +32,7 @@ from ..kernels.delta_rule.feature_map import dpfp
 from ..kernels.delta_rule.hub_function import chunk_gated_delta_rule, swapped_kernel
 from ..kernels.delta_rule.packing import PaddingPacker
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub, use_kernelized_func
-from .layers import RMSNorm, add_sublayer_output, make_mlp, make_norm, sublayer_input
+from .layers import RMSNorm, add_sublayer_output, dropout, make_mlp, make_norm, sublayer_input
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -46,6 +46,7 @@ from .memory import (
     embed_inputs,
     keeps_non_finite_in_place,
     past_length_to_check,
+    writes_in_place,
     zero_padding,
 )
 
@@ -263,6 +264,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         cu_seqlens_cpu: list[int] | None = None,
         key_sum: torch.Tensor | None = None,
         return_writes: bool = False,
+        state_in_place: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, tuple | None]:
         """hidden_states (B, T, D); attention_mask (B, T), 1 for each row's real tokens, which come first, and 0 for
         the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32,
@@ -271,7 +273,8 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         hidden_states (1, N, D) hold S sequences back to back (`PaddingPacker`) and nothing is padded; cu_seqlens_cpu
         is the same offsets on the host, so that the kernels read nothing back from the device. `return_writes`
         (a cache recording its past): also return what the input wrote, the short convolution's inputs and the keys,
-        values and β as the rule took them (see `DeltaNetWrites`); else None in its place."""
+        values and β as the rule took them (see `DeltaNetWrites`); else None in its place. `state_in_place`: the
+        rule may write the new fast weights into `fast_weights` and return them (a decoding cache's own tensor)."""
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
         projections = (self.q_proj, self.k_proj, self.v_proj)
@@ -326,7 +329,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             output, new_state = delta_rule(
                 query, key, value, beta, initial_state=fast_weights, output_final_state=return_state,
                 chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                hub_kernel=swapped_kernel(self),
+                hub_kernel=swapped_kernel(self), in_place=state_in_place,
             )  # fmt: skip
             if self.config.attention_normalizer:
                 # Paper Eqs. 26-28 on the output only (the official attn_type 24/26): o_t / (z_tᵀq_t + eps).
@@ -343,6 +346,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             output, new_state = sum_rule(
                 query, key, value, initial_state=fast_weights, output_final_state=return_state,
                 chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                in_place=state_in_place,
             )  # fmt: skip
             if self.config.attention_normalizer:
                 output = output[..., :-1] / (output[..., -1:] + self.config.attention_normalizer_eps)
@@ -386,17 +390,18 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         cu_seqlens_cpu: list[int] | None = None,
         key_sum: torch.Tensor | None = None,
         return_writes: bool = False,
+        state_in_place: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, tuple | None]:
         mixed, fast_weights, convolution_tail, key_sum, writes = self.attention(
             sublayer_input(hidden_states, self.input_layernorm, self.norm_position), attention_mask, fast_weights,
-            convolution_tail, return_state, cu_seqlens, cu_seqlens_cpu, key_sum, return_writes,
+            convolution_tail, return_state, cu_seqlens, cu_seqlens_cpu, key_sum, return_writes, state_in_place,
         )  # fmt: skip
         hidden_states = add_sublayer_output(
-            hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
+            hidden_states, dropout(self.dropout, mixed), self.input_layernorm, self.norm_position
         )
         mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
         hidden_states = add_sublayer_output(
-            hidden_states, self.dropout(mlp_output), self.post_attention_layernorm, self.norm_position
+            hidden_states, dropout(self.dropout, mlp_output), self.post_attention_layernorm, self.norm_position
         )
         return hidden_states, fast_weights, convolution_tail, key_sum, writes
 
@@ -672,7 +677,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             inputs_embeds = inputs_embeds * self.config.embedding_scale  # Transformer-XL: √d
         if self.config.position_encoding == "sinusoidal":
             inputs_embeds = inputs_embeds + self.sinusoidal_positions(length, inputs_embeds)
-        inputs_embeds = self.embedding_dropout(inputs_embeds)
+        inputs_embeds = dropout(self.embedding_dropout, inputs_embeds)
 
         if cache is not None and not isinstance(cache, DeltaNetCache):
             raise TypeError(
@@ -731,6 +736,12 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                 cu_seqlens_cpu=None if padding is None else padding.cu_seqlens_cpu,
                 key_sum=cache_layer.key_sum if cache_layer is not None else None,
                 return_writes=recording,
+                # Decoding in eager mode: the rule updates the cache's fast weights where they lie (no new state
+                # to copy back); compiled, the cache copies them as any other state.
+                state_in_place=cache_layer is not None
+                and not recording
+                and not torch.compiler.is_compiling()
+                and writes_in_place(cache_layer.fast_weights, cache_layer.fast_weights),
             )
             if cache_layer is not None:
                 if padding is not None:  # packed documents: a row keeps its last document's memory
@@ -749,7 +760,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                     hidden_states = padding.gather(scattered)
                 all_hidden_states += (hidden_states if padding is None else scattered,)
 
-        hidden_states = self.output_dropout(self.norm(hidden_states))
+        hidden_states = dropout(self.output_dropout, self.norm(hidden_states))
         if padding is not None:
             hidden_states = padding.scatter(hidden_states)
         if output_hidden_states:

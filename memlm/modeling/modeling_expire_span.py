@@ -54,6 +54,7 @@ from .layers import (
     RotaryEmbedding,
     add_sublayer_output,
     apply_rotary,
+    dropout,
     make_mlp,
     make_norm,
     sublayer_input,
@@ -430,11 +431,11 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         else:
             memory = self.next_block_memory(memory, positions.shape[1], cos, sin, keep_span_inputs)
         hidden_states = add_sublayer_output(
-            hidden_states, self.dropout(mixed), self.input_layernorm, self.norm_position
+            hidden_states, dropout(self.dropout, mixed), self.input_layernorm, self.norm_position
         )
         mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
         hidden_states = add_sublayer_output(
-            hidden_states, self.dropout(mlp_output), self.post_attention_layernorm, self.norm_position
+            hidden_states, dropout(self.dropout, mlp_output), self.post_attention_layernorm, self.norm_position
         )
         return hidden_states, memory, spans, span_loss_sum, read
 
@@ -642,7 +643,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             token_valid = torch.ones(batch_size, length, dtype=torch.bool, device=device)
         else:
             inputs_embeds = zero_padding(inputs_embeds, token_valid)
-        inputs_embeds = self.embedding_dropout(inputs_embeds)
+        inputs_embeds = dropout(self.embedding_dropout, inputs_embeds)
 
         start_positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         if cache is not None and cache.next_positions is not None:
@@ -725,7 +726,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             widths = torch.stack([memory.valid.sum(1).amax() for memory in memories]).tolist()
             memories = compact_memories(memories, widths)
 
-        hidden_states = self.output_dropout(self.norm(hidden_states))
+        hidden_states = dropout(self.output_dropout, self.norm(hidden_states))
         hidden_states_out = None
         if output_hidden_states:
             # As in 🤗 Llama: the last entry is the normed output.

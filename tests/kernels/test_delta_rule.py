@@ -239,6 +239,43 @@ def test_delta_rule_step_matches_reference_in_float64(beta, initial_state):
     assert_matches(delta_rule, tensors, grad_output, grad_state, tolerance=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("rule", [delta_rule, sum_rule])
+def test_a_step_in_place_writes_the_new_state_into_the_old_one(rule, backend):
+    """`in_place`: a decoding cache's memory is updated where it lies (no new state to copy back), with the numbers of
+    a step that returns a new state; what cannot be updated in place (gradients, several tokens) returns a new state
+    and leaves the given one as it was."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton step runs on CPU tensors only inside Triton's interpreter")
+    tensors, _, _ = make_inputs(length=1)
+    arguments = {n: t.detach() for n, t in tensors.items() if not (n == "beta" and rule is sum_rule)}
+    state = arguments.pop("initial_state")
+    expected_output, expected_state = rule(**arguments, initial_state=state, output_final_state=True, backend=backend)
+    updated = state.clone()
+    with torch.no_grad():
+        output, final_state = rule(**arguments, initial_state=updated, output_final_state=True, backend=backend,
+                                   in_place=True)  # fmt: skip
+    assert final_state is updated
+    torch.testing.assert_close(output, expected_output, rtol=0, atol=1e-6)
+    torch.testing.assert_close(updated, expected_state, rtol=0, atol=1e-6)
+    # A transposed state: updated where it lies (the torch step) or replaced (the Triton kernel takes row-major states).
+    transposed = state.mT.contiguous().mT
+    with torch.no_grad():
+        output, final_state = rule(**arguments, initial_state=transposed, output_final_state=True, backend=backend,
+                                   in_place=True)  # fmt: skip
+    torch.testing.assert_close(final_state, expected_state, rtol=0, atol=1e-6)
+    assert (final_state is transposed) == (backend == "torch")
+    # Not in place: with autograd, and over two tokens.
+    for case in ("gradients", "tokens"):
+        given = state.clone().requires_grad_(case == "gradients")
+        inputs = {n: torch.cat([t, t], dim=2) if case == "tokens" else t for n, t in arguments.items()}
+        before = given.detach().clone()
+        _, final_state = rule(**inputs, initial_state=given, output_final_state=True, backend=backend, in_place=True)
+        assert final_state is not given and torch.equal(given.detach(), before), case
+
+
 @pytest.mark.parametrize("rule", [delta_rule, sum_rule])
 def test_token_by_token_decoding_equals_reference(rule):
     tensors, _, _ = make_inputs(length=12)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from memlm import DeltaNetConfig, DeltaNetForCausalLM
+from memlm.kernels.delta_rule import feature_map
 from memlm.kernels.delta_rule.feature_map import dpfp, dpfp_reference
 
 EPS = 1e-6
@@ -49,6 +50,23 @@ def test_lower_precisions_match_the_float64_reference(normalization, dtype):
         reference_error = (op_by_op.double() - expected_value).abs().max()
         bound = 1e-5 * expected_value.abs().max() if dtype == torch.float32 else reference_error
         assert error <= bound * 1.01 + 1e-12, (error, reference_error)
+
+
+@pytest.mark.parametrize("normalization", ["none", "sum", "l2"])
+@pytest.mark.parametrize("nu", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_few_vectors_take_fewer_ops_for_the_same_numbers(normalization, nu, dtype, monkeypatch):
+    """Without gradients, a decoding step's few vectors run in the fewest ops, large inputs write in place: the two give
+    the same bits (the same products and the same sums), zeros and negative zeros included."""
+    inputs = _inputs(dtype, shape=(2, 8, 1, 16)).detach()
+    inputs[0, 0, 0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    assert inputs.numel() <= feature_map.FEW_NUMBERS < 64 * 16 * 128 * 64  # decoding: few; a prefill: sparing
+    with torch.no_grad():
+        few = dpfp(inputs, nu, normalization, EPS)
+        monkeypatch.setattr(feature_map, "FEW_NUMBERS", 0)  # every input takes the memory-sparing path
+        sparing = dpfp(inputs, nu, normalization, EPS)
+    assert few.dtype == sparing.dtype == dtype
+    assert torch.equal(few, sparing)
 
 
 def test_sum_normalisation_of_an_all_zero_vector_is_clamped():

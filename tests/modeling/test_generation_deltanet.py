@@ -1,5 +1,7 @@
 """generate() and pipeline() with DeltaNet: the cache path gives what recomputing from scratch gives."""
 
+import copy
+
 import pytest
 import torch
 from transformers import pipeline
@@ -31,6 +33,37 @@ def test_greedy_equals_a_loop_of_full_forwards(name):
             next_token = model(sequence).logits[:, -1].argmax(-1, keepdim=True)
             sequence = torch.cat([sequence, next_token], 1)
     assert torch.equal(generated, sequence)
+
+
+@pytest.mark.parametrize("name", ["paper", "sum_rule_normalised"])
+def test_an_eager_decoding_step_updates_the_fast_weights_where_they_lie(name):
+    """After the prompt, each eager one-token step writes the new fast weights into the cache's own tensor (no new
+    state, no copy back), with the numbers of a step that makes a new state; a cache recording its past for rolling
+    back keeps the states before each forward untouched instead."""
+    model = _model(name)
+    prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    token = torch.tensor([[7], [9]])
+    with torch.no_grad():
+        cache = output_cache(model(prompt, use_cache=True))
+        before = [layer.fast_weights for layer in cache.layers]
+        values_before = [tensor.clone() for tensor in before]
+        replaced = copy.deepcopy(cache)
+        replaced.activate_past_recording()  # a recording cache takes new states
+        expected = model(token, cache=replaced, use_cache=True)
+        returned = []  # the new fast weights each layer's attention returns
+        hooks = [
+            layer.attention.register_forward_hook(lambda module, inputs, output: returned.append(output[1]))
+            for layer in model.model.layers
+        ]
+        logits = model(token, cache=cache, use_cache=True).logits
+        for hook in hooks:
+            hook.remove()
+    assert all(state is tensor is layer.fast_weights for state, tensor, layer in zip(returned, before, cache.layers))
+    torch.testing.assert_close(logits, expected.logits, rtol=0, atol=1e-6)
+    for layer, other, value_before in zip(cache.layers, replaced.layers, values_before):
+        torch.testing.assert_close(layer.fast_weights, other.fast_weights, rtol=0, atol=1e-6)
+        assert not torch.equal(layer.fast_weights, value_before)  # the step did write
+        assert torch.equal(other.recorded[0][0], value_before)  # the recording kept the state before the step
 
 
 def test_generate_returns_the_cache_and_can_continue():

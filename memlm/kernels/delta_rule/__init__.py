@@ -187,6 +187,7 @@ def delta_rule(
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
     backend: str | None = None,
     hub_kernel=None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the delta rule over a sequence (SPEC §1).
 
@@ -216,6 +217,10 @@ def delta_rule(
             :mod:`memlm.kernels.delta_rule.hub_function`; DeltaNet's layers pass theirs). It runs first, with the gate
             g = 0, whatever it covers (float16 or bfloat16, key widths up to 256, more than one token or packed
             sequences); the rest runs on ``backend``.
+        in_place: the caller's ``initial_state`` may be overwritten: a one-token step without gradients on the
+            ``"torch"`` or ``"triton"`` backend writes the new state into it when it is contiguous and in the
+            state's dtype, and returns it as the final state (a decoding cache keeps its memory without a copy);
+            anything else returns a new final state as without it.
 
     Returns:
         The output ``(B, H, T, d_v)`` in the value's dtype, and the final state ``(B, H, d_k, d_v)`` in
@@ -239,17 +244,25 @@ def delta_rule(
 
     def run(query, key, value, beta, initial_state):
         return _delta_rule(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens,
-                           offsets, backend, hub_kernel)  # fmt: skip
+                           offsets, backend, hub_kernel, in_place)  # fmt: skip
 
     return _causal_despite_non_finite(run, query, key, value, beta, initial_state, offsets)
 
 
+def _updatable(initial_state: torch.Tensor | None, *inputs: torch.Tensor | None) -> bool:
+    """Whether a one-token step may write its new state into `initial_state` (see `delta_rule`'s `in_place`)."""
+    if initial_state is None or not initial_state.is_contiguous() or _needs_gradient(initial_state, *inputs):
+        return False
+    wide = any(tensor is not None and tensor.dtype == torch.float64 for tensor in (initial_state, *inputs))
+    return initial_state.dtype == (torch.float64 if wide else torch.float32)  # the state's compute dtype
+
+
 def _delta_rule(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens, offsets, backend,
-                hub_kernel):  # fmt: skip
+                hub_kernel, in_place=False):  # fmt: skip
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
             return _delta_rule(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens,
-                               offsets, backend, hub_kernel)  # fmt: skip
+                               offsets, backend, hub_kernel, in_place)  # fmt: skip
     if hub_kernel is not None:
         from .hub_function import delta_rule_hub, hub_covers
 
@@ -274,7 +287,9 @@ def _delta_rule(query, key, value, beta, initial_state, output_final_state, chun
         if key.shape[2] == 1 and not _needs_gradient(query, key, value, beta, initial_state):
             from .triton_recurrent import delta_rule_step_triton
 
-            return delta_rule_step_triton(query, key, value, beta, initial_state, output_final_state)
+            in_place = in_place and _updatable(initial_state, query, key, value, beta)
+            return delta_rule_step_triton(query, key, value, beta, initial_state, output_final_state,
+                                          in_place=in_place)  # fmt: skip
         from .triton_chunk import delta_rule_chunk_triton
 
         return delta_rule_chunk_triton(query, key, value, beta, initial_state, output_final_state, chunk_size)
@@ -285,7 +300,7 @@ def _delta_rule(query, key, value, beta, initial_state, output_final_state, chun
     if backend == "reference":
         return delta_rule_reference(query, key, value, beta, initial_state, output_final_state)
     if key.shape[2] == 1:
-        return delta_rule_step(query, key, value, beta, initial_state, output_final_state)
+        return delta_rule_step(query, key, value, beta, initial_state, output_final_state, in_place)
     return delta_rule_chunk(query, key, value, beta, initial_state, output_final_state, chunk_size)
 
 
@@ -300,10 +315,11 @@ def sum_rule(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
     backend: str | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the sum rule (un-normalised causal linear attention) over a sequence (SPEC §1).
 
-    Same arguments and returns as :func:`delta_rule`, without ``beta``. The Triton backend covers the one-token
+    Same arguments and returns as :func:`delta_rule`, without ``beta`` and ``hub_kernel``. The Triton backend covers the one-token
     step without gradients (the fused recurrent kernel); longer inputs run the torch chunkwise implementation, and
     packed sequences (``cu_seqlens``) run one at a time. ``"fla"`` runs the same as ``"triton"``
     (flash-linear-attention has no sum rule kernel).
@@ -313,16 +329,17 @@ def sum_rule(
 
     def run(query, key, value, beta, initial_state):
         return _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets,
-                         backend)  # fmt: skip
+                         backend, in_place)  # fmt: skip
 
     return _causal_despite_non_finite(run, query, key, value, None, initial_state, offsets)
 
 
-def _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets, backend):
+def _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets, backend,
+              in_place=False):  # fmt: skip
     if torch.is_autocast_enabled(key.device.type):  # the kernels pick their own precision (state in float32)
         with torch.autocast(key.device.type, enabled=False):
             return _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets,
-                             backend)  # fmt: skip
+                             backend, in_place)  # fmt: skip
     if cu_seqlens is not None:
         return _per_sequence(offsets, output_final_state, query, key, value, None, initial_state,
                              run=lambda *inputs: sum_rule(*inputs[:3], initial_state=inputs[4], chunk_size=chunk_size,
@@ -333,7 +350,8 @@ def _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, 
         check_triton_device(key.device)
         from .triton_recurrent import sum_rule_step_triton
 
-        return sum_rule_step_triton(query, key, value, initial_state, output_final_state)
+        in_place = in_place and _updatable(initial_state, query, key, value)
+        return sum_rule_step_triton(query, key, value, initial_state, output_final_state, in_place=in_place)
     if key.shape[2] == 1:
-        return sum_rule_step(query, key, value, initial_state, output_final_state)
+        return sum_rule_step(query, key, value, initial_state, output_final_state, in_place)
     return sum_rule_chunk(query, key, value, initial_state, output_final_state, chunk_size)

@@ -52,6 +52,11 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float32
 
 
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype`, without a call when it already is (`Tensor.to` costs a dispatch even then)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def _initial_state(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -339,29 +344,44 @@ def delta_rule_step(
     beta: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One delta-rule step for decoding (T = 1): O(d_k·d_v), independent of the context length.
 
-    Same arguments and returns as :func:`delta_rule_chunk` with ``T == 1``.
+    Same arguments and returns as :func:`delta_rule_chunk` with ``T == 1``; with ``in_place`` (no autograd) the new
+    state is written into ``initial_state`` when it is contiguous and in the compute dtype, and the returned final
+    state is then ``initial_state`` itself (a decoding cache keeps its memory without copying it).
     """
     batch_size, num_heads, _, key_dim = key.shape
     value_dim = value.shape[-1]
     dtype = _compute_dtype(query, key, value, beta, initial_state)
-    # One row per (batch, head): (B·H, 1, d), so each product is a single bmm (decoding is bound by per-op overhead).
-    query_step = query.to(dtype).reshape(-1, 1, key_dim)
-    key_step = key.to(dtype).reshape(-1, 1, key_dim)
-    value_step = value.to(dtype).reshape(-1, 1, value_dim)
+    # One row per (batch, head): (B·H, 1, d), so each product is a single bmm. Decoding is bound by the number of ops
+    # (a few µs each on a CPU), so none is spent on a conversion that has nothing to do.
+    query_step = _in_dtype(query, dtype).reshape(-1, 1, key_dim)
+    key_step = _in_dtype(key, dtype).reshape(-1, 1, key_dim)
+    value_step = _in_dtype(value, dtype).reshape(-1, 1, value_dim)
     if initial_state is None:
         state = key_step.new_zeros(batch_size * num_heads, key_dim, value_dim)
     else:
-        state = initial_state.to(dtype).reshape(-1, key_dim, value_dim)
-    delta = torch.baddbmm(value_step, key_step, state, alpha=-1)  # v − v̄ with v̄ = Sᵀ k, as a row
+        state = _in_dtype(initial_state, dtype).reshape(-1, key_dim, value_dim)  # a view when it can be updated
+    delta = value_step - torch.bmm(key_step, state)  # v − v̄ with v̄ = Sᵀ k, as a row
     if beta is not None:
-        delta = delta * beta.to(dtype).reshape(-1, 1, 1)
-    state = torch.baddbmm(state, key_step.mT, delta)  # S + β k (v − v̄)ᵀ
-    output = torch.bmm(query_step, state).view(batch_size, num_heads, 1, value_dim)  # (Sᵀ q)ᵀ
-    final_state = state.view(batch_size, num_heads, key_dim, value_dim) if output_final_state else None
-    return output.to(value.dtype), final_state
+        delta = delta * _in_dtype(beta, dtype).reshape(-1, 1, 1)
+    # S + β k (v − v̄)ᵀ: an outer product, element-wise (a matrix product with an inner size of 1 costs more).
+    in_place = (
+        in_place
+        and initial_state is not None
+        and state.data_ptr() == initial_state.data_ptr()  # a view of it, not a converted copy
+        and not (torch.is_grad_enabled() and (state.requires_grad or delta.requires_grad))
+    )
+    if in_place:
+        state.addcmul_(key_step.mT, delta)
+    else:
+        state = torch.addcmul(state, key_step.mT, delta)
+    output = _in_dtype(torch.bmm(query_step, state).view(batch_size, num_heads, 1, value_dim), value.dtype)  # (Sᵀ q)ᵀ
+    if not output_final_state:
+        return output, None
+    return output, initial_state if in_place else state.view(batch_size, num_heads, key_dim, value_dim)
 
 
 def sum_rule_step(
@@ -370,11 +390,21 @@ def sum_rule_step(
     value: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One sum-rule step for decoding (T = 1): O(d_k·d_v), independent of the context length."""
+    """One sum-rule step for decoding (T = 1): O(d_k·d_v), independent of the context length; ``in_place`` as for
+    :func:`delta_rule_step`."""
     dtype = _compute_dtype(query, key, value, initial_state)
-    query_step, key_step, value_step = query.to(dtype), key.to(dtype), value.to(dtype)
-    update = key_step.mT @ value_step  # k vᵀ
-    state = update if initial_state is None else initial_state.to(dtype) + update
-    output = query_step @ state
-    return output.to(value.dtype), (state if output_final_state else None)
+    query_step, key_step, value_step = _in_dtype(query, dtype), _in_dtype(key, dtype), _in_dtype(value, dtype)
+    if initial_state is None:
+        state = key_step.mT @ value_step  # k vᵀ
+    else:
+        state = _in_dtype(initial_state, dtype)
+        in_place = (
+            in_place
+            and state is initial_state
+            and not (torch.is_grad_enabled() and (state.requires_grad or key_step.requires_grad
+                                                  or value_step.requires_grad))
+        )  # fmt: skip
+        state = state.addcmul_(key_step.mT, value_step) if in_place else torch.addcmul(state, key_step.mT, value_step)
+    return _in_dtype(query_step @ state, value.dtype), (state if output_final_state else None)
