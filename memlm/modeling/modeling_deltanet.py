@@ -32,7 +32,7 @@ from ..kernels.delta_rule.feature_map import dpfp
 from ..kernels.delta_rule.hub_function import chunk_gated_delta_rule, swapped_kernel
 from ..kernels.delta_rule.packing import PaddingPacker
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub, use_kernelized_func
-from .layers import RMSNorm, add_sublayer_output, dropout, make_mlp, make_norm, sublayer_input
+from .layers import WIDE, RMSNorm, add_sublayer_output, dropout, make_mlp, make_norm, sublayer_input
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -297,7 +297,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         new_tail = None
         if self.convolution is not None:
             projected, new_tail = self.convolution(projected, convolution_tail, lengths, cu_seqlens)
-        query_key, value = projected.split([2 * key_width, projected.shape[-1] - 2 * key_width], dim=-1)
+        query_key, value = projected.split_with_sizes([2 * key_width, projected.shape[-1] - 2 * key_width], dim=-1)
 
         # φ acts on each head's vector alone: one call for queries and keys (2H heads) when decoding, where the op
         # count matters; two calls for longer inputs, where each call's tensors are half the size, which keeps them
@@ -306,7 +306,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         # training step on a 2-core machine).
         heads = query_key.view(batch_size, length, 2 * self.num_heads, -1).transpose(1, 2)
         if length == 1:
-            query, key = self.feature_map(heads).split(self.num_heads, dim=1)
+            query, key = self.feature_map(heads).chunk(2, dim=1)
         else:
             query, key = (self.feature_map(part) for part in heads.split(self.num_heads, dim=1))
         value = value.view(batch_size, length, self.num_heads, -1).transpose(1, 2)
@@ -320,8 +320,8 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         if self.beta_proj is not None:
             # σ in float32 or wider (float64 stays float64).
             logits = self.beta_proj(hidden_states)
-            beta = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
-            beta = beta.transpose(1, 2).to(value.dtype)
+            beta = torch.sigmoid(logits if logits.dtype in WIDE else logits.float()).transpose(1, 2)
+            beta = beta if beta.dtype == value.dtype else beta.to(value.dtype)  # no call for nothing when decoding
 
         new_key_sum = None
         if self.config.update_rule == "delta":

@@ -47,8 +47,9 @@ _SEGMENT_ELEMENTS = 1 << 20
 
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """Internal math and state run in float32, or in float64 when any input is float64."""
-    if any(tensor is not None and tensor.dtype == torch.float64 for tensor in tensors):
-        return torch.float64
+    for tensor in tensors:  # a loop, not any(…): decoding calls this at every layer and step
+        if tensor is not None and tensor.dtype == torch.float64:
+            return torch.float64
     return torch.float32
 
 

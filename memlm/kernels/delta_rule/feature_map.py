@@ -61,7 +61,8 @@ def _rolled_products(rectified: torch.Tensor, nu: int) -> torch.Tensor:
 def _few_features(hidden_states: torch.Tensor, nu: int, normalization: str, eps: float) -> torch.Tensor:
     """The forward without gradients for a few vectors (a decoding step): the same numbers as `_features` in the
     fewest ops (each costs a few µs on a CPU, more than its arithmetic here), where `_features` spares the memory."""
-    inputs = hidden_states.to(_compute_dtype(hidden_states))
+    dtype = _compute_dtype(hidden_states)
+    inputs = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
     rectified = F.relu(torch.cat([inputs, inputs.neg()], dim=-1))
     if nu == 1:
         features = rectified * rectified.roll(1, dims=-1)
@@ -71,7 +72,7 @@ def _few_features(hidden_states: torch.Tensor, nu: int, normalization: str, eps:
         features.div_(features.sum(-1, keepdim=True).clamp_min_(eps))
     elif normalization == "l2":
         features.mul_(features.pow(2).sum(-1, keepdim=True).add_(eps).rsqrt_())
-    return features.to(hidden_states.dtype)
+    return features if features.dtype == hidden_states.dtype else features.to(hidden_states.dtype)
 
 
 def _features(hidden_states: torch.Tensor, nu: int, normalization: str, eps: float):
