@@ -220,6 +220,26 @@ def _set_random_state(device: torch.device, state):
         getattr(torch, device.type).set_rng_state(on_device, device)
 
 
+@torch.compiler.disable(
+    reason="memlm runs a prompt's loop over its steps or blocks outside the graph (unrolled, it took minutes to "
+    "compile): compile without fullgraph=True to run prompts; a one-token decoding step compiles to one graph"
+)
+def run_eagerly(function, *args, **kwargs):
+    """`function(*args, **kwargs)` outside any graph torch.compile traces (a graph break: it runs as in eager mode).
+    The models run so what a traced forward would otherwise unroll: a prompt's loop over its steps or blocks, whose
+    ops, repeated per token or block and per layer, took minutes to compile; a one-token step is compiled whole."""
+    return function(*args, **kwargs)
+
+
+def prompt_loop(function, length: int):
+    """`function`, the loop of a forward over `length` tokens, or, traced by torch.compile over more than one token,
+    `function` run outside the graph (`run_eagerly`). torch.export captures it whole (an exported program has no
+    eager part)."""
+    if length > 1 and torch.compiler.is_compiling() and not is_exporting():
+        return functools.partial(run_eagerly, function)
+    return function
+
+
 def past_length_to_check(cache: "MemoryCache | None") -> int | None:
     """The tokens `cache` has seen, for a forward's checks of its inputs; None while `torch.compile` traces it: a
     compileable memory counts its tokens in a tensor (`StaticMemoryCacheLayer`), which a compiled step does not read

@@ -70,6 +70,7 @@ from .memory import (
     current_padding_mask,
     embed_inputs,
     keeps_non_finite_in_place,
+    prompt_loop,
     refuse_packed_documents,
     weights_version,
     zero_padding,
@@ -700,10 +701,12 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         # A recording cache keeps, per layer, the memories before the forward and what each block found and made.
         before = [MemorySnapshot.of(cache.layers[index].memory) for index in range(len(memories))] if recording else []
         block_records = [[] for _ in before]
+        # Traced by torch.compile, a prompt's blocks run outside the graph (`prompt_loop`); a one-token step is traced.
+        over_blocks = prompt_loop(run_layer_over_blocks, length)
         for index, decoder_layer in enumerate(self.layers):
             if recording:
                 options["recording"] = block_records[index]
-            layer_output, memories[index], layer_spans, layer_span_loss, layer_read = run_layer_over_blocks(
+            layer_output, memories[index], layer_spans, layer_span_loss, layer_read = over_blocks(
                 decoder_layer, hidden_states, blocks, memories[index], keep_span_inputs, max_distance=max_distance,
                 delete_expired=self.prune_expired_memories, counted_positions=position_ids is None,
                 recompute_memory=recompute, **options,

@@ -70,6 +70,7 @@ from .memory import (
     mark_static,
     padding_first,
     past_length_to_check,
+    prompt_loop,
     refuse_packed_documents,
     restore_order,
     weights_version,
@@ -769,9 +770,11 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             layer.attention.dropout.p > 0 for layer in self.layers
         )  # fmt: skip
         self.dropout_base_seed = int(torch.randint(0, 2**62, ())) if self.training and drops_weights else None
-        # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries.
+        # The loop over the steps (paper Eq. 1 makes them sequential), with the memory the cache carries. Traced by
+        # torch.compile, a prompt's loop runs outside the graph (`prompt_loop`) on its own fast path; a one-token step
+        # (decoding) is traced whole.
         try:
-            top, all_states, window = self.recurrence(
+            top, all_states, window = prompt_loop(self.recurrence, length)(
                 self, inputs_embeds, positions, valid, memory_layers, cache.next_positions, padding_steps,
                 output_hidden_states, carry_from=cache.next_positions if recording else None,
             )  # fmt: skip

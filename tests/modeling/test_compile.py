@@ -50,22 +50,31 @@ SLOW_MASKS = [pytest.param(mask, marks=pytest.mark.slow) if mask != "left" else 
 @pytest.mark.parametrize("mask", SLOW_MASKS)
 @pytest.mark.parametrize("name", ["deltanet", "feedback"])
 def test_forward_and_decoding_step_compile_without_graph_breaks(name, mask, monkeypatch):
+    """A decoding step is one graph; so is DeltaNet's forward over a prompt. The Feedback Transformer's breaks where
+    the model runs the loop over the prompt's steps outside the graph (unrolled, it took minutes to compile), and
+    nowhere else (the rest of that frame, inside the loop's try block, runs as it is: breaks explain() counts
+    without a reason)."""
     monkeypatch.setenv("MEMLM_KERNELS", "torch")
     forward, step = _breaks(_model(name), MASKS[mask])
-    assert forward == [] and step == []
+    assert step == []
+    located = [where for where in forward if where != "?"]
+    assert located == ([] if name == "deltanet" else ["modeling/modeling_feedback_transformer.py"])
+    assert len(forward) == len(located) or name == "feedback"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_expire_span_breaks_only_to_compact_its_memories(mask, monkeypatch):
-    """Expire-Span deletes expired memories, so its memory's width is data: compiled, the layers mask dead memories
-    and the forward compacts them once at its end, the one place its graph breaks (the kernel, sdpa.py, has no
-    data-dependent branch under compile)."""
+    """Expire-Span deletes expired memories, so its memory's width is data: compiled, a decoding step's layers mask
+    dead memories and the forward compacts them once at its end, the one place its graph breaks (the kernel,
+    sdpa.py, has no data-dependent branch under compile). Over a prompt, each layer also runs its blocks outside the
+    graph (unrolled, they took a minute to compile)."""
     monkeypatch.setenv("MEMLM_KERNELS", "torch")
-    for breaks in _breaks(_model("expire_span"), MASKS[mask]):
-        located = [where for where in breaks if where != "?"]
-        assert located == ["modeling/modeling_expire_span.py"], breaks
-        assert len(breaks) <= 2, breaks
+    forward, step = _breaks(_model("expire_span"), MASKS[mask])
+    located = [where for where in step if where != "?"]
+    assert located == ["modeling/modeling_expire_span.py"] and len(step) <= 2, step
+    located = [where for where in forward if where != "?"]  # (explain() gives no reason for the blocks' breaks)
+    assert set(located) <= {"modeling/modeling_expire_span.py"}, forward
 
 
 @pytest.mark.parametrize("name", ["deltanet", pytest.param("feedback", marks=pytest.mark.slow)])

@@ -69,6 +69,7 @@ class ModelTester:
     config_class = None
     base_model_class = None
     causal_lm_class = None
+    prompt_in_one_graph = False  # torch.compile(fullgraph=True) captures a forward over a prompt
 
     def config_fields(self) -> dict:
         return {}
@@ -99,6 +100,7 @@ class DeltaNetModelTester(ModelTester):
     config_class = memlm.DeltaNetConfig
     base_model_class = memlm.DeltaNetModel
     causal_lm_class = memlm.DeltaNetForCausalLM
+    prompt_in_one_graph = True
 
     def get_config(self, **overrides):  # the flash-linear-attention layout: short convolutions and output norm
         fields = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -524,9 +526,12 @@ class TransformersContract:
 
     @pytest.mark.parametrize("call", ["forward", "decoding_step"])
     def test_torch_compile_fullgraph(self, call):
-        """One graph, no break, for a forward over a prompt and for one decoding step as `generate` makes it (cache
-        and attention mask): what 🤗's compile checks need (they run for models declaring `_can_compile_fullgraph`).
-        Compiled with the eager backend: graph capture is what is checked, not code generation."""
+        """One graph, no break, for one decoding step as `generate` makes it (cache and attention mask): what 🤗's
+        compile checks need (they run for models declaring `_can_compile_fullgraph`); for DeltaNet, for a forward over
+        a prompt too. The Feedback Transformer and Expire-Span run a prompt's loop over its steps or blocks outside the
+        graph (unrolled, it took minutes to compile): compiled without fullgraph, a prompt gives the eager logits;
+        with it, the error says why. Compiled with the eager backend: graph capture is what is checked, not code
+        generation."""
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
         model = self._model(self.model_tester.causal_lm_class, config)
         input_ids = inputs["input_ids"]
@@ -534,6 +539,11 @@ class TransformersContract:
         compiled = torch.compile(model, fullgraph=True, backend="eager")
         with torch.no_grad():
             if call == "forward":
+                if not self.model_tester.prompt_in_one_graph:
+                    with pytest.raises(Exception, match="runs a prompt's loop over its steps or blocks outside"):
+                        compiled(input_ids)
+                    torch._dynamo.reset()
+                    compiled = torch.compile(model, backend="eager")
                 torch.testing.assert_close(compiled(input_ids).logits, model(input_ids).logits)
                 return
             mask = torch.ones(input_ids.shape[0], input_ids.shape[1] + 1, dtype=torch.long)
