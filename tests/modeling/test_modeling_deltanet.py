@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from memlm import DeltaNetCache, DeltaNetConfig, DeltaNetForCausalLM, DeltaNetModel
 from memlm.compat import activation_checkpointing_enable
+from memlm.modeling.modeling_deltanet import DeltaNetShortConvolution
 from tests.conftest import DELTANET_VARIANTS
 
 
@@ -146,6 +147,22 @@ def test_projection_hooks_and_adapters_are_honoured(preset_config):
     with torch.no_grad():
         biased.bias.zero_()
     torch.testing.assert_close(attention(hidden_states)[0], doubled, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_short_convolution_of_one_token_is_the_convolution_of_its_window(dtype):
+    """Decoding: one token's output is its window (the tail, then the token) times the kernel, summed over time,
+    without a conv1d call; the tail moves on by the token. The same numbers as the convolution of the window."""
+    convolution = DeltaNetShortConvolution(12, 4).to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        convolution.weight.copy_(torch.randn(12, 1, 4, generator=generator))
+        inputs, tail = torch.randn(3, 1, 12, generator=generator), torch.randn(3, 3, 12, generator=generator)
+        output, new_tail = convolution(inputs.to(dtype), tail.to(dtype))
+        window = torch.cat([tail, inputs], dim=1).to(dtype)
+        expected = F.conv1d(window.transpose(1, 2), convolution.weight, groups=12).transpose(1, 2)
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
+    assert torch.equal(new_tail, window[:, 1:])
 
 
 def test_full_forward_equals_prefill_then_token_by_token_decoding(deltanet_config):
