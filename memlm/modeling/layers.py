@@ -137,10 +137,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """states (…, d) rotated by cos and sin (float32), computed in float32 or wider."""
     half = states.shape[-1] // 2
     rotated = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
-    dtype = torch.promote_types(states.dtype, torch.float32)
-    return (states.to(dtype) * cos + rotated.to(dtype) * sin).to(states.dtype)
+    if states.dtype in WIDE:  # no conversion call (decoding calls this twice per layer and token)
+        return states * cos + rotated * sin
+    return (states.float() * cos + rotated.float() * sin).to(states.dtype)
 
 
 class LearnedRelativePositions(nn.Module):

@@ -172,9 +172,11 @@ class ExpireSpanMemory:
     def detached(self, keep_span_inputs: bool) -> "ExpireSpanMemory":
         """The memories as later blocks read them: without gradient to the hidden states that made them, and without
         span inputs unless kept (training, so that spans follow the current parameters)."""
-        tensors = {name: None if tensor is None else tensor.detach() for name, tensor in self.tensors().items()}
+        tensors = self.tensors()
         if not keep_span_inputs:
             tensors["span_inputs"] = None
+        if any(tensor is not None and tensor.requires_grad for tensor in tensors.values()):  # (decoding: none does)
+            tensors = {name: None if tensor is None else tensor.detach() for name, tensor in tensors.items()}
         return ExpireSpanMemory(**tensors, buffer=self.buffer, expiry_slack=self.expiry_slack)
 
     def map(self, function) -> "ExpireSpanMemory":
