@@ -13,6 +13,7 @@ No progress bar is drawn when the output is not a terminal.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -83,20 +84,28 @@ def carried_bytes(cache) -> int:
     )
 
 
-def decoding_cost(model, context: int, tokens: int = 16) -> tuple[float, int]:
-    """(milliseconds per decoded token, bytes carried) for greedy steps after a random context of `context` tokens."""
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, model.config.vocab_size, (1, context), generator=generator)
+def decoding_costs(models: dict, contexts: list[int], tokens: int = 32) -> dict:
+    """{(name, context): (milliseconds per decoded token, bytes carried)} for greedy steps of each of `models` after a
+    random context of each length. The steps of every model and context take turns, so that a machine that slows down
+    for a while slows each of them alike; the median of `tokens` steps each."""
+    states = {}
     with torch.no_grad():
-        outputs = model(input_ids, use_cache=True)
-        cache, token = output_cache(outputs), outputs.logits[:, -1:].argmax(-1)
-        times = []
+        for name, model in models.items():
+            for context in contexts:
+                generator = torch.Generator().manual_seed(0)
+                input_ids = torch.randint(0, model.config.vocab_size, (1, context), generator=generator)
+                outputs = model(input_ids, use_cache=True)
+                states[name, context] = [model, output_cache(outputs), outputs.logits[:, -1:].argmax(-1), []]
         for _ in range(tokens):
-            start = time.perf_counter()
-            outputs = model(token, **with_cache(cache), use_cache=True)
-            times.append(time.perf_counter() - start)
-            cache, token = output_cache(outputs), outputs.logits[:, -1:].argmax(-1)
-    return 1000 * sorted(times)[len(times) // 2], carried_bytes(cache)
+            for state in states.values():
+                model, cache, token, times = state
+                start = time.perf_counter()
+                outputs = model(token, **with_cache(cache), use_cache=True)
+                times.append(time.perf_counter() - start)
+                state[1], state[2] = output_cache(outputs), outputs.logits[:, -1:].argmax(-1)
+    return {
+        key: (1000 * statistics.median(times), carried_bytes(cache)) for key, (_, cache, _, times) in states.items()
+    }
 
 
 def print_decoding_costs(model, contexts: list[int]):
@@ -110,9 +119,13 @@ def print_decoding_costs(model, contexts: list[int]):
                                          num_attention_heads=config.num_attention_heads,
                                          max_position_embeddings=max(contexts) + 64)).eval()  # fmt: skip
     short, long = contexts
-    print(f"\none decoded token after {short} and after {long} tokens of context (median of 16, this machine):")
-    for name, candidate in (("DeltaNet (trained above)", model.eval()), ("🤗 Llama, same sizes (untrained)", llama)):
-        (short_ms, short_bytes), (long_ms, long_bytes) = (decoding_cost(candidate, context) for context in contexts)
+    models = {"DeltaNet (trained above)": model.eval(), "🤗 Llama, same sizes (untrained)": llama}
+    costs = decoding_costs(models, contexts)
+    print(
+        f"\none decoded token after {short} and after {long} tokens of context (median of 32, in turns, this machine):"
+    )
+    for name in models:
+        (short_ms, short_bytes), (long_ms, long_bytes) = costs[name, short], costs[name, long]
         print(f"  {name}: {short_ms:.2f} → {long_ms:.2f} ms per token; memory carried {short_bytes / 1024:.0f} → "
               f"{long_bytes / 1024:.0f} KiB")  # fmt: skip
 
