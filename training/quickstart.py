@@ -85,8 +85,8 @@ def carried_bytes(cache) -> int:
 
 
 def decoding_costs(models: dict, contexts: list[int], tokens: int = 32) -> dict:
-    """{(name, context): (milliseconds per decoded token, bytes carried)} for greedy steps of each of `models` after a
-    random context of each length. The steps of every model and context take turns, so that a machine that slows down
+    """{(name, context): (milliseconds per decoded token, bytes carried after the context)} for greedy steps of each of
+    `models` after a random context of each length. The steps of every model and context take turns, so that a machine that slows down
     for a while slows each of them alike; the median of `tokens` steps each."""
     states = {}
     with torch.no_grad():
@@ -95,17 +95,16 @@ def decoding_costs(models: dict, contexts: list[int], tokens: int = 32) -> dict:
                 generator = torch.Generator().manual_seed(0)
                 input_ids = torch.randint(0, model.config.vocab_size, (1, context), generator=generator)
                 outputs = model(input_ids, use_cache=True)
-                states[name, context] = [model, output_cache(outputs), outputs.logits[:, -1:].argmax(-1), []]
+                cache = output_cache(outputs)  # its bytes after the context, before the timed steps add to it
+                states[name, context] = [model, cache, outputs.logits[:, -1:].argmax(-1), [], carried_bytes(cache)]
         for _ in range(tokens):
             for state in states.values():
-                model, cache, token, times = state
+                model, cache, token, times, _ = state
                 start = time.perf_counter()
                 outputs = model(token, **with_cache(cache), use_cache=True)
                 times.append(time.perf_counter() - start)
                 state[1], state[2] = output_cache(outputs), outputs.logits[:, -1:].argmax(-1)
-    return {
-        key: (1000 * statistics.median(times), carried_bytes(cache)) for key, (_, cache, _, times) in states.items()
-    }
+    return {key: (1000 * statistics.median(times), carried) for key, (*_, times, carried) in states.items()}
 
 
 def print_decoding_costs(model, contexts: list[int]):
