@@ -41,6 +41,7 @@ __all__ = [
     "describe_backend",
     "flash_linear_attention_available",
     "flash_linear_attention_version",
+    "in_dtype",
     "resolve_backend",
     "triton_available",
 ]
@@ -175,6 +176,12 @@ def collecting_unchecked_sums():
         yield sums
     finally:
         _COLLECTED_SUMS.reset(token)
+
+
+def in_dtype(tensor, dtype):
+    """`tensor` in `dtype`, without a call when it already is: `Tensor.to` costs a dispatch even then, and a decoding
+    step, bound by its number of calls on a CPU, converts at every layer."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def checked_at_every_call(device) -> bool:

@@ -26,7 +26,7 @@ from transformers.utils import logging
 from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
-from ..kernels import describe_backend, resolve_backend
+from ..kernels import describe_backend, in_dtype, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
 from ..kernels.delta_rule.feature_map import dpfp
 from ..kernels.delta_rule.hub_function import chunk_gated_delta_rule, swapped_kernel
@@ -98,7 +98,7 @@ class DeltaNetShortConvolution(nn.Module):
         width = self.kernel_size - 1
         if tail is None:
             tail = inputs.new_zeros(batch_size, width, channels)
-        window = torch.cat([tail if tail.dtype == inputs.dtype else tail.to(inputs.dtype), inputs], dim=1)
+        window = torch.cat([in_dtype(tail, inputs.dtype), inputs], dim=1)
         if inputs.shape[1] == 1:
             # One token (decoding): its output is the window times the kernel, summed over time. A depthwise conv1d
             # call costs ten times these two ops on a CPU.
@@ -190,7 +190,7 @@ class DeltaNetFeatureMap(nn.Module):
         if self.normalization == "l2":
             wide = features if features.dtype in WIDE else features.float()  # float64 stays float64
             normed = wide * torch.rsqrt(wide.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
-            return normed if normed.dtype == features.dtype else normed.to(features.dtype)
+            return in_dtype(normed, features.dtype)
         return features
 
 
@@ -327,7 +327,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             # σ in float32 or wider (float64 stays float64).
             logits = self.beta_proj(hidden_states)
             beta = torch.sigmoid(logits if logits.dtype in WIDE else logits.float()).transpose(1, 2)
-            beta = beta if beta.dtype == value.dtype else beta.to(value.dtype)  # no call for nothing when decoding
+            beta = in_dtype(beta, value.dtype)
 
         new_key_sum = None
         if self.config.update_rule == "delta":

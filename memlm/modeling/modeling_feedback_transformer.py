@@ -54,6 +54,7 @@ from .layers import (
     PlainMLP,
     RMSNorm,
     RotaryEmbedding,
+    dropout,
     make_mlp,
     make_norm,
 )
@@ -717,8 +718,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         inputs_embeds = embed_inputs(input_ids, inputs_embeds, self.embed_tokens)
         if self.embedding_scale != 1:
             inputs_embeds = inputs_embeds * self.embedding_scale
-        if self.training and self.embedding_dropout.p > 0:
-            inputs_embeds = self.embedding_dropout(inputs_embeds)
+        inputs_embeds = dropout(self.embedding_dropout, inputs_embeds)
         batch_size, length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
         cache = FeedbackCache.given_or_new(cache, config, batch_size)
@@ -787,8 +787,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             return restore_order(states, order)
 
         hidden_states = restored(self.norm(top))
-        if self.training and self.output_dropout.p > 0:
-            hidden_states = self.output_dropout(hidden_states)
+        hidden_states = dropout(self.output_dropout, hidden_states)
         hidden_states_out = None
         if output_hidden_states:
             # As in 🤗 Llama: the embeddings, each layer's output but the last, and the normed output.

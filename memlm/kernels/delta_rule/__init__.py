@@ -319,9 +319,9 @@ def sum_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the sum rule (un-normalised causal linear attention) over a sequence (SPEC §1).
 
-    Same arguments and returns as :func:`delta_rule`, without ``beta`` and ``hub_kernel``. The Triton backend covers the one-token
-    step without gradients (the fused recurrent kernel); longer inputs run the torch chunkwise implementation, and
-    packed sequences (``cu_seqlens``) run one at a time. ``"fla"`` runs the same as ``"triton"``
+    Same arguments and returns as :func:`delta_rule`, without ``beta`` and ``hub_kernel``. The Triton backend covers
+    the one-token step without gradients (the fused recurrent kernel); longer inputs run the torch chunkwise
+    implementation, and packed sequences (``cu_seqlens``) run one at a time. ``"fla"`` runs the same as ``"triton"``
     (flash-linear-attention has no sum rule kernel).
     """
     offsets = _check_inputs(query, key, value, None, initial_state, chunk_size, cu_seqlens, cu_seqlens_cpu)

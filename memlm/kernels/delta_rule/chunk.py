@@ -37,6 +37,8 @@ The readable definition is ``reference.py``; the tests check this file against i
 import torch
 import torch.nn.functional as F
 
+from memlm.kernels import in_dtype
+
 __all__ = ["delta_rule_chunk", "delta_rule_step", "sum_rule_chunk", "sum_rule_step"]
 
 
@@ -51,11 +53,6 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
         if tensor is not None and tensor.dtype == torch.float64:
             return torch.float64
     return torch.float32
-
-
-def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor` in `dtype`, without a call when it already is (`Tensor.to` costs a dispatch even then)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _initial_state(
@@ -358,16 +355,16 @@ def delta_rule_step(
     dtype = _compute_dtype(query, key, value, beta, initial_state)
     # One row per (batch, head): (B·H, 1, d), so each product is a single bmm. Decoding is bound by the number of ops
     # (a few µs each on a CPU), so none is spent on a conversion that has nothing to do.
-    query_step = _in_dtype(query, dtype).reshape(-1, 1, key_dim)
-    key_step = _in_dtype(key, dtype).reshape(-1, 1, key_dim)
-    value_step = _in_dtype(value, dtype).reshape(-1, 1, value_dim)
+    query_step = in_dtype(query, dtype).reshape(-1, 1, key_dim)
+    key_step = in_dtype(key, dtype).reshape(-1, 1, key_dim)
+    value_step = in_dtype(value, dtype).reshape(-1, 1, value_dim)
     if initial_state is None:
         state = key_step.new_zeros(batch_size * num_heads, key_dim, value_dim)
     else:
-        state = _in_dtype(initial_state, dtype).reshape(-1, key_dim, value_dim)  # a view when it can be updated
+        state = in_dtype(initial_state, dtype).reshape(-1, key_dim, value_dim)  # a view when it can be updated
     delta = value_step - torch.bmm(key_step, state)  # v − v̄ with v̄ = Sᵀ k, as a row
     if beta is not None:
-        delta = delta * _in_dtype(beta, dtype).reshape(-1, 1, 1)
+        delta = delta * in_dtype(beta, dtype).reshape(-1, 1, 1)
     # S + β k (v − v̄)ᵀ: an outer product, element-wise (a matrix product with an inner size of 1 costs more).
     in_place = (
         in_place
@@ -379,7 +376,7 @@ def delta_rule_step(
         state.addcmul_(key_step.mT, delta)
     else:
         state = torch.addcmul(state, key_step.mT, delta)
-    output = _in_dtype(torch.bmm(query_step, state).view(batch_size, num_heads, 1, value_dim), value.dtype)  # (Sᵀ q)ᵀ
+    output = in_dtype(torch.bmm(query_step, state).view(batch_size, num_heads, 1, value_dim), value.dtype)  # (Sᵀ q)ᵀ
     if not output_final_state:
         return output, None
     return output, initial_state if in_place else state.view(batch_size, num_heads, key_dim, value_dim)
@@ -396,11 +393,11 @@ def sum_rule_step(
     """One sum-rule step for decoding (T = 1): O(d_k·d_v), independent of the context length; ``in_place`` as for
     :func:`delta_rule_step`."""
     dtype = _compute_dtype(query, key, value, initial_state)
-    query_step, key_step, value_step = _in_dtype(query, dtype), _in_dtype(key, dtype), _in_dtype(value, dtype)
+    query_step, key_step, value_step = in_dtype(query, dtype), in_dtype(key, dtype), in_dtype(value, dtype)
     if initial_state is None:
         state = key_step.mT @ value_step  # k vᵀ
     else:
-        state = _in_dtype(initial_state, dtype)
+        state = in_dtype(initial_state, dtype)
         in_place = (
             in_place
             and state is initial_state
@@ -408,4 +405,4 @@ def sum_rule_step(
                                                   or value_step.requires_grad))
         )  # fmt: skip
         state = state.addcmul_(key_step.mT, value_step) if in_place else torch.addcmul(state, key_step.mT, value_step)
-    return _in_dtype(query_step @ state, value.dtype), (state if output_final_state else None)
+    return in_dtype(query_step @ state, value.dtype), (state if output_final_state else None)

@@ -22,6 +22,8 @@ Half-precision inputs are computed in float32 and the result cast back (one roun
 import torch
 import torch.nn.functional as F
 
+from memlm.kernels import in_dtype
+
 __all__ = ["NORMALIZATIONS", "dpfp", "dpfp_reference"]
 
 NORMALIZATIONS = ("none", "sum", "l2")
@@ -61,8 +63,7 @@ def _rolled_products(rectified: torch.Tensor, nu: int) -> torch.Tensor:
 def _few_features(hidden_states: torch.Tensor, nu: int, normalization: str, eps: float) -> torch.Tensor:
     """The forward without gradients for a few vectors (a decoding step): the same numbers as `_features` in the
     fewest ops (each costs a few µs on a CPU, more than its arithmetic here), where `_features` spares the memory."""
-    dtype = _compute_dtype(hidden_states)
-    inputs = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
+    inputs = in_dtype(hidden_states, _compute_dtype(hidden_states))
     rectified = F.relu(torch.cat([inputs, inputs.neg()], dim=-1))
     if nu == 1:
         features = rectified * rectified.roll(1, dims=-1)
@@ -72,7 +73,7 @@ def _few_features(hidden_states: torch.Tensor, nu: int, normalization: str, eps:
         features.div_(features.sum(-1, keepdim=True).clamp_min_(eps))
     elif normalization == "l2":
         features.mul_(features.pow(2).sum(-1, keepdim=True).add_(eps).rsqrt_())
-    return features if features.dtype == hidden_states.dtype else features.to(hidden_states.dtype)
+    return in_dtype(features, hidden_states.dtype)
 
 
 def _features(hidden_states: torch.Tensor, nu: int, normalization: str, eps: float):
