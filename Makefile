@@ -45,6 +45,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" --durations=20 -n $(TEST_WORKERS)
 	$(MAKE) --no-print-directory test-recorded
 	$(BIN)/python tests/installed/check_wheel.py --python $(PYTHON)
+	$(BIN)/python tests/installed/check_quantization.py --workers $(TEST_WORKERS)
 
 # The tests that compare with numbers recorded in a file (marked `recorded` by tests/conftest.py), again with ATen's
 # portable kernels: other bits for matrix products, softmax and norms, as another processor computes them.

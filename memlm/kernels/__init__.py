@@ -29,6 +29,8 @@ import importlib.metadata
 import importlib.util
 import os
 
+import torch
+
 __all__ = [
     "BACKENDS",
     "ENVIRONMENT_VARIABLE",
@@ -42,6 +44,7 @@ __all__ = [
     "flash_linear_attention_available",
     "flash_linear_attention_version",
     "in_dtype",
+    "plain_weights",
     "resolve_backend",
     "triton_available",
 ]
@@ -182,6 +185,15 @@ def in_dtype(tensor, dtype):
     """`tensor` in `dtype`, without a call when it already is: `Tensor.to` costs a dispatch even then, and a decoding
     step, bound by its number of calls on a CPU, converts at every layer."""
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def plain_weights(*modules) -> bool:
+    """Whether every module's weight is an ordinary tensor: not a quantized tensor subclass (torchao swaps an
+    `nn.Linear`'s weight for one that implements only the module's own product) nor a packed one. A fast path that
+    reads weights itself (stacking them, passing them to a compiled function) needs this; otherwise it calls the
+    modules."""
+    return all(type(getattr(module, "weight", None)) in (torch.nn.Parameter, torch.Tensor) and
+               type(module.weight.data) is torch.Tensor for module in modules)  # fmt: skip
 
 
 def checked_at_every_call(device) -> bool:

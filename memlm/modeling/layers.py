@@ -57,6 +57,26 @@ def dropout(module: nn.Dropout, states: torch.Tensor) -> torch.Tensor:
     return module(states) if module.training and module.p > 0 else states
 
 
+# The projections with a handful of outputs (DeltaNet's β, Expire-Span's span predictor) that 🤗's loading keeps out
+# of quantization and, for a float16 checkpoint, in float32 (a model's `_keep_in_fp32_modules`): an int8 or 4-bit
+# product gains nothing on a few rows, the CPU 4-bit kernel of bitsandbytes packs rows by 32, and a span or a gate
+# read through float8 or 4 bits moves far. Their outputs are read in float32 anyway.
+SMALL_PROJECTIONS = ("beta_proj", "span_predictor")
+# The same as 🤗's patterns, which must match a module's name (bitsandbytes, quanto) and its weight's too (torchao
+# matches "model.layers.0.attention.beta_proj.weight" from its start), and serve as globs for the float16 upcast.
+KEEP_IN_FLOAT32 = [rf".*\.{name}" for name in SMALL_PROJECTIONS]
+
+
+def small_projection(module: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
+    """`module(inputs)` for one of `SMALL_PROJECTIONS`, whose weight may be float32 in a half-precision model: the
+    inputs are converted to the weight's floating dtype (a quantized weight's integer storage is left to its
+    module)."""
+    dtype = module.weight.dtype
+    if dtype != inputs.dtype and dtype.is_floating_point:
+        inputs = inputs.to(dtype)
+    return module(inputs)
+
+
 def make_norm(config, width: int | None = None) -> nn.Module:
     """The norm the config's `norm_type` names, over `width` features (default: hidden_size)."""
     width = config.hidden_size if width is None else width

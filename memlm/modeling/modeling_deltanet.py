@@ -26,13 +26,23 @@ from transformers.utils import logging
 from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
-from ..kernels import describe_backend, in_dtype, resolve_backend
+from ..kernels import describe_backend, in_dtype, plain_weights, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
 from ..kernels.delta_rule.feature_map import dpfp
 from ..kernels.delta_rule.hub_function import chunk_gated_delta_rule, swapped_kernel
 from ..kernels.delta_rule.packing import PaddingPacker
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub, use_kernelized_func
-from .layers import WIDE, RMSNorm, add_sublayer_output, dropout, make_mlp, make_norm, sublayer_input
+from .layers import (
+    KEEP_IN_FLOAT32,
+    WIDE,
+    RMSNorm,
+    add_sublayer_output,
+    dropout,
+    make_mlp,
+    make_norm,
+    small_projection,
+    sublayer_input,
+)
 from .memory import (
     CountsOwnPositions,
     MemoryCache,
@@ -284,15 +294,19 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         batch_size, length, _ = hidden_states.shape
         key_width = self.num_heads * self.key_head_dim
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if batch_size * length >= FUSED_PROJECTION_TOKENS and all(
-            type(projection) is nn.Linear and projection.bias is None and not _has_hooks(projection)
-            for projection in projections
+        if (
+            batch_size * length >= FUSED_PROJECTION_TOKENS
+            and all(
+                type(projection) is nn.Linear and projection.bias is None and not _has_hooks(projection)
+                for projection in projections
+            )
+            and plain_weights(*projections)
         ):
             # The three projections as one matrix product (their weights side by side): one pass over the activations
             # and no concatenation of (B, T, ·) outputs, forward or backward. Not for a few tokens (decoding), where
             # copying the weights side by side costs more than the products.
             projected = F.linear(hidden_states, torch.cat([projection.weight for projection in projections]))
-        else:  # a few tokens, an adapter (e.g. LoRA), a quantised layer or a hook: each module runs as it is
+        else:  # a few tokens, an adapter (e.g. LoRA), a quantised layer or weight, a hook: each module runs as it is
             projected = torch.cat([projection(hidden_states) for projection in projections], dim=-1)
         keep = lengths = None
         if attention_mask is not None:
@@ -325,7 +339,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         beta = None
         if self.beta_proj is not None:
             # σ in float32 or wider (float64 stays float64).
-            logits = self.beta_proj(hidden_states)
+            logits = small_projection(self.beta_proj, hidden_states)
             beta = torch.sigmoid(logits if logits.dtype in WIDE else logits.float()).transpose(1, 2)
             beta = in_dtype(beta, value.dtype)
 
@@ -570,6 +584,7 @@ class DeltaNetPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedModel)
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeltaNetDecoderLayer"]
+    _keep_in_fp32_modules = KEEP_IN_FLOAT32
     _skip_keys_device_placement = list(CACHE_NAMES)
     # A decoding step compiles to one graph over a memory of fixed size (with the PyTorch kernels, which CPUs run:
     # tests/modeling/test_compile.py).

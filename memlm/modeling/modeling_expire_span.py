@@ -33,6 +33,7 @@ from ..compat import (
 )
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
+from ..kernels import plain_weights
 from ..kernels.expire_attention import expire_span_attention
 from ..kernels.expire_attention.blocks import (
     compact_memories,
@@ -50,6 +51,7 @@ from ..kernels.expire_attention.memory import (
 )
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from .layers import (
+    KEEP_IN_FLOAT32,
     LearnedRelativePositions,
     RotaryEmbedding,
     add_sublayer_output,
@@ -57,6 +59,7 @@ from .layers import (
     dropout,
     make_mlp,
     make_norm,
+    small_projection,
     sublayer_input,
 )
 from .memory import (
@@ -145,13 +148,7 @@ class _ReusedProjection(torch.autograd.Function):
 
 def _reusable(projection: nn.Module) -> bool:
     """Whether a projection is a plain bias-free nn.Linear with a plain weight (not LoRA-wrapped, not quantized)."""
-    weight = getattr(projection, "weight", None)
-    return (
-        type(projection) is nn.Linear
-        and projection.bias is None
-        and isinstance(weight, nn.Parameter)
-        and type(weight.data) is torch.Tensor
-    )
+    return type(projection) is nn.Linear and projection.bias is None and plain_weights(projection)
 
 
 @use_kernel_forward_from_hub("ExpireSpanAttention")
@@ -180,7 +177,8 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
     def predict_spans(self, span_inputs: torch.Tensor) -> torch.Tensor:
         """e_i = L · σ(w · h_i / p + b) (paper Eq. 3), in float32 or wider: (B, N, D) → (B, N)."""
         divisor = self.config.span_pre_divisor
-        logits = self.span_predictor(span_inputs if divisor == 1 else span_inputs / divisor).squeeze(-1)
+        logits = small_projection(self.span_predictor, span_inputs if divisor == 1 else span_inputs / divisor)
+        logits = logits.squeeze(-1)
         return self.config.max_span * torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
 
     def project(self, hidden_states: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
@@ -526,6 +524,7 @@ class ExpireSpanPreTrainedModel(HubKernelsMixin, RemoteCodeMixin, PreTrainedMode
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ExpireSpanDecoderLayer"]
+    _keep_in_fp32_modules = KEEP_IN_FLOAT32
     _skip_keys_device_placement = list(CACHE_NAMES)
     # Its memory's width is data (expired memories are deleted): the graph breaks where they are compacted.
     _can_compile_fullgraph = False

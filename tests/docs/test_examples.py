@@ -21,8 +21,10 @@ import argparse
 import configparser
 import contextlib
 import doctest
+import importlib
 import io
 import json
+import os
 import re
 import runpy
 import shlex
@@ -217,8 +219,18 @@ def _name(path: Path) -> str:
 SOURCES_WITH_EXAMPLES = [path for path in SOURCES if ">>>" in path.read_text(encoding="utf-8")]
 
 
+# The pages whose examples need packages `make test`'s environment leaves out (the `quantization` extra): they run where
+# tests/installed/check_quantization.py installs them (MEMLM_QUANTIZATION_REQUIRED set), and are skipped elsewhere.
+NEEDS = {"docs/guides/quantization.md": ("torchao", "bitsandbytes", "optimum.quanto")}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_every_code_block_of_the_page_runs(page, tmp_path, monkeypatch):
+    for package in NEEDS.get(_name(page), ()):
+        if os.environ.get("MEMLM_QUANTIZATION_REQUIRED"):
+            importlib.import_module(package)
+        else:
+            pytest.importorskip(package, reason="the quantization extra: tests/installed/check_quantization.py")
     monkeypatch.chdir(tmp_path)
     examples = _examples(MARKDOWN, page)
     for example in examples:

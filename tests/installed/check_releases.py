@@ -27,6 +27,10 @@ one `make test` ran them with). torch differs between the environments as betwee
   Its kernel tests are not run (CI's time), only the 🤗-facing ones, some of which run kernels in the interpreter;
 - `prerelease` takes the local CPU build (torch==2.13.0, seconds to install).
 
+In `newest` and `oldest`, the quantization tests run too, with 🤗's quantizers (torchao, bitsandbytes, optimum-quanto)
+at their newest releases and at setup.cfg's lower bounds, one configuration of each package
+(tests/installed/check_quantization.py, which installs them apart from the environment: see there why).
+
 The newest environment also saves checkpoints under its release and loads them under the oldest one and back
 (MEMLM_OTHER_RELEASE_PYTHON). The environments are kept for the next run (the oldest is rebuilt when its
 constraints or setup.cfg change; the newest is upgraded every run). Prints the versions each one ran with; exits
@@ -42,6 +46,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import check_quantization
 
 ROOT = Path(__file__).resolve().parents[2]
 # The local CPU build (what `make test` runs): the prerelease environment's torch.
@@ -194,6 +200,9 @@ def main(argv=None) -> int:
             ignored = TRITON_ONLY
             print(f"(Triton {tested_version('triton')} is the tested one: its own kernel tests ran in make test)")
         results[name] = tests(python, MARKERS.get(name, MARKERS["oldest"]), other, arguments.workers, ignored)
+        if name in ("newest", "oldest"):  # 🤗's quantizers, at their newest and their oldest releases allowed
+            quantization = [f"--python={python}", f"--versions={name}", "--some", "--workers=0"]
+            results[name] = check_quantization.main(quantization) == 0 and results[name]
     print(f"\nReleases checked in {time.monotonic() - started:.0f} s:")
     for name, passed in results.items():
         verdict = "passed" if passed else ("FAILED" if name != "prerelease" else "failed (reported, not fatal)")

@@ -37,6 +37,7 @@ from memlm.compat import (
     is_activation_checkpointing,
     output_cache,
 )
+from memlm.modeling.layers import SMALL_PROJECTIONS
 
 # 🤗-facing: also run under the newest and the oldest 🤗 releases allowed (`make test-releases`).
 pytestmark = pytest.mark.huggingface
@@ -493,18 +494,25 @@ class TransformersContract:
             assert with_dtype.dtype == expected
 
     def test_from_pretrained_with_a_different_dtype_runs(self, tmp_path):
+        """Loaded in another dtype, the model runs and gives about the same logits. `_keep_in_fp32_modules`
+        (`layers.SMALL_PROJECTIONS`: DeltaNet's β, Expire-Span's span predictor), as 🤗 reads it: float32 in a float16
+        model, which converts their inputs; other dtypes load them as the rest."""
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
         model_class = self.model_tester.causal_lm_class
         model = self._model(model_class, config)
         model.save_pretrained(tmp_path)
         with torch.no_grad():
             expected = model(**inputs).logits
-        for dtype in (torch.bfloat16, torch.float64):
+        for dtype in (torch.float16, torch.bfloat16, torch.float64):
             loaded = model_class.from_pretrained(tmp_path, dtype=dtype).eval()
+            kept = {name for name, _ in loaded.named_parameters() if name.split(".")[-2] in SMALL_PROJECTIONS}
+            assert bool(kept) == any(name in str(loaded) for name in SMALL_PROJECTIONS)
+            for name, parameter in loaded.named_parameters():
+                assert parameter.dtype == (torch.float32 if name in kept and dtype == torch.float16 else dtype), name
             with torch.no_grad():
                 logits = loaded(**inputs).logits
             assert logits.dtype == dtype
-            tolerance = 1e-1 if dtype == torch.bfloat16 else 1e-5
+            tolerance = 1e-5 if dtype == torch.float64 else 1e-1
             torch.testing.assert_close(logits.float(), expected, atol=tolerance, rtol=tolerance)
 
     def test_load_with_mismatched_shapes(self, tmp_path):

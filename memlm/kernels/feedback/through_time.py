@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from ...kernels import plain_weights
 from .compiled import compiler_available, warn_no_compiler
 from .reference import WeightsTransform, adaptive_span_mask, adaptive_span_mask_backward
 from .scores import read_bias, weights_dropout_seed
@@ -49,8 +50,9 @@ def parameters_as(model, names: list[str], tensors):
 
 def plain_step(model, inputs_embeds: torch.Tensor) -> bool:
     """Whether the step computes only what memlm's code says: float32/float64 without autocast, and only the model's
-    plain modules (`model.step_modules`, and the activation of its config) without hooks. A hook, an adapter (e.g.
-    LoRA) or a quantised linear layer changes what the forward computes, so those keep autograd."""
+    plain modules (`model.step_modules`, and the activation of its config) without hooks, whose linear layers hold
+    ordinary weights. A hook, an adapter (e.g. LoRA) or a quantised linear layer (a module of its own, or a quantized
+    weight in an `nn.Linear`) changes what the forward computes, so those keep autograd."""
     activations = [layer.mlp.act_fn for layer in model.layers]
     modules = [
         module for name, module in model.named_modules() if name and not name.startswith(("embed_tokens", "norm"))
@@ -61,6 +63,7 @@ def plain_step(model, inputs_embeds: torch.Tensor) -> bool:
         and all(type(module) in model.step_modules or any(module is act for act in activations) for module in modules)
         and not any(module._forward_hooks or module._forward_pre_hooks for module in modules)
         and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+        and plain_weights(*(module for module in modules if type(module) is torch.nn.Linear))
     )
 
 
