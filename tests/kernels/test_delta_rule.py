@@ -9,7 +9,13 @@ import torch.nn.functional as F
 from memlm.kernels import resolve_backend, triton_available
 from memlm.kernels.delta_rule import chunk as chunk_module
 from memlm.kernels.delta_rule import delta_rule, delta_rule_reference, sum_rule, sum_rule_reference
-from memlm.kernels.delta_rule.chunk import delta_rule_chunk, delta_rule_step, sum_rule_chunk, sum_rule_step
+from memlm.kernels.delta_rule.chunk import (
+    delta_rule_chunk,
+    delta_rule_step,
+    sum_rule_chunk,
+    sum_rule_step,
+    unit_lower_triangular_inverse,
+)
 
 # (key width, value width, how keys and queries are made): L2-normalised as the fla preset; positive and
 # sum-normalised as the paper preset; DPFP-3 features of width 2·ν·d = 24 from d = 4, sum-normalised.
@@ -580,3 +586,14 @@ def test_a_non_finite_input_stays_inside_its_packed_sequence(backend):
     torch.testing.assert_close(output[0, 0, 9:], clean[0, 0, 9:])  # the second sequence never saw it
     assert state[0, 0].isnan().all() and torch.isfinite(state[1]).all()
     torch.testing.assert_close(state[1], clean_state[1])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 8, 33, 64])
+def test_the_inverse_from_products_is_the_triangular_solve(size):
+    """(I + L)⁻¹ from ⌈log₂ C⌉ products (what an exported graph computes: ONNX has no triangular solve) is
+    solve_triangular's, reading only the strictly lower triangle, for chunk sizes that are and are not powers of two."""
+    torch.manual_seed(size)
+    matrix = torch.randn(3, size, size, dtype=torch.float64) * 0.3
+    identity = torch.eye(size, dtype=torch.float64).expand_as(matrix)
+    expected = torch.linalg.solve_triangular(matrix, identity, upper=False, unitriangular=True)
+    torch.testing.assert_close(unit_lower_triangular_inverse(matrix, size), expected, rtol=1e-12, atol=1e-12)

@@ -91,6 +91,32 @@ def _from_chunks(tensor: torch.Tensor, batch_size: int, length: int, dtype: torc
     return tensor[:, :, :length].to(dtype)
 
 
+def unit_lower_triangular_inverse(matrix: torch.Tensor, size: int) -> torch.Tensor:
+    """(I + L)⁻¹ for the strictly lower triangle L of `matrix` (…, C, C), C = `size`, by blocks: the inverse of each diagonal block
+    of size b known, those of size 2b are [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]] for the blocks [[A, 0], [C, D]] (C padded to a
+    power of two), ⌈log₂ C⌉ rounds of batched products: a triangular solve's arithmetic, in ops ONNX has. What an
+    exported graph computes in place of `torch.linalg.solve_triangular`, which ONNX lacks; tested against it."""
+    padded = 1 << max(size - 1, 0).bit_length()  # the power of two ≥ C
+    lower = torch.tril(matrix, diagonal=-1)
+    if padded != size:
+        lower = torch.nn.functional.pad(lower, (0, padded - size, 0, padded - size))
+    batch = lower.shape[:-2]
+    inverse = torch.ones(*batch, padded, 1, 1, dtype=matrix.dtype, device=matrix.device)  # the 1×1 blocks
+    block = 1
+    while block < padded:
+        pairs = padded // (2 * block)
+        # The diagonal blocks of size 2b (…, pairs, 2b, 2b), and their lower left b × b corner C.
+        grid = lower.reshape(*batch, pairs, 2 * block, pairs, 2 * block)
+        corner = torch.diagonal(grid, dim1=-4, dim2=-2).movedim(-1, -3)[..., block:, :block]
+        first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        below = -(second @ corner @ first)
+        top = torch.cat([first, torch.zeros_like(first)], dim=-1)
+        bottom = torch.cat([below, second], dim=-1)
+        inverse = torch.cat([top, bottom], dim=-2)
+        block *= 2
+    return inverse.reshape(*batch, padded, padded)[..., :size, :size]
+
+
 def _delta_rule_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -125,7 +151,10 @@ def _delta_rule_forward(
     # lower triangle, so the full product stands in for A; A⁻¹ serves the loop and the backward.
     gram = torch.bmm(key_beta.reshape(*flat, key_dim), key_flat.mT)
     identity = torch.eye(chunk_size, dtype=dtype, device=key.device).expand_as(gram)
-    inverse = torch.linalg.solve_triangular(gram, identity, upper=False, unitriangular=True)
+    if torch.compiler.is_exporting():  # for ONNX, which has no triangular solve (torch.onnx.export exports first)
+        inverse = unit_lower_triangular_inverse(gram, chunk_size)
+    else:
+        inverse = torch.linalg.solve_triangular(gram, identity, upper=False, unitriangular=True)
     inverse_chunks = inverse.view(heads, num_chunks, chunk_size, chunk_size)
     scores = torch.bmm(query_flat, key_flat.mT).tril_()  # P = causal(Q Kᵀ)
 
