@@ -32,22 +32,25 @@ except ImportError:
 
 VOCAB_SIZE = 4096
 SIZES = {"vocab_size": VOCAB_SIZE, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4}
+# --quick (a smoke run, which the tests take): smaller models, spans and windows.
+QUICK_SIZES = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 
 
-def deltanet_configs() -> tuple:
+def deltanet_configs(quick: bool = False) -> tuple:
     """memlm's DeltaNet (`paper` preset: DPFP-free ELU+1 here too, so only the block differs) and the official
     lmtool-fwp model (attn_type 24 with its normaliser, Transformer-XL's block, sinusoidal positions)."""
     from memlm import DeltaNetConfig
     from memlm.configuration.configuration_deltanet import LMTOOL_FWP_LAYOUT
 
-    default = DeltaNetConfig.from_preset("paper", feature_map="elu+1", **SIZES)
+    sizes = QUICK_SIZES if quick else SIZES
+    default = DeltaNetConfig.from_preset("paper", feature_map="elu+1", **sizes)
     official = DeltaNetConfig(
         **{
             **LMTOOL_FWP_LAYOUT,
-            **SIZES,
+            **sizes,
             "feature_map": "elu+1",
             "query_key_normalization": "sum",
-            "embedding_scale": SIZES["hidden_size"] ** 0.5,
+            "embedding_scale": sizes["hidden_size"] ** 0.5,
             "intermediate_size": default.intermediate_size * 3 // 2,
             "tie_word_embeddings": default.tie_word_embeddings,  # the official model ties them: here as the default
         }
@@ -56,18 +59,20 @@ def deltanet_configs() -> tuple:
 
 
 EXPIRE_SPAN_SIZES = {"max_span": 1024, "ramp": 32, "block_size": 256}
+QUICK_EXPIRE_SPAN_SIZES = {"max_span": 64, "ramp": 8, "block_size": 32}
 
 
-def expire_span_configs() -> tuple:
+def expire_span_configs(quick: bool = False) -> tuple:
     """memlm's Expire-Span and the official transformer-sequential model (enwik8_small's post-norm layout: learned
     relative positions, no attention to self, zero initial memories, memories recomputed from hidden states every
     block, the remaining-span loss), spans up to 1024 tokens, blocks of 256."""
     from memlm import ExpireSpanConfig
 
-    default = ExpireSpanConfig(**SIZES, **EXPIRE_SPAN_SIZES)
+    sizes, spans = (QUICK_SIZES, QUICK_EXPIRE_SPAN_SIZES) if quick else (SIZES, EXPIRE_SPAN_SIZES)
+    default = ExpireSpanConfig(**sizes, **spans)
     official = ExpireSpanConfig(
-        **SIZES,
-        **EXPIRE_SPAN_SIZES,
+        **sizes,
+        **spans,
         norm_type="layernorm",
         norm_position="post",
         final_norm=False,
@@ -86,16 +91,17 @@ def expire_span_configs() -> tuple:
     return default, official
 
 
-def feedback_configs() -> tuple:
+def feedback_configs(quick: bool = False) -> tuple:
     """memlm's Feedback Transformer and the official transformer-sequential model (algorithmic_3var's pre-norm
     layout: learned relative positions, zero initial memories carried as hidden states whose keys and values are
     recomputed every forward, each layer's own key/value projections and norm), a window of 256 steps."""
     from memlm import FeedbackTransformerConfig
 
-    default = FeedbackTransformerConfig(**SIZES, memory_span=256)
+    sizes, span = (QUICK_SIZES, 32) if quick else (SIZES, 256)
+    default = FeedbackTransformerConfig(**sizes, memory_span=span)
     official = FeedbackTransformerConfig(
-        **SIZES,
-        memory_span=256,
+        **sizes,
+        memory_span=span,
         norm_type="layernorm",
         norm_position="pre",
         final_norm=True,
@@ -104,7 +110,7 @@ def feedback_configs() -> tuple:
         hidden_act="relu",
         lm_head_bias=True,
         # Each layer's own key and value projections (2·d² parameters) taken from the plain MLP's width (2·d per unit).
-        intermediate_size=default.intermediate_size * 3 // 2 - SIZES["hidden_size"],
+        intermediate_size=default.intermediate_size * 3 // 2 - sizes["hidden_size"],
         share_key_value=False,
         position_encoding="learned_relative",
         initial_memory="zeros",
@@ -127,7 +133,7 @@ FAMILIES = {
 
 def training_step(model, length: int, batch_size: int):
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, VOCAB_SIZE, (batch_size, length), generator=generator)
+    input_ids = torch.randint(0, model.config.vocab_size, (batch_size, length), generator=generator)
 
     def step():
         model.train()
@@ -183,7 +189,7 @@ def measure(args) -> list[dict]:
             for name in ("length", "batch_size", "context")
         )
         models, peaks = {}, {}
-        for name, config in zip(("default", "official"), configs()):
+        for name, config in zip(("default", "official"), configs(args.quick)):
             torch.manual_seed(0)
             models[name] = AutoModelForCausalLM.from_config(config).eval()
             peaks[name] = training_peak_megabytes(config, length, batch_size)
