@@ -92,29 +92,29 @@ def _from_chunks(tensor: torch.Tensor, batch_size: int, length: int, dtype: torc
 
 
 def unit_lower_triangular_inverse(matrix: torch.Tensor, size: int) -> torch.Tensor:
-    """(I + L)⁻¹ for the strictly lower triangle L of `matrix` (…, C, C), C = `size`, by blocks: the inverse of each diagonal block
-    of size b known, those of size 2b are [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]] for the blocks [[A, 0], [C, D]] (C padded to a
-    power of two), ⌈log₂ C⌉ rounds of batched products: a triangular solve's arithmetic, in ops ONNX has. What an
-    exported graph computes in place of `torch.linalg.solve_triangular`, which ONNX lacks; tested against it."""
+    """(I + L)⁻¹ for the strictly lower triangle L of `matrix` (…, C, C), C = `size`, by blocks: the inverses of the
+    diagonal blocks of size b known, those of size 2b are [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]] for the blocks [[A, 0], [C, D]]
+    (C padded to a power of two): a triangular solve's arithmetic, in ops ONNX has (slices, products, concatenations).
+    What an exported graph computes in place of `torch.linalg.solve_triangular`, which ONNX lacks; tested against it.
+    The blocks are sliced at fixed offsets: reshaping the batch of chunks (a symbolic size under torch.export) into
+    grids of blocks made torch.export several times slower."""
     padded = 1 << max(size - 1, 0).bit_length()  # the power of two ≥ C
-    lower = torch.tril(matrix, diagonal=-1)
+    lower = torch.tril(matrix, diagonal=-1).reshape(-1, size, size)
     if padded != size:
         lower = torch.nn.functional.pad(lower, (0, padded - size, 0, padded - size))
-    batch = lower.shape[:-2]
-    inverse = torch.ones(*batch, padded, 1, 1, dtype=matrix.dtype, device=matrix.device)  # the 1×1 blocks
+    inverses = [torch.ones_like(lower[:, :1, :1])] * padded  # of the 1×1 diagonal blocks
     block = 1
     while block < padded:
-        pairs = padded // (2 * block)
-        # The diagonal blocks of size 2b (…, pairs, 2b, 2b), and their lower left b × b corner C.
-        grid = lower.reshape(*batch, pairs, 2 * block, pairs, 2 * block)
-        corner = torch.diagonal(grid, dim1=-4, dim2=-2).movedim(-1, -3)[..., block:, :block]
-        first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
-        below = -(second @ corner @ first)
-        top = torch.cat([first, torch.zeros_like(first)], dim=-1)
-        bottom = torch.cat([below, second], dim=-1)
-        inverse = torch.cat([top, bottom], dim=-2)
+        merged = []
+        for pair in range(padded // (2 * block)):
+            start = 2 * block * pair
+            first, second = inverses[2 * pair], inverses[2 * pair + 1]
+            below = -(second @ lower[:, start + block : start + 2 * block, start : start + block] @ first)
+            top = torch.cat([first, torch.zeros_like(first)], dim=-1)
+            merged.append(torch.cat([top, torch.cat([below, second], dim=-1)], dim=-2))
+        inverses = merged
         block *= 2
-    return inverse.reshape(*batch, padded, padded)[..., :size, :size]
+    return inverses[0][:, :size, :size].reshape(matrix.shape)
 
 
 def _delta_rule_forward(
