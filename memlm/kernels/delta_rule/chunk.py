@@ -150,10 +150,10 @@ def _delta_rule_forward(
     # A = I + strictly_lower(diag(β) K Kᵀ). solve_triangular with unitriangular=True reads only the strictly
     # lower triangle, so the full product stands in for A; A⁻¹ serves the loop and the backward.
     gram = torch.bmm(key_beta.reshape(*flat, key_dim), key_flat.mT)
-    identity = torch.eye(chunk_size, dtype=dtype, device=key.device).expand_as(gram)
     if torch.compiler.is_exporting():  # for ONNX, which has no triangular solve (torch.onnx.export exports first)
         inverse = unit_lower_triangular_inverse(gram, chunk_size)
     else:
+        identity = torch.eye(chunk_size, dtype=dtype, device=key.device).expand_as(gram)
         inverse = torch.linalg.solve_triangular(gram, identity, upper=False, unitriangular=True)
     inverse_chunks = inverse.view(heads, num_chunks, chunk_size, chunk_size)
     scores = torch.bmm(query_flat, key_flat.mT).tril_()  # P = causal(Q Kᵀ)
