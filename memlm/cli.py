@@ -10,6 +10,7 @@ memlm plot-memory runs/tiny --text "..." --output memory.png     what an Expire-
 memlm kernels build DIR | check DIR | push REPO_ID               memlm's kernels as a repository of 🤗's `kernels`
 memlm convert lmtool-fwp STATE_DICT OUT --official-args ARGS.json a model of the papers' official code as a memlm
 memlm convert transformer-sequential CHECKPOINT OUT                 checkpoint folder (docs: "The papers' models")
+memlm export onnx runs/tiny runs/tiny-onnx                      DeltaNet / Feedback as ONNX graphs with a runner
 
 A bad input ends with one line `memlm: error: ...` on stderr and exit status 1; `memlm --debug COMMAND ...` (or the
 environment variable MEMLM_DEBUG=1) shows the Python traceback instead.
@@ -346,6 +347,39 @@ def convert(argv) -> None:
     print(f"wrote {output} ({type(model).__name__}, {model.num_parameters():,} parameters, {dtype})")
 
 
+def export(argv) -> None:
+    parser = argparse.ArgumentParser(
+        prog="memlm export",
+        description="Export a saved DeltaNet or Feedback Transformer to ONNX: a prefill graph (a block of P tokens) "
+        "and a decoding step (one token), each taking the memory and returning the next as explicit tensors, with "
+        "the initial memory, the tokenizer and run_onnx.py, which decodes with ONNX Runtime and NumPy alone "
+        "(docs/guides/onnx.md).",
+    )
+    parser.add_argument("format", choices=["onnx"], help="the format to write")
+    parser.add_argument("model", help="a saved model folder (save_pretrained, memlm train)")
+    parser.add_argument("output", help="the folder to write (must not exist or be empty)")
+    parser.add_argument(
+        "--block-size",
+        type=positive_int,
+        help="P, the prefill graph's tokens (default: DeltaNet's chunk size; 16 for the Feedback Transformer, whose "
+        "steps the graph unrolls)",
+    )
+    parser.add_argument(
+        "--no-batch-axis",
+        action="store_true",
+        help="graphs for one row at a time (default: any number of rows per call)",
+    )
+    arguments = parser.parse_args(argv)
+    from memlm.onnx_export import export_onnx
+
+    manifest = export_onnx(arguments.model, arguments.output, arguments.block_size, not arguments.no_batch_axis)
+    print(
+        f"wrote {arguments.output} (prefill.onnx: blocks of {manifest['block_size']} tokens, step.onnx, "
+        f"{len(manifest['memory'])} memory tensors; {manifest['export_seconds']} s); decode with: python "
+        f"{Path(arguments.output) / 'run_onnx.py'} --prompt TEXT"
+    )
+
+
 def run(command: str, rest: list[str]) -> None:
     if command in ("train", "finetune"):
         _training_command(command)(rest)
@@ -361,6 +395,8 @@ def run(command: str, rest: list[str]) -> None:
         rebundle(rest)
     elif command == "convert":
         convert(rest)
+    elif command == "export":
+        export(rest)
     elif command == "kernels":
         from memlm.kernel_repository import main as kernel_repository
 
@@ -382,7 +418,18 @@ def main(argv=None) -> None:
     debug = os.environ.get("MEMLM_DEBUG", "").strip() not in ("", "0")
     if argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
-    commands = ("train", "finetune", "generate", "serve", "info", "rebundle", "plot-memory", "kernels", "convert")
+    commands = (
+        "train",
+        "finetune",
+        "generate",
+        "serve",
+        "info",
+        "rebundle",
+        "plot-memory",
+        "kernels",
+        "convert",
+        "export",
+    )
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

@@ -798,7 +798,6 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
 class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, GenerationMixin):
     cache_class = DeltaNetCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    cache_class = DeltaNetCache
 
     def draft_verification_problem(self) -> str | None:
         if self.config.position_encoding == "sinusoidal":
@@ -821,6 +820,20 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, Generatio
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
+
+    def allocated_memory(self, batch_size: int = 1) -> DeltaNetCache:
+        """The memory before any token with every tensor allocated, zero: fast weights, normaliser and convolution
+        tail at their fixed sizes (`DeltaNetCacheLayer`), as a memory of explicit inputs needs them (an exported
+        graph: `memlm.onnx_export`). A forward from it gives what a forward without a cache gives."""
+        cache = DeltaNetCache(self.config)
+        device = self.model.embed_tokens.weight.device
+        probe = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # (the shapes of one token's memory, then zeroed)
+            self.model(input_ids=probe, cache=cache, use_cache=True)
+        for layer in cache.layers:
+            layer.map(torch.zeros_like)
+            layer.seen_tokens = 0
+        return cache
 
     def resize_token_embeddings(self, *args, **kwargs):
         if self.config.adaptive_softmax_cutoffs:

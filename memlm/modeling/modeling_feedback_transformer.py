@@ -948,6 +948,36 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
+    def allocated_memory(self, batch_size: int = 1) -> FeedbackCache:
+        """The memory before any token with every tensor allocated: a full ring of τ slots per key/value set
+        (`FeedbackCache.prepare_compiled_decoding`), empty, or holding the official zero initial memory
+        (`initial_memory="zeros"`: τ zero hidden states at positions −τ … −1, in slots 0 … τ−1, with their keys and
+        values), and each row's next position 0 — as a memory of explicit inputs needs it (an exported graph:
+        `memlm.onnx_export`). A forward from it gives what a forward without a cache gives."""
+        config, model = self.config, self.model
+        weight = model.embed_tokens.weight
+        cache = FeedbackCache(config)
+        cache.prepare_compiled_decoding()
+        for group, layer in enumerate(cache.layers):
+            layer.allocate_ring(batch_size, config, weight.dtype, weight.device)
+            if group:  # one set of hidden states for every key/value set, kept by the first
+                layer.hidden = None
+        cache.next_positions = mark_static(torch.zeros(batch_size, dtype=torch.long, device=weight.device))
+        if config.initial_memory == "zeros":
+            span = config.memory_span
+            positions = torch.arange(-span, 0, device=weight.device).expand(batch_size, span)
+            hidden = weight.new_zeros(batch_size, span, config.hidden_size)
+            with torch.no_grad():
+                keys, values = model._project_hidden(hidden, positions)
+            for group, layer in enumerate(cache.layers):
+                layer.keys.copy_(keys[group])
+                layer.values.copy_(values[group])
+                layer.positions.copy_(positions)
+                layer.valid.fill_(True)
+        # The keys and values are those of the hidden states with the weights of now.
+        cache.weights_version = weights_version(model) if model.carries_hidden_states else None
+        return cache
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

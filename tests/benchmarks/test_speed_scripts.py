@@ -269,3 +269,20 @@ def test_speculative_decoding_trains_each_model_until_its_target_loss_at_most_th
         arguments = argparse.Namespace(target_loss=target, train_steps=3, learning_rate=1e-3)
         loss, taken = speculative_decoding.train(model, sequence, arguments)
         assert taken == steps and loss < 100 and not model.training
+
+
+def test_onnx_decoding_times_three_ways_for_each_model(tmp_path):
+    """benchmarks/onnx_decoding.py --quick: eager, compiled (Dynamo only) and ONNX Runtime decoding of DeltaNet, the
+    Feedback Transformer and 🤗 Llama after each prompt, the ratios the run's own, and each export's seconds."""
+    results = run_script("onnx_decoding.py", "--quick", output=tmp_path / "results.json")
+    assert results["settings"]["quick"] and results["settings"]["contexts"] == [8, 32]
+    assert [(row["model"], row["context"]) for row in results["decoding"]] == [
+        (model, context) for model in ("deltanet", "feedback", "llama") for context in (8, 32)
+    ]
+    for row in results["decoding"]:
+        assert abs(row["onnx_over_eager"] - row["onnx_tokens_per_s"] / row["eager_tokens_per_s"]) < 1e-9
+        assert abs(row["onnx_over_compiled"] - row["onnx_tokens_per_s"] / row["compiled_tokens_per_s"]) < 1e-9
+    exports = {row["model"]: row for row in results["exports"]}
+    assert list(exports) == ["deltanet", "feedback", "llama"]
+    assert all(row["export_seconds"] > 0 for row in exports.values())
+    assert exports["deltanet"]["block_size"] == "4" and exports["llama"]["block_size"] == "any"

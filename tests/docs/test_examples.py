@@ -107,6 +107,8 @@ def _extras() -> set[str]:
 
 
 def _script(command: str, path: str) -> Path:
+    if Path(path).name == "run_onnx.py":  # the runner `memlm export onnx` copies into its folder
+        return ROOT / "memlm" / "onnx_runner.py"
     script = ROOT / path
     assert script.is_file(), f"`{command}`: {path} does not exist"
     return script

@@ -321,6 +321,12 @@ def check_core(core: Path, folder: Path, env: dict) -> None:
                  cwd=folder, env=env)  # fmt: skip
     check(output.startswith("Fast weights"), f"memlm generate printed:\n{output[-2000:]}")
     check("custom code" not in output, f"memlm generate asked about custom code:\n{output[-2000:]}")
+    output = run([memlm, "export", "onnx", checkpoint, folder / "onnx"], cwd=folder, env=env, succeed=False)
+    check(
+        output.strip().splitlines()[-1:] == ["memlm: error: Exporting to ONNX needs onnx and onnxscript, not installed: "
+                                             'pip install "memlm[onnx]".'] and "Traceback" not in output,
+        f"memlm export onnx without the onnx extra does not say so in one line:\n{output[-2000:]}",
+    )  # fmt: skip
 
 
 def check_presets(train: Path, folder: Path, env: dict) -> None:

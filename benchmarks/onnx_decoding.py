@@ -1,0 +1,221 @@
+"""Decoding through ONNX Runtime next to eager and compiled PyTorch (issue 41): greedy tokens/s at batch 1 after a
+prompt of 64 and of 2,048 tokens, for DeltaNet, the Feedback Transformer and a 🤗 Llama of the same size, each
+exported to ONNX the same way: graphs whose memory is an explicit input and output.
+
+- DeltaNet and the Feedback Transformer: `memlm export onnx`'s graphs (`memlm.onnx_export`: a prefill block of P
+  tokens and a one-token step over a memory of fixed size), decoded by its runner (`memlm.onnx_runner`).
+- 🤗 Llama: one graph over any number of tokens whose keys and values (growing with the context) are inputs and
+  outputs, exported with torch's exporter as memlm's are (a `DynamicCache` filled from the inputs); the prompt is one
+  call, each new token one.
+- Eager and compiled PyTorch: `generate`, as benchmarks/compiled_decoding.py runs it (Llama with a static cache,
+  compiled with `CompileConfig(fullgraph=True)`).
+
+Tokens/s count the steps after the first token: (N − 1) / (time of N new tokens − time of 1), so the prompt is left
+out; every model and way is timed in turns (medians). ONNX Runtime and torch use the same threads (`--threads`,
+default: one per core). The seconds each export took are printed too.
+
+    python benchmarks/onnx_decoding.py [--json results.json]      # about 20 minutes on 2 quiet cores
+    python benchmarks/onnx_decoding.py --quick                    # tiny sizes, the eager backend: a smoke run
+    python benchmarks/onnx_decoding.py --write-docs --json benchmarks/results/onnx_decoding.json
+    python benchmarks/onnx_decoding.py --report benchmarks/results/onnx_decoding.json
+"""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy
+import torch
+from torch import nn
+
+try:  # run as a script (python benchmarks/onnx_decoding.py) or imported as benchmarks.onnx_decoding
+    import report
+    from compiled_decoding import MEMORY_SPAN, QUICK_SIZES, SIZES, build, compile_config, generator
+except ImportError:
+    from benchmarks import report
+    from benchmarks.compiled_decoding import MEMORY_SPAN, QUICK_SIZES, SIZES, build, compile_config, generator
+
+MODELS = ("deltanet", "feedback", "llama")
+NAMES = {"deltanet": "DeltaNet", "feedback": "Feedback", "llama": "🤗 Llama"}
+WAYS = ("eager", "compiled", "onnx")
+COLUMNS = [
+    ("model", "name", "s"),
+    ("prompt", "context", "d"),
+    ("eager tokens/s", "eager_tokens_per_s", ".0f"),
+    ("compiled tokens/s", "compiled_tokens_per_s", ".0f"),
+    ("ONNX Runtime tokens/s", "onnx_tokens_per_s", ".0f"),
+    ("ONNX Runtime / eager", "onnx_over_eager", ".2f"),
+    ("ONNX Runtime / compiled", "onnx_over_compiled", ".2f"),
+]
+EXPORT_COLUMNS = [("model", "name", "s"), ("export seconds", "export_seconds", ".0f"), ("block P", "block_size", "s")]
+
+
+class LlamaGraph(nn.Module):
+    """A 🤗 Llama over `input_ids` (B, T) at `position_ids` (B, T) after the keys and values `past` (per layer: keys,
+    values (B, H, S, d)) → the last token's logits and the keys and values after the call (S + T)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, *past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        output = self.model(input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return (
+            output.logits[:, -1],
+            *(tensor for layer in output.cache.layers for tensor in (layer.keys, layer.values)),
+        )
+
+
+def export_llama(model, path: Path, threads: int | None):
+    """`LlamaGraph` exported with the token and past lengths free; returns an ONNX Runtime generate function."""
+    import onnxruntime
+
+    from memlm.onnx_export import quiet_exporter
+
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    past = [torch.zeros(1, config.num_key_value_heads, 3, head_dim) for _ in range(2 * config.num_hidden_layers)]
+    tokens, past_length = torch.export.Dim("tokens", min=1, max=8192), torch.export.Dim("past", min=1, max=8192)
+    names = [f"past.{index}" for index in range(len(past))]
+    with torch.no_grad(), quiet_exporter():
+        program = torch.onnx.export(
+            LlamaGraph(model),
+            (torch.zeros(1, 2, dtype=torch.long), torch.tensor([[3, 4]]), *past),
+            input_names=["input_ids", "position_ids", *names],
+            output_names=["logits", *(f"present.{index}" for index in range(len(past)))],
+            dynamic_shapes=({1: tokens}, {1: tokens}, tuple({2: past_length} for _ in past)),
+            dynamo=True,
+        )
+    program.save(str(path))
+    options = onnxruntime.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    empty = {name: numpy.zeros((1, config.num_key_value_heads, 0, head_dim), numpy.float32) for name in names}
+
+    def generate(prompt: numpy.ndarray, new_tokens: int):
+        feeds = {"input_ids": prompt, "position_ids": numpy.arange(prompt.shape[1])[None], **empty}
+        for _ in range(new_tokens):
+            logits, *present = session.run(None, feeds)
+            token = logits.argmax(-1)[:, None]
+            position = feeds["position_ids"][:, -1:] + 1
+            feeds = {"input_ids": token, "position_ids": position, **dict(zip(names, present))}
+        return token
+
+    return generate
+
+
+def onnx_generator(model, family: str, folder: Path, quick: bool, threads: int | None):
+    """Export `model` into `folder`; returns (generate(prompt, new_tokens) through ONNX Runtime, export seconds, P)."""
+    from memlm.onnx_export import export_onnx
+    from memlm.onnx_runner import OnnxLanguageModel
+
+    started = time.perf_counter()
+    if family == "llama":
+        folder.mkdir(parents=True)
+        generate = export_llama(model, folder / "llama.onnx", threads)
+        return generate, time.perf_counter() - started, None
+    manifest = export_onnx(model, folder, block_size=4 if quick else None)
+    runner = OnnxLanguageModel(folder, threads)
+
+    def generate(prompt: numpy.ndarray, new_tokens: int):
+        return runner.generate(prompt, new_tokens)
+
+    return generate, time.perf_counter() - started, manifest["block_size"]
+
+
+def measure(args, sizes: dict, work: Path) -> tuple[list[dict], list[dict]]:
+    config = compile_config(args.backend)
+    functions, exports = {}, []
+    for family in MODELS:
+        model = build(family, sizes)
+        generate_onnx, seconds, block_size = onnx_generator(model, family, work / family, args.quick, args.threads)
+        exports.append({"model": family, "export_seconds": seconds, "block_size": str(block_size or "any")})
+        print(f"exported {family} in {seconds:.0f} s", flush=True)
+        for context in args.contexts:
+            prompt = torch.randint(0, sizes["vocab_size"], (1, context), generator=torch.Generator().manual_seed(0))
+            for way, options in (("eager", None), ("compiled", config)):
+                generate = generator(model, family, prompt, options, args.decode_steps)
+                functions[(family, context, way, "many")] = lambda generate=generate: generate(args.decode_steps)
+                functions[(family, context, way, "one")] = lambda generate=generate: generate(1)
+            as_array = prompt.numpy()
+            functions[(family, context, "onnx", "many")] = lambda g=generate_onnx, p=as_array: g(p, args.decode_steps)
+            functions[(family, context, "onnx", "one")] = lambda g=generate_onnx, p=as_array: g(p, 1)
+    seconds = report.interleaved_median_times(functions, 1, args.repeats)  # the warm-up compiles
+    rows = []
+    for family in MODELS:
+        for context in args.contexts:
+            row = {"model": family, "context": context}
+            for way in WAYS:
+                decoding = seconds[(family, context, way, "many")] - seconds[(family, context, way, "one")]
+                row[f"{way}_tokens_per_s"] = (args.decode_steps - 1) / decoding
+            row["onnx_over_eager"] = row["onnx_tokens_per_s"] / row["eager_tokens_per_s"]
+            row["onnx_over_compiled"] = row["onnx_tokens_per_s"] / row["compiled_tokens_per_s"]
+            rows.append(row)
+    return rows, exports
+
+
+def _named(rows: list[dict]) -> list[dict]:
+    return [{**row, "name": NAMES[row["model"]]} for row in rows]
+
+
+def docs_section(results: dict) -> str:
+    """The ONNX Runtime section of docs/performance/speed.md, from one full run's results."""
+    settings = results["settings"]
+    return "\n\n".join(
+        [
+            f"From `python benchmarks/onnx_decoding.py` (medians of {settings['repeats']} runs, the models and the "
+            f"three ways timed in turns; torch.compile backend {settings['backend']!r}). "
+            f"{report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} layers, "
+            f"{SIZES['num_attention_heads']} heads, byte vocabulary, τ = {MEMORY_SPAN}; greedy decoding at batch 1, "
+            f"tokens/s of the {settings['decode_steps'] - 1} steps after the first token. ONNX Runtime runs the "
+            "graphs of `memlm export onnx` (🤗 Llama: one graph over its growing keys and values, exported the same "
+            "way); compiled = `generate(..., compile_config=CompileConfig(fullgraph=True))` (Llama with "
+            '`cache_implementation="static"`).',
+            report.markdown_table(COLUMNS, _named(results["decoding"])),
+            "The exports' seconds (torch.export, the ONNX translation and its optimiser; P: the prefill block):",
+            report.markdown_table(EXPORT_COLUMNS, _named(results["exports"])),
+        ]
+    )
+
+
+SECTION = report.Section(
+    "onnx_decoding", "python benchmarks/onnx_decoding.py --report benchmarks/results/onnx_decoding.json", docs_section
+)
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = report.arguments(__doc__, repeats=5, section=SECTION,
+                              quick="tiny sizes, the eager backend, one repeat: a run that checks the script")  # fmt: skip
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 2048], help="prompts before the decoding")
+    parser.add_argument("--decode-steps", type=int, default=64, help="new tokens per timed generate call")
+    parser.add_argument("--backend", default="inductor", help="the torch.compile backend")
+    quick = {"contexts": [8, 32], "decode_steps": 8, "repeats": 1, "backend": "eager"}
+    return report.parse(parser, argv, quick)
+
+
+def main(argv=None) -> dict:
+    args = parse_arguments(argv)
+    saved = report.saved_run(args, SECTION)
+    if saved is not None:
+        return saved
+    import memlm  # noqa: F401  (registers memlm's classes)
+
+    sizes = QUICK_SIZES if args.quick else SIZES
+    settings = {key: getattr(args, key) for key in ("contexts", "decode_steps", "repeats", "backend")}
+    results = {"settings": {**settings, "quick": args.quick, **report.start(args)}}
+    with tempfile.TemporaryDirectory() as work:
+        results["decoding"], results["exports"] = measure(args, sizes, Path(work))
+    report.print_table("Greedy decoding: eager, compiled, ONNX Runtime", COLUMNS, _named(results["decoding"]))
+    report.print_table("Exports", EXPORT_COLUMNS, _named(results["exports"]))
+    return report.finish(results, args, SECTION)
+
+
+if __name__ == "__main__":
+    main()
