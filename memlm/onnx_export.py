@@ -42,6 +42,8 @@ EXTRA_HINT = 'pip install "memlm[onnx]"'
 # The tokenizer's files a runner reads (the first that exists; `tokenizer.json` is what 🤗 tokenizers load).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 MANIFEST = "memlm_onnx.json"
+# torch 2.11's exporter (constraints/oldest.txt) wrote DeltaNet's step graph without its fast-weights output.
+MINIMUM_TORCH = (2, 13)
 FORMAT_VERSION = 1
 
 
@@ -55,6 +57,11 @@ def require_onnx():
             missing.append(name)
     if missing:
         raise ValueError(f"Exporting to ONNX needs {' and '.join(missing)}, not installed: {EXTRA_HINT}.")
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < MINIMUM_TORCH:
+        raise ValueError(
+            f"Exporting to ONNX needs torch {'.'.join(map(str, MINIMUM_TORCH))} or newer (tested: 2.13, 2.15); "
+            f"torch {torch.__version__}'s exporter leaves a memory output out of the graphs."
+        )
 
 
 def default_block_size(config) -> int:
