@@ -11,7 +11,9 @@ its report; the speed page's GPU section is written from that report:
    delta rule (``delta_rule(backend="triton")``, keys L2-normalised, β in (0, 1)) next to flash-linear-attention's
    ``chunk_delta_rule`` (on its (B, T, H, D) layout) and causal ``scaled_dot_product_attention``; memlm's Expire-Span
    attention (``expire_span_attention(backend="triton")``; 20 % of the memories live through the sequence, the rest
-   expire within 64 tokens, R = 32) next to causal SDPA. Forward alone (no autograd) and forward + backward. Times
+   expire within 64 tokens, R = 32) next to causal SDPA, and the same with the papers' options (learned relative
+   positions for every distance, no attention to the token itself, ε = 1e-8: "expire span attention official").
+   Forward alone (no autograd) and forward + backward. Times
    are medians of ``triton.testing.do_bench`` (CUDA events, 25 ms of warm-up, 100 ms of repeats), after one untimed
    call that compiles (and autotunes) the kernels; its seconds are kept as ``first_call_seconds``.
 2. Models, bfloat16, hidden 1024, 8 layers, 8 heads, vocabulary 32000, each family next to a 🤗 ``LlamaForCausalLM``
@@ -45,6 +47,7 @@ KERNEL_LENGTHS = (2048, 8192, 32768)
 KERNEL_TOKENS = 32768  # B · T of every call
 KERNEL_HEADS, KERNEL_WIDTH = 8, 128
 EXPIRE_ALIVE, EXPIRE_RAMP = 0.2, 32.0
+OFFICIAL_EPSILON = 1e-8  # the official renormalisation ε (memlm.conversion.transformer_sequential)
 MODEL_SIZES = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8}
 # (batch, tokens) of a training step, and the prompt before the timed decoding steps.
 TRAINING_SHAPES = {"deltanet": (8, 2048), "expire_span": (8, 2048), "feedback": (8, 512)}
@@ -144,8 +147,25 @@ def kernel_cases(lengths, tokens, heads, width, device, dtype):
 
         return call, [query, key, value, spans]
 
+    def memlm_expire_span_official(batch, length):
+        # The papers' options (transformer-sequential's expire_span): learned relative positions p_1 … p_T (one per
+        # distance), no attention to the token itself, the renormalisation ε.
+        _, leaves = memlm_expire_span(batch, length)
+        query, key, value, spans = leaves
+        positions = torch.arange(length, device=device).expand(batch, length)
+        table = (0.1 * torch.randn(length, width, device=device, generator=_generator(device))).to(dtype)
+        table.requires_grad_()
+
+        def call():
+            return expire_span_attention(query, key, value, spans, positions, positions, ramp=EXPIRE_RAMP,
+                                         relative_positions=table, attend_to_self=False,
+                                         renormalization_epsilon=OFFICIAL_EPSILON, backend="triton")  # fmt: skip
+
+        return call, [*leaves, table]
+
     cases = (("delta_rule", "memlm", memlm_delta_rule), ("delta_rule", "fla", fla_delta_rule),
-             ("sdpa", "sdpa", sdpa), ("expire_span_attention", "memlm", memlm_expire_span))  # fmt: skip
+             ("sdpa", "sdpa", sdpa), ("expire_span_attention", "memlm", memlm_expire_span),
+             ("expire_span_attention_official", "memlm", memlm_expire_span_official))  # fmt: skip
     for length in lengths:
         batch = max(1, tokens // length)
         shape = {"batch_size": batch, "tokens": length, "heads": heads, "head_dim": width,
