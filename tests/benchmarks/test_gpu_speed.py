@@ -52,8 +52,8 @@ def test_the_kernel_measurements_run_on_tiny_shapes():
     """In Triton's interpreter: the cases, the forward and forward + backward timings of each."""
     cases = list(gpu_speed.kernel_cases((16,), 32, 2, 16, CPU, torch.float32))
     assert [(case["operation"], case["implementation"], case["batch_size"]) for case, _ in cases] == [
-        ("delta_rule", "memlm", 2), ("delta_rule", "fla", 2), ("sdpa", "sdpa", 2), ("expire_span_attention", "memlm", 2),
-        ("expire_span_attention_official", "memlm", 2),
+        ("delta_rule", "memlm", 2), ("sdpa", "sdpa", 2), ("expire_span_attention", "memlm", 2),
+        ("expire_span_attention_official", "memlm", 2), ("delta_rule", "fla", 2),
     ]  # fmt: skip
     builds = {(case["operation"], case["implementation"]): build for case, build in cases}
     for name in (("sdpa", "sdpa"), ("expire_span_attention", "memlm"), ("expire_span_attention_official", "memlm")):

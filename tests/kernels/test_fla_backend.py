@@ -424,15 +424,20 @@ def test_deltanet_on_gpu_in_bfloat16_fla_agrees_with_triton_and_torch(fla_kernel
     sizes = {**TINY, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 512, "num_hidden_layers": 4}
     torch.manual_seed(0)
     model = DeltaNetForCausalLM(DeltaNetConfig.from_preset("fla", **{**sizes, "chunk_size": 64}))
-    model = model.to("cuda", torch.bfloat16).eval()
+    model = model.to("cuda").eval()
     input_ids = torch.randint(0, 256, (4, 1024), device="cuda")
-    logits = {}
+    errors = {}
     with torch.no_grad():
+        monkeypatch.setenv("MEMLM_KERNELS", "torch")
+        expected = model(input_ids).logits  # float32
+        model.to(torch.bfloat16)
         for backend in ("torch", "triton", "fla"):
             monkeypatch.setenv("MEMLM_KERNELS", backend)
-            logits[backend] = model(input_ids).logits
-    assert _relative_error(logits["fla"], logits["torch"]) < 2e-2
-    assert _relative_error(logits["fla"], logits["triton"]) < 2e-2
+            errors[backend] = _relative_error(model(input_ids).logits.float(), expected)
+    # bfloat16 against the float32 model: both kernels within PyTorch's own bfloat16 error (seen on an H200: FLA's
+    # and PyTorch's bfloat16 logits differ by 2.1e-2 from each other).
+    assert errors["torch"] < 5e-2
+    assert errors["fla"] < 1.5 * errors["torch"] and errors["triton"] < 1.5 * errors["torch"], errors
 
 
 def test_a_non_finite_input_leaves_the_earlier_outputs_of_fla_s_kernel_as_they_were(fla_kernels):

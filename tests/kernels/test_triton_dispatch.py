@@ -139,14 +139,20 @@ def test_models_on_gpu_in_bfloat16_agree_across_backends(model_class, monkeypatc
         model = DeltaNetForCausalLM(DeltaNetConfig.from_preset("fla", **sizes))
     else:
         model = ExpireSpanForCausalLM(ExpireSpanConfig(**sizes, max_span=1024, ramp=32, block_size=256))
-    model = _perturbed(model).to("cuda", torch.bfloat16).eval()
+    model = _perturbed(model).to("cuda").eval()
     input_ids = torch.randint(0, 256, (4, 1024), device="cuda")
-    logits = {}
+    errors = {}
     with torch.no_grad():
+        monkeypatch.setenv("MEMLM_KERNELS", "torch")
+        expected = model(input_ids).logits  # float32
+        model.to(torch.bfloat16)
         for backend in ("torch", "triton"):
             monkeypatch.setenv("MEMLM_KERNELS", backend)
-            logits[backend] = model(input_ids).logits
-    assert _relative_error(logits["triton"], logits["torch"]) < 2e-2
+            errors[backend] = _relative_error(model(input_ids).logits.float(), expected)
+    # bfloat16 against the float32 model: the kernels (float32 accumulation) within PyTorch's own bfloat16 error
+    # (seen on an H200: the two bfloat16 backends differ by 2.2-2.4e-2 from each other).
+    assert errors["torch"] < 5e-2
+    assert errors["triton"] < 1.5 * errors["torch"], errors
 
 
 def test_the_kernel_benchmark_runs_end_to_end():

@@ -692,6 +692,55 @@ def test_launch_configurations_and_dot_precision():
         torch.set_float32_matmul_precision(previous)
 
 
+@pytest.fixture
+def autotuning_as_on_a_gpu(monkeypatch):
+    """The GPU launch path in the interpreter with the autotuner's timing as a GPU runs it: every candidate
+    configuration runs (twice) on the real arguments before the chosen one. Tensors stay on CPU; the launcher is
+    told they are on a capability-9.0 device."""
+    from memlm.kernels.expire_attention import triton_attention
+
+    def timed_twice(kernel_call, quantiles):
+        kernel_call()
+        kernel_call()
+        return [0.0 for _ in quantiles]
+
+    launch = triton_attention._launch
+
+    def launch_as_on_a_gpu(name, kernel, arguments, options, num_items, batch_heads, device):
+        return launch(name, kernel, arguments, options, num_items, batch_heads, torch.device("cuda"))
+
+    monkeypatch.setattr(triton_attention, "_untimed", timed_twice)
+    monkeypatch.setattr(triton_attention, "_launch", launch_as_on_a_gpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    triton_attention._autotuned.cache_clear()
+    yield
+    triton_attention._autotuned.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["table", "pairs"])
+def test_autotuning_keeps_the_position_gradients_of_one_run(case, autotuning_as_on_a_gpu):
+    """The query kernel adds its position gradients with atomics; the autotuner times every candidate on the real
+    arguments, so they are zeroed before each run (seen on an H200: the query gradient 450× too large)."""
+    tensors, options, grad_output = make_inputs(length=40, memory=24, key_dim=64, value_dim=64, dtype=torch.float16)
+    generator = torch.Generator().manual_seed(5)
+    batch_size, num_heads, length, key_dim = tensors["query"].shape
+    if case == "table":
+        tensors["relative_positions"] = torch.randn(48, key_dim, generator=generator).half().requires_grad_()
+    else:
+        scores = torch.randn(batch_size, num_heads, length, tensors["key"].shape[2], generator=generator)
+        tensors["position_scores"] = scores.half().requires_grad_()
+    kwargs = {"attend_to_self": False, "renormalization_epsilon": 1e-3}
+    assert len(_launch_configs(torch.float16, 64, 64, 90, positions=True)["query"]) > 1  # autotuned
+    output, grads = run(expire_span_attention_triton, tensors, options, grad_output, **kwargs)
+    expected, expected_grads = run(
+        expire_span_attention_reference, float32_copies(tensors), options, grad_output, **kwargs
+    )
+    assert relative_error(output, expected) < 3e-3
+    for name in grads:
+        assert relative_error(grads[name], expected_grads[name]) < 3e-3, name
+
+
 @pytest.mark.parametrize(("dtype", "key_dim", "value_dim"), [(torch.float16, 64, 64), (torch.float32, 40, 72)])
 def test_gpu_tiles_in_the_interpreter(dtype, key_dim, value_dim):
     """The GPU launch path (tiles of _launch_configs, autotuned kernels, one configuration launched directly) runs

@@ -43,20 +43,25 @@ CASES = {
     "deltanet_triton": ("deltanet", "triton", 25),
     "deltanet_fla": ("deltanet", "fla", 25),
     "expire_span_triton": ("expire_span", "triton", 2),
-    "feedback_torch": ("feedback", "torch", 34),
+    "feedback_torch": ("feedback", "torch", 0),
 }
 PROMPT_LENGTH, NEW_TOKENS = 100, 12
-MARGIN = 0.1  # logits of about 2.4 RMS
+MARGIN = 0.1  # logits of about 1.2 (Feedback) to 2.4 RMS
 LOGITS_TOLERANCE = 5e-3  # relative RMS error of each step's logits: float32 on the GPU (TF32 products) allows 5e-3
+# How far each family's weights are spread past their initialisation (randn · SPREAD added), for logits of a few
+# units. The Feedback Transformer's recurrence through its memory amplifies differences when its weights are wider:
+# at 0.2, a change of 1e-6 in the weights changed its logits by O(1) after the 100-token prompt (seen here, so the
+# GPU's rounding alone changed tokens on an H200); at 0.1 float32 is within 3e-6 of float64 on the CPU.
+SPREAD = {"deltanet": 0.2, "expire_span": 0.2, "feedback": 0.1}
 
 
 def _model(family: str):
-    """The family's model with weights spread wider than at initialisation (logits of a few units), seed 0."""
+    """The family's model with weights spread wider than at initialisation (SPREAD), seed 0."""
     torch.manual_seed(0)
     model = BUILDERS[family]()
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.2)
+            parameter.add_(torch.randn_like(parameter) * SPREAD[family])
     return model.eval()
 
 

@@ -852,6 +852,13 @@ def _untimed(kernel_call, quantiles):
     return [0.0 for _ in quantiles]
 
 
+def _zero_position_gradients(arguments: dict, reset_only: bool = False) -> None:
+    """The autotuner's hook before each timed run of the query kernel, and once after the timing: the kernel adds
+    into GradPositions (atomics), so each run, and the chosen configuration's, must start from zeros."""
+    if arguments.get("GradPositions") is not None:
+        arguments["GradPositions"].zero_()
+
+
 @functools.cache
 def _autotuned(name: str, configs: tuple, interpreted: bool) -> triton.runtime.Autotuner:
     kernel = {"forward": _forward_kernel, "key": _backward_key_kernel, "query": _backward_query_kernel}[name]
@@ -859,10 +866,12 @@ def _autotuned(name: str, configs: tuple, interpreted: bool) -> triton.runtime.A
         triton.Config({"BLOCK_M": rows, "BLOCK_N": columns}, num_warps=warps, num_stages=stages)
         for rows, columns, warps, stages in configs
     ]
-    # The kernels only store their outputs (no accumulation across launches), so timing a config is harmless.
-    return triton.autotune(candidates, key=["key_dim", "value_dim"], do_bench=_untimed if interpreted else None)(
-        kernel
-    )
+    # Timing runs each candidate several times on the real arguments: the forward and key kernels only store their
+    # outputs, the query kernel's position gradients are zeroed before each run (_zero_position_gradients).
+    hook = _zero_position_gradients if name == "query" else None
+    return triton.autotune(
+        candidates, key=["key_dim", "value_dim"], pre_hook=hook, do_bench=_untimed if interpreted else None
+    )(kernel)
 
 
 def _launch(name: str, kernel, arguments: tuple, options: dict, num_items: int, batch_heads: int, device) -> None:
