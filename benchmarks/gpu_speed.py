@@ -464,6 +464,20 @@ def model_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _commit(git: str | None) -> str:
+    """Which sources the check ran, as the report's ``sources.git`` says (nothing without git there)."""
+    if not git:
+        return ""
+    commit, changed = git.removesuffix("+changes"), git.endswith("+changes")
+    return f", at commit {commit[:12]}" + (" with changes not committed" if changed else "")
+
+
+def _names(cases: list[dict]) -> str:
+    """The tests that failed or errored, by name, for the sentence counting them."""
+    names = [case["test"] for case in cases if case["outcome"] in ("failed", "error")]
+    return f" (did not pass: {', '.join(f'`{name}`' for name in names)})" if names else ""
+
+
 def docs_section(results: dict | None) -> str:
     """The GPU section of docs/performance/speed.md from a `make gpu-check` report (None: not measured yet)."""
     if results is None:
@@ -475,8 +489,9 @@ def docs_section(results: dict | None) -> str:
         f"(compute capability {machine['capability']}, {machine['memory_gib']:.0f} GiB), torch {machine['torch']} "
         f"(CUDA {machine['cuda']}), Triton {machine['triton']}, flash-linear-attention "
         f"{installed.get('flash-linear-attention', 'not installed')}, 🤗 Transformers "
-        f"{installed.get('transformers', 'unknown')}. The tests marked gpu: {tests['passed']} passed, "
-        f"{tests['failed']} failed, {tests['error']} errored, {tests['skipped']} skipped."
+        f"{installed.get('transformers', 'unknown')}{_commit(results.get('sources', {}).get('git'))}. The tests "
+        f"marked gpu: {tests['passed']} passed, {tests['failed']} failed, {tests['error']} errored, "
+        f"{tests['skipped']} skipped{_names(results['tests']['cases'])}."
     ]
     stopped = [stage["name"] for stage in results["stages"] if stage["status"] == "timed_out"]
     if stopped:

@@ -19,8 +19,9 @@ def test_the_gpu_section_is_written_from_a_report():
     assert section.startswith(
         "From `make gpu-check` (devtools/gpu_check.py) on 2026-11-27 on one NVIDIA H100 80GB HBM3 (compute capability "
         "9.0, 79 GiB), torch 2.11.0+cu130 (CUDA 13.0), Triton 3.6.0, flash-linear-attention 0.6.0, 🤗 Transformers "
-        "5.24.0. The tests marked gpu: 1 passed, 1 failed, 1 errored, 1 skipped. Out of time (stopped; their missing "
-        "figures read —): model_speed.\n\nKernels, bfloat16, 32768 tokens per call, 8 heads of width 128;"
+        "5.24.0. The tests marked gpu: 1 passed, 1 failed, 1 errored, 1 skipped (did not pass: "
+        "`tests/kernels/test_a.py::test_two`, `tests/kernels/test_a.py::test_three`). Out of time (stopped; their "
+        "missing figures read —): model_speed.\n\nKernels, bfloat16, 32768 tokens per call, 8 heads of width 128;"
     )
     # memlm 1 ms, FLA 2 ms, SDPA (measured once per T, for both operations) 4 ms; forward + backward three times that.
     assert "| delta rule | 2048 | 16 | forward | 1.00 | 2.00 | 4.00 | 2.00 | 4.00 |" in section
@@ -33,6 +34,14 @@ def test_the_gpu_section_is_written_from_a_report():
         "- expire span memlm triton training at T = 2048, compiled: BackendCompilerFailed: inductor"
     )
     assert section.count("| delta rule |") == 4 and section.count("| expire span attention |") == 4
+
+
+def test_the_gpu_section_names_the_commit_checked():
+    results = sample_report()
+    results["sources"]["git"] = "6aba9facafed7a46da2a858df79635796b82f65e+changes"
+    assert "5.24.0, at commit 6aba9facafed with changes not committed. The tests" in gpu_speed.docs_section(results)
+    results["sources"]["git"] = "6aba9facafed7a46da2a858df79635796b82f65e"
+    assert "5.24.0, at commit 6aba9facafed. The tests" in gpu_speed.docs_section(results)
 
 
 def test_without_a_report_the_page_says_not_measured_and_with_one_shows_it(tmp_path):

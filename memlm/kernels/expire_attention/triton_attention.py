@@ -747,8 +747,9 @@ def _backward_query_kernel(
 # several, the autotuner times them once per (widths, dtypes) on the GPU. Every entry was compiled for sm_80 and
 # sm_90 at widths 16 to 128, with and without sizes divisible by 16, and checked with ptxas -v: no register
 # spills, at most 89 KB of shared memory on sm_80 (so the 99 KB of sm_86 / sm_89 fit too) and 129 KB on sm_90.
-# None is timed yet (no GPU here). IEEE float32 dots take num_stages=1: pipelined, their operands go to local
-# memory (kilobytes of spills in ptxas), and CUDA-core dots gain little from overlapped loads.
+# Timed only as whole kernels so far (docs/performance/speed.md, "On a GPU"), not config by config. IEEE float32
+# dots take num_stages=1: pipelined, their operands go to local memory (kilobytes of spills in ptxas), and CUDA-core
+# dots gain little from overlapped loads.
 _GPU_CONFIGS = {
     ("forward", "16-bit", 64): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     ("forward", "16-bit", 128): [(64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
