@@ -109,6 +109,7 @@ SPEED_SECTIONS = {
     "speculative_decoding": ("speculative_decoding.py", "speculative_decoding.json", "docs_section"),
     "compiled_decoding": ("compiled_decoding.py", "compiled_decoding.json", "docs_section"),
     "batched_decoding": ("batched_decoding.py", "batched_decoding.json", "docs_section"),
+    "onnx_decoding": ("onnx_decoding.py", "onnx_decoding.json", "docs_section"),
     # The report of a `make gpu-check` run on a GPU; until one is kept the section says it is not measured.
     "gpu_check": ("gpu_speed.py", "gpu_check.json", "docs_section"),
     "kernel_costs_static_sm_90": ("kernel_costs.py", "kernel_costs_static_sm_90.json", "static_section"),
@@ -136,6 +137,20 @@ def test_the_speed_page_s_measured_sections_are_what_the_scripts_write_from_thei
     import report
 
     assert report.section_text(report.SPEED_PAGE, section) == getattr(module, function)(results)
+
+
+def test_the_quantization_guide_s_table_is_what_its_script_writes_from_its_json(monkeypatch):
+    """The table of docs/guides/quantization.md is `python benchmarks/quantization.py --report
+    benchmarks/results/quantization.json`: one run's measurements."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("quantization", ROOT / "benchmarks" / "quantization.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = json.loads((ROOT / "benchmarks" / "results" / "quantization.json").read_text(encoding="utf-8"))
+    import report
+
+    assert not results["settings"]["quick"]
+    assert report.section_text(module.GUIDE, module.SECTION.name) == module.docs_section(results)
 
 
 def test_the_cards_link_to_the_model_pages_where_the_site_is_meant_to_be():

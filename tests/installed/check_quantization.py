@@ -29,11 +29,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("torchao", "bitsandbytes", "optimum-quanto")
-# The tests, and the examples of the quantization guide.
+# The tests, the examples of the quantization guide, and the script of its table.
 TESTS = ("tests/clients/test_quantization.py",
-         "tests/docs/test_examples.py::test_every_code_block_of_the_page_runs[docs/guides/quantization.md]")  # fmt: skip
-# --some: torchao-int8, bitsandbytes-4bit and quanto-int8 (pytest -k matches parts of the test ids).
-SOME = "not dynamic and not int4 and not float8 and not 8bit"
+         "tests/docs/test_examples.py::test_every_code_block_of_the_page_runs[docs/guides/quantization.md]",
+         "tests/benchmarks/test_quantization_table.py")  # fmt: skip
+# --some: torchao-int8, bitsandbytes-4bit and quanto-int8 (pytest -k matches parts of the test ids), without the
+# benchmark script's smoke run (two minutes: `make test` runs it).
+SOME = "not dynamic and not int4 and not float8 and not 8bit and not quantization_table"
 
 
 def pins(constraints: Path) -> list[str]:

@@ -434,10 +434,9 @@ def test_deltanet_on_gpu_in_bfloat16_fla_agrees_with_triton_and_torch(fla_kernel
         for backend in ("torch", "triton", "fla"):
             monkeypatch.setenv("MEMLM_KERNELS", backend)
             errors[backend] = _relative_error(model(input_ids).logits.float(), expected)
-    # bfloat16 against the float32 model: both kernels within PyTorch's own bfloat16 error (seen on an H200: FLA's
-    # and PyTorch's bfloat16 logits differ by 2.1e-2 from each other).
-    assert errors["torch"] < 5e-2
-    assert errors["fla"] < 1.5 * errors["torch"] and errors["triton"] < 1.5 * errors["torch"], errors
+    # Each bfloat16 backend against the float32 model (seen on an H200: FLA's and PyTorch's bfloat16 logits 2.1e-2
+    # apart); bfloat16's roundings through four layers make about 2.5e-2, a wrong kernel is off by O(1).
+    assert max(errors.values()) < 6e-2, errors
 
 
 def test_a_non_finite_input_leaves_the_earlier_outputs_of_fla_s_kernel_as_they_were(fla_kernels):

@@ -149,10 +149,10 @@ def test_models_on_gpu_in_bfloat16_agree_across_backends(model_class, monkeypatc
         for backend in ("torch", "triton"):
             monkeypatch.setenv("MEMLM_KERNELS", backend)
             errors[backend] = _relative_error(model(input_ids).logits.float(), expected)
-    # bfloat16 against the float32 model: the kernels (float32 accumulation) within PyTorch's own bfloat16 error
-    # (seen on an H200: the two bfloat16 backends differ by 2.2-2.4e-2 from each other).
-    assert errors["torch"] < 5e-2
-    assert errors["triton"] < 1.5 * errors["torch"], errors
+    # Each bfloat16 backend against the float32 model. bfloat16 rounds to 3.9e-3; some forty roundings in a row
+    # through four layers make about 2.5e-2 (seen on an H200: the two bfloat16 backends 2.2-2.4e-2 apart). A wrong
+    # kernel is off by O(1).
+    assert max(errors.values()) < 6e-2, errors
 
 
 def test_the_kernel_benchmark_runs_end_to_end():
