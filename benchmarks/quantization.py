@@ -132,7 +132,6 @@ def measure_one(model_folder: str, quantizer: str, family: str, settings: dict) 
     from transformers.utils import logging
 
     import memlm  # noqa: F401  (registers memlm's model types)
-    from memlm.training.pretrain import evaluate
 
     logging.set_verbosity_error()
     torch.set_num_threads(settings["threads"])
@@ -151,14 +150,11 @@ def measure_one(model_folder: str, quantizer: str, family: str, settings: dict) 
             checkpoint, not_saved = None, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         else:
             not_saved = None
-    carry = lm_compare.CARRIES[family]
+    # As lm_compare evaluates: memlm's models carry their memory across segments, Llama reads each alone.
+    sizes = argparse.Namespace(length=settings["length"], eval_rows=settings["eval_rows"])
     with torch.no_grad():
-        if carry:
-            evaluation = evaluate(model, held_out["tokens"], settings["length"], settings["eval_rows"],
-                                  held_out["byte_lengths"], "cpu")  # fmt: skip
-        else:
-            evaluation = lm_compare.evaluate_segments_alone(model, held_out["tokens"], settings["length"],
-                                                            settings["eval_rows"], held_out["byte_lengths"])  # fmt: skip
+        evaluation = lm_compare.held_out(model, held_out["tokens"], sizes, held_out["byte_lengths"],
+                                         lm_compare.CARRIES[family])  # fmt: skip
     decoding = report.Decoding(model, settings["context"], settings["decode_steps"])
     seconds = report.interleaved_median_times({"decode": decoding}, 1, settings["repeats"])["decode"]
     peak = _status_mib("VmHWM") - before
