@@ -37,6 +37,7 @@ from .layers import (
     WIDE,
     RMSNorm,
     add_sublayer_output,
+    compile_region,
     dropout,
     make_mlp,
     make_norm,
@@ -295,7 +296,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         key_width = self.num_heads * self.key_head_dim
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if (
-            batch_size * length >= FUSED_PROJECTION_TOKENS
+            (torch.compiler.is_exporting() or batch_size * length >= FUSED_PROJECTION_TOKENS)  # (any batch size)
             and all(
                 type(projection) is nn.Linear and projection.bias is None and not _has_hooks(projection)
                 for projection in projections
@@ -387,7 +388,7 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
     """x = x + attention(norm(x)); x = x + mlp(norm(x)) (pre-norm), or x = norm(x + attention(x));
     x = norm(x + mlp(x)) (post-norm, the official code's default). The memory enters and leaves as tensors (not
     through the cache object), so gradient checkpointing recomputes the layer from the same state, and `torch.compile`
-    compiles the layer once for all layers (`nested_compile_region`: the layers differ only in their weights)."""
+    compiles the layer once for all layers (`compile_region`)."""
 
     def __init__(self, config: DeltaNetConfig, layer_idx: int):
         super().__init__()
@@ -398,7 +399,7 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
         self.mlp = make_mlp(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    @torch.compiler.nested_compile_region
+    @compile_region
     def forward(
         self,
         hidden_states: torch.Tensor,

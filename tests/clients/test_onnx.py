@@ -112,17 +112,17 @@ def eager_decoding(model, prompt: torch.Tensor, block_size: int, new_tokens: int
 
 
 def check_decoding(model, folder: Path, block_size: int):
-    """Two rows, a prompt of two blocks and three tokens, 64 greedy tokens through ONNX Runtime from the export in
-    `folder`: the tokens and (to 1e-4) the logits of eager PyTorch making the same calls, and of `generate` (which
+    """Three rows (the graphs were exported at two: any batch size runs), a prompt of two blocks and three tokens, 64
+    greedy tokens through ONNX Runtime from the export in `folder`: the tokens and (to 1e-4) the logits of eager PyTorch making the same calls, and of `generate` (which
     reads the prompt in one call) for every layout whose logits do not depend on how calls cut the tokens (all but
     DeltaNet's sinusoidal positions, which count within each call, and the Feedback Transformer's
     `carry_first_layer_norm`, whose memories carried from an earlier call are normed once more:
     `draft_verification_problem`)."""
     runner = OnnxLanguageModel(folder)
     assert set(runner.initial) == set(memory_tensors(model.allocated_memory(1)))
-    prompt = torch.randint(0, 256, (2, 2 * block_size + 3))
+    prompt = torch.randint(0, 256, (3, 2 * block_size + 3))
     tokens, logits = runner.generate(prompt.numpy(), NEW_TOKENS)
-    assert tokens.shape == (2, NEW_TOKENS) and logits.shape == (2, NEW_TOKENS, SIZES["vocab_size"])
+    assert tokens.shape == (3, NEW_TOKENS) and logits.shape == (3, NEW_TOKENS, SIZES["vocab_size"])
     eager_tokens, eager_logits = eager_decoding(model, prompt, block_size, NEW_TOKENS)
     numpy.testing.assert_array_equal(tokens, eager_tokens)
     numpy.testing.assert_allclose(logits, eager_logits, rtol=0, atol=LOGITS_TOLERANCE)

@@ -313,6 +313,8 @@ def delta_rule_chunk(
     tokens_per_segment = chunk_size * max(
         1, _SEGMENT_ELEMENTS // (batch_size * num_heads * chunk_size * (key_dim + value_dim))
     )
+    if torch.compiler.is_exporting():  # one graph for every batch size: the exported block is one segment
+        tokens_per_segment = max(length, 1)
     output = value.new_empty(batch_size, num_heads, length, value_dim)
     for start in range(0, length, tokens_per_segment):
         end = min(start + tokens_per_segment, length)
