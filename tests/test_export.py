@@ -110,12 +110,12 @@ MODELS = {
 }
 
 
-def _saved(tmp_path, name="fla", tokenizer=None):
+def _saved(tmp_path, name="fla", tokenizer=None, folder="checkpoint"):
     model = MODELS[name]().eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
-    directory = tmp_path / "checkpoint"
+    directory = tmp_path / folder
     model.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
@@ -217,132 +217,143 @@ REMOTE_SCRIPT = textwrap.dedent(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-    directory, resaved = sys.argv[1], sys.argv[2]
-    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
-    assert not type(model).__module__.startswith("memlm"), type(model).__module__
-    prompt = torch.tensor({prompt})
-    with torch.no_grad():
-        logits = model(prompt).logits
-    generated = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    generator = pipeline("text-generation", model=directory, trust_remote_code=True, device="cpu")
-    text = generator("abc", max_new_tokens=3, do_sample=False)[0]["generated_text"]
-    model.save_pretrained(resaved)  # saving a remote-code model keeps its code
-    again = AutoModelForCausalLM.from_pretrained(resaved, trust_remote_code=True).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(again(prompt).logits, logits, atol=1e-6, rtol=1e-6)
-    print(json.dumps({{"logits": logits.tolist(), "generated": generated.tolist(), "text": text}}))
+    results = []
+    for directory, resaved in zip(sys.argv[1::2], sys.argv[2::2]):  # (one process for every checkpoint: CI's time)
+        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+        assert not type(model).__module__.startswith("memlm"), type(model).__module__
+        prompt = torch.tensor({prompt})
+        with torch.no_grad():
+            logits = model(prompt).logits
+        generated = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        generator = pipeline("text-generation", model=directory, trust_remote_code=True, device="cpu")
+        text = generator("abc", max_new_tokens=3, do_sample=False)[0]["generated_text"]
+        model.save_pretrained(resaved)  # saving a remote-code model keeps its code
+        again = AutoModelForCausalLM.from_pretrained(resaved, trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(again(prompt).logits, logits, atol=1e-6, rtol=1e-6)
+        results.append({{"logits": logits.tolist(), "generated": generated.tolist(), "text": text}})
+    print(json.dumps(results))
     """
 ).format(prompt=PROMPT)
 
 
-@pytest.mark.parametrize(
-    "name", ["fla", "official_block", "expire_span", "expire_span_official", "feedback", "feedback_official"]
-)
-def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, tokenizer, name):
-    model, directory = _saved(tmp_path, name, tokenizer)
-    environment = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_MODULES_CACHE": str(tmp_path / "modules"),
-        "PYTHONPATH": "",
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_SCRIPT, str(directory), str(tmp_path / "resaved")],
-        cwd=tmp_path,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    remote = json.loads(result.stdout.strip().splitlines()[-1])
-    with torch.no_grad():
-        expected = model(torch.tensor(PROMPT)).logits
-    torch.testing.assert_close(torch.tensor(remote["logits"]), expected, atol=1e-6, rtol=1e-6)
-    generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    assert remote["generated"] == generated.tolist()
-    assert remote["text"].startswith("abc")
+REMOTE_CODE_MODELS = ("fla", "official_block", "expire_span", "expire_span_official", "feedback", "feedback_official")
 
 
-def _remote_run(python: str, directory: Path, tmp_path: Path, label: str) -> dict:
-    """REMOTE_SCRIPT run by `python` (where memlm is made unimportable): logits, greedy tokens and pipeline text."""
+def test_remote_code_loads_without_memlm_and_gives_identical_logits(tmp_path, tokenizer):
+    saved = {name: _saved(tmp_path, name, tokenizer, folder=name) for name in REMOTE_CODE_MODELS}
+    remote = _remote_run(sys.executable, [directory for _, directory in saved.values()], tmp_path, "here")
+    for (name, (model, _)), there in zip(saved.items(), remote, strict=True):
+        with torch.no_grad():
+            expected = model(torch.tensor(PROMPT)).logits
+        torch.testing.assert_close(torch.tensor(there["logits"]), expected, atol=1e-6, rtol=1e-6, msg=name)
+        generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        assert there["generated"] == generated.tolist(), name
+        assert there["text"].startswith("abc"), name
+
+
+def _remote_run(python: str, directories: list, tmp_path: Path, label: str) -> list[dict]:
+    """REMOTE_SCRIPT run by `python` (where memlm is made unimportable) over the checkpoints in `directories`, in one
+    process: for each, logits, greedy tokens and pipeline text."""
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / f"modules_{label}"),
                    "PYTHONPATH": ""}  # fmt: skip
-    result = subprocess.run([python, "-c", REMOTE_SCRIPT, str(directory), str(tmp_path / f"resaved_{label}")],
-                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)  # fmt: skip
+    arguments = [str(part) for index, directory in enumerate(directories)
+                 for part in (directory, tmp_path / f"resaved_{label}_{index}")]  # fmt: skip
+    result = subprocess.run([python, "-c", REMOTE_SCRIPT, *arguments], cwd=tmp_path, env=environment,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-# Saves a checkpoint with memlm under the other release and prints its logits and greedy tokens.
+# Saves checkpoints with memlm under the other release (pairs of model name and folder) and prints, for each, its
+# logits and greedy tokens.
 SAVE_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch
+    import transformers
     from tests.test_export import MODELS, PROMPT
 
-    torch.manual_seed(0)
-    model = MODELS[sys.argv[1]]().eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-        logits = model(torch.tensor(PROMPT)).logits
-    model.save_pretrained(sys.argv[2])
-    generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    import transformers
-    print(json.dumps({"logits": logits.tolist(), "generated": generated.tolist(), "release": transformers.__version__}))
+    results = []
+    for name, directory in zip(sys.argv[1::2], sys.argv[2::2]):
+        torch.manual_seed(0)
+        model = MODELS[name]().eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+            logits = model(torch.tensor(PROMPT)).logits
+        model.save_pretrained(directory)
+        generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        results.append({"logits": logits.tolist(), "generated": generated.tolist(), "release": transformers.__version__})
+    print(json.dumps(results))
     """
 )
+# Loads checkpoints with memlm (the Auto classes, no remote code) and prints each one's greedy tokens.
+GENERATE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import memlm, torch
+    from transformers import AutoModelForCausalLM
+
+    tokens = []
+    for directory in sys.argv[1:]:
+        model = AutoModelForCausalLM.from_pretrained(directory).eval()
+        tokens.append(model.generate(torch.tensor({prompt}), max_new_tokens=5, min_new_tokens=5, do_sample=False).tolist())
+    print(json.dumps(tokens))
+    """
+).format(prompt=PROMPT)
 OTHER_RELEASE_PYTHON = os.environ.get("MEMLM_OTHER_RELEASE_PYTHON")
 needs_other_release = pytest.mark.skipif(
     not OTHER_RELEASE_PYTHON,
     reason="needs MEMLM_OTHER_RELEASE_PYTHON, the interpreter of an environment with another 🤗 release and memlm "
     "(make test-releases sets it: the oldest release's, for the run under the newest)",
 )
+# One model of each family (each checkpoint of a test in the same process of the other release: CI's time).
+RELEASE_MODELS = ("fla", "expire_span", "feedback")
 
 
 @needs_other_release
-@pytest.mark.parametrize("name", ["fla", "expire_span", "feedback"])
-def test_a_checkpoint_saved_under_this_release_loads_and_generates_under_the_other(tmp_path, tokenizer, name):
-    model, directory = _saved(tmp_path, name, tokenizer)
-    with torch.no_grad():
-        expected = model(torch.tensor(PROMPT)).logits
-    generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    there = _remote_run(OTHER_RELEASE_PYTHON, directory, tmp_path, "other")  # the bundle, without memlm
-    torch.testing.assert_close(torch.tensor(there["logits"]), expected, atol=1e-6, rtol=1e-6)
-    assert there["generated"] == generated.tolist()
-    with_memlm = subprocess.run(
-        [OTHER_RELEASE_PYTHON, "-c", "import sys, memlm, torch; from transformers import AutoModelForCausalLM; "
-         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval(); "
-         f"print(model.generate(torch.tensor({PROMPT}), max_new_tokens=5, min_new_tokens=5, do_sample=False).tolist())",
-         str(directory)],
-        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def test_a_checkpoint_saved_under_this_release_loads_and_generates_under_the_other(tmp_path, tokenizer):
+    saved = {name: _saved(tmp_path, name, tokenizer, folder=name) for name in RELEASE_MODELS}
+    directories = [directory for _, directory in saved.values()]
+    remote = _remote_run(OTHER_RELEASE_PYTHON, directories, tmp_path, "other")  # the bundles, without memlm
+    with_memlm = subprocess.run([OTHER_RELEASE_PYTHON, "-c", GENERATE_SCRIPT, *map(str, directories)], cwd=ROOT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                                timeout=600)  # fmt: skip
     assert with_memlm.returncode == 0, with_memlm.stderr[-3000:]
-    assert json.loads(with_memlm.stdout.strip().splitlines()[-1]) == generated.tolist()
+    generated_there = json.loads(with_memlm.stdout.strip().splitlines()[-1])
+    for (name, (model, _)), there, tokens_there in zip(saved.items(), remote, generated_there, strict=True):
+        with torch.no_grad():
+            expected = model(torch.tensor(PROMPT)).logits
+        generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        torch.testing.assert_close(torch.tensor(there["logits"]), expected, atol=1e-6, rtol=1e-6, msg=name)
+        assert there["generated"] == generated.tolist(), name
+        assert tokens_there == generated.tolist(), name
 
 
 @needs_other_release
-@pytest.mark.parametrize("name", ["fla", "expire_span", "feedback"])
-def test_a_checkpoint_saved_under_the_other_release_loads_and_generates_under_this_one(tmp_path, tokenizer, name):
-    directory = tmp_path / "checkpoint"
-    saved = subprocess.run([OTHER_RELEASE_PYTHON, "-c", SAVE_SCRIPT, name, str(directory)], cwd=ROOT,
+def test_a_checkpoint_saved_under_the_other_release_loads_and_generates_under_this_one(tmp_path, tokenizer):
+    directories = [tmp_path / name for name in RELEASE_MODELS]
+    arguments = [str(part) for name, directory in zip(RELEASE_MODELS, directories) for part in (name, directory)]
+    saved = subprocess.run([OTHER_RELEASE_PYTHON, "-c", SAVE_SCRIPT, *arguments], cwd=ROOT,
                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert saved.returncode == 0, saved.stderr[-3000:]
-    there = json.loads(saved.stdout.strip().splitlines()[-1])
+    saved_there = json.loads(saved.stdout.strip().splitlines()[-1])
     import transformers
 
-    assert there["release"] != transformers.__version__, "the other environment runs this very release"
-    tokenizer.save_pretrained(directory)
-    loaded = AutoModelForCausalLM.from_pretrained(directory).eval()  # with memlm
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(torch.tensor(PROMPT)).logits, torch.tensor(there["logits"]), atol=1e-6,
-                                   rtol=1e-6)  # fmt: skip
-    generated = loaded.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    assert generated.tolist() == there["generated"]
-    here = _remote_run(sys.executable, directory, tmp_path, "here")  # its bundle, without memlm
-    assert here["generated"] == there["generated"]
+    assert saved_there[0]["release"] != transformers.__version__, "the other environment runs this very release"
+    for directory in directories:
+        tokenizer.save_pretrained(directory)
+    here = _remote_run(sys.executable, directories, tmp_path, "here")  # their bundles, without memlm
+    for name, directory, there, bundle_here in zip(RELEASE_MODELS, directories, saved_there, here, strict=True):
+        loaded = AutoModelForCausalLM.from_pretrained(directory).eval()  # with memlm
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(torch.tensor(PROMPT)).logits, torch.tensor(there["logits"]), atol=1e-6,
+                                       rtol=1e-6, msg=name)  # fmt: skip
+        generated = loaded.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        assert generated.tolist() == there["generated"], name
+        assert bundle_here["generated"] == there["generated"], name
 
 
 def test_model_card_is_rendered_with_valid_metadata(tmp_path):
@@ -420,37 +431,39 @@ SAVE_WITHOUT_TRITON = textwrap.dedent(
     import memlm
     from tests.test_export import MODELS
 
-    model = MODELS[sys.argv[1]]()
-    model.save_pretrained(sys.argv[2])
+    for name, directory in zip(sys.argv[1::2], sys.argv[2::2]):
+        MODELS[name]().save_pretrained(directory)
     print(sorted(name for name in sys.modules if name.startswith("memlm.") and "triton" in name))
     """
 )
 
 
-@pytest.mark.parametrize("name", ["fla", "expire_span", "feedback"])
-def test_save_pretrained_without_triton_writes_the_whole_bundle(tmp_path, name):
+def test_save_pretrained_without_triton_writes_the_whole_bundle(tmp_path):
     """Without Triton, saving still writes every file of the bundle, the Triton kernels included (they refuse to
-    import there, so the bundle is read from the source files, never imported)."""
-    directory = tmp_path / "checkpoint"
+    import there, so the bundle is read from the source files, never imported). One model of each family, saved in
+    one process."""
+    names = ("fla", "expire_span", "feedback")
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "MEMLM_KERNELS": "torch"}
     environment.pop("TRITON_INTERPRET", None)
+    arguments = [str(part) for name in names for part in (name, tmp_path / name)]
     result = subprocess.run(
-        [sys.executable, "-c", SAVE_WITHOUT_TRITON, name, str(directory)],
+        [sys.executable, "-c", SAVE_WITHOUT_TRITON, *arguments],
         cwd=Path(__file__).resolve().parents[1],
         env=environment,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"  # no memlm Triton module was imported
-    model = MODELS[name]()
-    expected = bundle_sources([type(model).__module__, type(model.config).__module__])
-    written = {path.name: path.read_text(encoding="utf-8") for path in directory.glob("*.py")}
-    assert written == expected
-    assert GENERATED_CARD_MARK in (directory / "README.md").read_text(encoding="utf-8")
-    if name != "feedback":
-        assert any("triton" in file for file in written), sorted(written)
+    for name in names:
+        model = MODELS[name]()
+        expected = bundle_sources([type(model).__module__, type(model.config).__module__])
+        written = {path.name: path.read_text(encoding="utf-8") for path in (tmp_path / name).glob("*.py")}
+        assert written == expected, name
+        assert GENERATED_CARD_MARK in (tmp_path / name / "README.md").read_text(encoding="utf-8"), name
+        if name != "feedback":
+            assert any("triton" in file for file in written), (name, sorted(written))
 
 
 TOKENIZER_WITHOUT_MEMLM = textwrap.dedent(
