@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from memlm.cli import main as memlm_main
 from memlm.training import finetune
 from tests.training.test_pretrain import MODELS, SIZES, TEXT, TRAINING
 
@@ -20,6 +21,14 @@ def _memlm(*arguments) -> subprocess.CompletedProcess:
                           text=True, check=True)  # fmt: skip
 
 
+def _memlm_here(capsys, *arguments) -> str:
+    """What `memlm ARGUMENTS` prints, run in this process (its own process costs ~10 s of imports here; the real
+    command is run by `_memlm` where the process matters)."""
+    capsys.readouterr()
+    memlm_main(list(arguments))
+    return capsys.readouterr().out
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[str, Path]:
     """A tiny pretrained checkpoint of each model, written by `memlm train`."""
@@ -30,8 +39,17 @@ def trained(tmp_path_factory) -> dict[str, Path]:
         preset = folder / f"{name}.json"
         preset.write_text(json.dumps({"model": {**model, **SIZES}, "training": {**TRAINING, "steps": 2}}))
         outputs[name] = folder / name
-        _memlm(
-            "train", "--preset", str(preset), "--output-dir", str(outputs[name]), "--data", str(folder / "corpus.txt")
+        # (in this process: `memlm train` itself runs as a command in test_train_options.py and the wheel check)
+        memlm_main(
+            [
+                "train",
+                "--preset",
+                str(preset),
+                "--output-dir",
+                str(outputs[name]),
+                "--data",
+                str(folder / "corpus.txt"),
+            ]
         )
     return outputs
 
@@ -50,15 +68,15 @@ def test_finetune_with_the_trainer_lowers_the_held_out_loss(trained, tmp_path, n
     assert (tmp_path / "tuned" / "model.safetensors").is_file() and (tmp_path / "tuned" / "tokenizer.json").is_file()
 
 
-def test_generate_and_info_describe_a_saved_model(trained):
+def test_generate_and_info_describe_a_saved_model(trained, capsys):
     result = _memlm("generate", str(trained["feedback"]), "--prompt", "def ", "--max-new-tokens", "10", "--greedy")
     assert result.stdout.startswith("def ") and len(result.stdout) > len("def ")
-    assert "kernels run: torch: memlm's PyTorch step loop" in _memlm("info", str(trained["feedback"])).stdout
-    info = _memlm("info", str(trained["expire_span"])).stdout
+    assert "kernels run: torch: memlm's PyTorch step loop" in _memlm_here(capsys, "info", str(trained["feedback"]))
+    info = _memlm_here(capsys, "info", str(trained["expire_span"]))
     assert "ExpireSpanConfig" in info and "parameters:" in info and "kernels: torch backend on cpu" in info
     assert "held-out bits per byte" in info
     assert "kernels run: torch: scaled_dot_product_attention with the expire-span mask" in info
-    assert "kernels run: torch: memlm's PyTorch chunkwise" in _memlm("info", str(trained["deltanet"])).stdout
+    assert "kernels run: torch: memlm's PyTorch chunkwise" in _memlm_here(capsys, "info", str(trained["deltanet"]))
 
 
 def test_bad_command_lines_give_clear_errors(tmp_path):
@@ -108,7 +126,7 @@ def test_generate_sampling_options_take_effect(trained, capsys):
     assert sample("--seed", "5", "--top-k", "258", "--temperature", "2.0") != greedy
 
 
-def test_plot_memory_draws_spans_and_layer_weights(trained, tmp_path):
+def test_plot_memory_draws_spans_and_layer_weights(trained, tmp_path, capsys):
     spans = _memlm("plot-memory", str(trained["expire_span"]), "--text", "def f(x):\n    return x", "--output",
                    str(tmp_path / "spans.png"))  # fmt: skip
     assert "layer 1: mean span" in spans.stdout and (tmp_path / "spans.png").stat().st_size > 1000
@@ -123,15 +141,16 @@ def test_plot_memory_draws_spans_and_layer_weights(trained, tmp_path):
                      "--output", str(tmp_path / f"width{width}.png")])  # fmt: skip
     narrow, wide = (Image.open(tmp_path / f"width{width}.png").size for width in ("8", "64"))
     assert narrow[0] < wide[0] and narrow[1] > wide[1]
-    weights = _memlm("plot-memory", str(trained["feedback"]), "--output", str(tmp_path / "weights.png"))
-    values = [float(value) for value in weights.stdout.split("softmax(w): ")[1].splitlines()[0].split(", ")]
+    weights = _memlm_here(capsys, "plot-memory", str(trained["feedback"]), "--output", str(tmp_path / "weights.png"))
+    values = [float(value) for value in weights.split("softmax(w): ")[1].splitlines()[0].split(", ")]
     assert len(values) == SIZES["num_hidden_layers"] + 1 and abs(sum(values) - 1) < 1e-2
     assert (tmp_path / "weights.png").stat().st_size > 1000
     for arguments, message in [
         ((str(trained["deltanet"]), "--output", str(tmp_path / "x.png")), "have no memory picture"),
         ((str(trained["expire_span"]), "--output", str(tmp_path / "x.png")), "needs --text or --text-file"),
     ]:
-        result = subprocess.run([sys.executable, "-m", "memlm.cli", "plot-memory", *arguments], env=ENVIRONMENT,
-                                capture_output=True, text=True)  # fmt: skip
-        assert result.returncode != 0 and message in result.stderr
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            memlm_main(["plot-memory", *arguments])
+        assert exit_info.value.code not in (0, None) and message in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()

@@ -75,19 +75,25 @@ def test_finetune_numbers_out_of_range_are_usage_errors(option, value, capsys):
     assert error.startswith("usage: memlm finetune ") and f"argument {option}: must be" in error
 
 
-def test_the_commands_name_themselves_and_draw_no_progress_bar_in_logs(tmp_path):
-    """Through the real `memlm` command: --help names the subcommand, a bad number exits 2 with one line, and a run
-    whose output is not a terminal writes no progress bar (one line per step before)."""
+def test_the_commands_name_themselves_and_draw_no_progress_bar_in_logs(tmp_path, capsys):
+    """--help names the subcommand and a bad number exits 2 with one line (`memlm.cli.main` in this process), and
+    through the real `memlm` command a run whose output is not a terminal writes no progress bar (one line per step
+    before)."""
+    from memlm.cli import main as memlm_main
+
     helps = {}
     for command in ("train", "finetune"):
-        helps[command] = subprocess.run([sys.executable, "-m", "memlm.cli", command, "--help"], env=ENVIRONMENT,
-                                        capture_output=True, text=True, check=True).stdout  # fmt: skip
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            memlm_main([command, "--help"])
+        assert exit_info.value.code == 0
+        helps[command] = capsys.readouterr().out
         assert helps[command].startswith(f"usage: memlm {command} ")
     assert "0 keeps every one" in " ".join(helps["train"].split()) and "--overwrite" in helps["train"]
-    bad = subprocess.run([sys.executable, "-m", "memlm.cli", "train", "--preset", "tiny-deltanet", "--output-dir",
-                          str(tmp_path / "x"), "--batch-size", "0"], env=ENVIRONMENT, capture_output=True, text=True)  # fmt: skip
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1] == (
+    with pytest.raises(SystemExit) as exit_info:
+        memlm_main(["train", "--preset", "tiny-deltanet", "--output-dir", str(tmp_path / "x"), "--batch-size", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "memlm train: error: argument --batch-size: must be an integer ≥ 1, got 0"
     )
     assert not (tmp_path / "x").exists()
