@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     command = [arguments.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(arguments.workers), *TESTS]
     if arguments.some:
         command += ["-k", SOME]
+    command += ["--durations=10"]  # (where CI's time goes)
     print("$ " + " ".join(command), flush=True)
     return subprocess.run(command, env=env, cwd=ROOT, stdin=subprocess.DEVNULL).returncode
 

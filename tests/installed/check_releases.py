@@ -160,6 +160,7 @@ def tests(python: Path, markers: str, other_python: Path | None, workers: int, i
         env["MEMLM_OTHER_RELEASE_PYTHON"] = str(other_python)
     command = [python, "-m", "pytest", "-q", "-m", markers, "-p", "no:cacheprovider", "-n", str(workers)]
     command += [f"--ignore={path}" for path in ignored]
+    command += ["--durations=10"]  # (where CI's time goes)
     return run(command, env=env, check=False).returncode == 0
 
 
