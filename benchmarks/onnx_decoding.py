@@ -18,7 +18,7 @@ Every model and way is timed in turns (medians). ONNX Runtime and torch use the 
 one per core). The seconds each export took are printed too.
 
     python benchmarks/onnx_decoding.py [--json results.json]      # about 20 minutes on 2 quiet cores
-    python benchmarks/onnx_decoding.py --quick                    # tiny sizes (one layer), the eager backend: a smoke run
+    python benchmarks/onnx_decoding.py --quick                    # one tiny layer, the eager backend: a smoke run
     python benchmarks/onnx_decoding.py --write-docs --json benchmarks/results/onnx_decoding.json
     python benchmarks/onnx_decoding.py --report benchmarks/results/onnx_decoding.json
 """
@@ -242,7 +242,7 @@ SECTION = report.Section(
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = report.arguments(__doc__, repeats=5, section=SECTION,
-                              quick="tiny sizes (one layer), the eager backend, one repeat: a run that checks the script")  # fmt: skip
+                              quick="one tiny layer, the eager backend, one repeat: a run that checks the script")  # fmt: skip
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 2048], help="prompts before the decoding")
     parser.add_argument("--decode-steps", type=int, default=64, help="new tokens per timed generate call")
     parser.add_argument("--backend", default="inductor", help="the torch.compile backend")

@@ -284,7 +284,8 @@ SAVE_SCRIPT = textwrap.dedent(
             logits = model(torch.tensor(PROMPT)).logits
         model.save_pretrained(directory)
         generated = model.generate(torch.tensor(PROMPT), max_new_tokens=5, min_new_tokens=5, do_sample=False)
-        results.append({"logits": logits.tolist(), "generated": generated.tolist(), "release": transformers.__version__})
+        results.append({"logits": logits.tolist(), "generated": generated.tolist(),
+                        "release": transformers.__version__})
     print(json.dumps(results))
     """
 )
@@ -298,7 +299,8 @@ GENERATE_SCRIPT = textwrap.dedent(
     tokens = []
     for directory in sys.argv[1:]:
         model = AutoModelForCausalLM.from_pretrained(directory).eval()
-        tokens.append(model.generate(torch.tensor({prompt}), max_new_tokens=5, min_new_tokens=5, do_sample=False).tolist())
+        generated = model.generate(torch.tensor({prompt}), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        tokens.append(generated.tolist())
     print(json.dumps(tokens))
     """
 ).format(prompt=PROMPT)

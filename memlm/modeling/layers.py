@@ -16,9 +16,9 @@ WIDE = (torch.float32, torch.float64)
 
 def compile_region(forward):
     """A layer's `forward` as a `torch.compiler.nested_compile_region` (`torch.compile` traces and compiles it once for
-    all the layers, which differ only in their weights), except under `torch.export`: there torch runs each call of a
-    region through Dynamo inside the export's own tracing (a 2-layer DeltaNet's ONNX export: 68 s with the region,
-    25 s without, on the development machine), and the exported graph is the same."""
+    all the layers, which differ only in their weights), except under `torch.export`: there torch would run each call
+    of a region through Dynamo inside the export's own tracing, which made exports several times longer for the same
+    graph."""
     region = torch.compiler.nested_compile_region(forward)
 
     @functools.wraps(forward)

@@ -296,7 +296,8 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         key_width = self.num_heads * self.key_head_dim
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if (
-            (torch.compiler.is_exporting() or batch_size * length >= FUSED_PROJECTION_TOKENS)  # (any batch size)
+            # (an exported graph takes any batch size: its choice may not depend on one)
+            (torch.compiler.is_exporting() or batch_size * length >= FUSED_PROJECTION_TOKENS)
             and all(
                 type(projection) is nn.Linear and projection.bias is None and not _has_hooks(projection)
                 for projection in projections

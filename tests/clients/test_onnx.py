@@ -113,11 +113,11 @@ def eager_decoding(model, prompt: torch.Tensor, block_size: int, new_tokens: int
 
 def check_decoding(model, folder: Path, block_size: int):
     """Three rows (the graphs were exported at two: any batch size runs), a prompt of two blocks and three tokens, 64
-    greedy tokens through ONNX Runtime from the export in `folder`: the tokens and (to 1e-4) the logits of eager PyTorch making the same calls, and of `generate` (which
-    reads the prompt in one call) for every layout whose logits do not depend on how calls cut the tokens (all but
-    DeltaNet's sinusoidal positions, which count within each call, and the Feedback Transformer's
-    `carry_first_layer_norm`, whose memories carried from an earlier call are normed once more:
-    `draft_verification_problem`)."""
+    greedy tokens through ONNX Runtime from the export in `folder`: the tokens and (to 1e-4) the logits of eager
+    PyTorch making the same calls, and of `generate` (which reads the prompt in one call) for every layout whose logits
+    do not depend on how calls cut the tokens (all but DeltaNet's sinusoidal positions, which count within each call,
+    and the Feedback Transformer's `carry_first_layer_norm`, whose memories carried from an earlier call are normed
+    once more: `draft_verification_problem`)."""
     runner = OnnxLanguageModel(folder)
     assert set(runner.initial) == set(memory_tensors(model.allocated_memory(1)))
     prompt = torch.randint(0, 256, (3, 2 * block_size + 3))

@@ -7,6 +7,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from tests.modeling.test_common import _model
@@ -93,6 +94,28 @@ def test_export_gives_the_eager_logits(name, monkeypatch):
     assert "solve_triangular" not in str(program.graph)
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=258\); got values from 0 to 300"):
         model(torch.tensor([[0, 300]]))
+
+
+def test_deltanet_layers_are_one_compile_region_except_under_export(monkeypatch):
+    """`compile_region`: torch.compile traces DeltaNet's decoder layer as one `invoke_subgraph` shared by the layers;
+    torch.export traces it inline (a region there is compiled by Dynamo inside the export, call after call)."""
+    monkeypatch.setenv("MEMLM_KERNELS", "torch")
+    model = _model("deltanet")
+    input_ids = torch.randint(0, 256, (1, 9))
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend)(input_ids, use_cache=False).logits
+        torch.testing.assert_close(compiled, model(input_ids, use_cache=False).logits)
+        counters.clear()
+        torch.export.export(model, (input_ids,), kwargs={"use_cache": False})
+    assert sum(code.count("invoke_subgraph(") for code in graphs) == model.config.num_hidden_layers
+    assert not counters["stats"]["unique_graphs"]  # no graph of Dynamo's inside the export
 
 
 @pytest.mark.parametrize("use_cache", [False, True])
