@@ -135,14 +135,22 @@ def embed_inputs(input_ids, inputs_embeds, embedding: torch.nn.Embedding) -> tor
         raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}.")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
-    # Reading the ids' range is data-dependent: eager runs check it, torch.compile and torch.export leave it out.
-    if not torch.compiler.is_compiling():
-        low, high = (int(bound) for bound in torch.aminmax(input_ids))
-        if low < 0 or high >= vocab_size:
-            raise ValueError(
-                f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {low} to {high}. Is the "
-                "tokenizer the one this model was trained with?"
-            )
+    # Reading the ids' range is data-dependent (a wait for the device): eager runs check it, torch.compile and
+    # torch.export leave it out. A CPU embedding checks its indices itself, so there the range is read only when it
+    # refused them (a decoding step is spared the read); a GPU's would stop the process with a device assertion.
+    if torch.compiler.is_compiling():
+        return embedding(input_ids)
+    if input_ids.device.type == "cpu":
+        try:
+            return embedding(input_ids)
+        except IndexError:
+            pass
+    low, high = (int(bound) for bound in torch.aminmax(input_ids))
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={vocab_size}); got values from {low} to {high}. Is the "
+            "tokenizer the one this model was trained with?"
+        )
     return embedding(input_ids)
 
 

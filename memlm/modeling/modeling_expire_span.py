@@ -36,6 +36,7 @@ from ..export import RemoteCodeMixin
 from ..kernels import plain_weights
 from ..kernels.expire_attention import expire_span_attention
 from ..kernels.expire_attention.blocks import (
+    Block,
     compact_memories,
     first_queries,
     run_layer_over_blocks,
@@ -50,8 +51,10 @@ from ..kernels.expire_attention.memory import (
     next_decoding_slack,
 )
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
+from ..kernels.rotary import rotate, signed_sine
 from .layers import (
     KEEP_IN_FLOAT32,
+    WIDE,
     LearnedRelativePositions,
     RotaryEmbedding,
     add_sublayer_output,
@@ -179,7 +182,9 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         divisor = self.config.span_pre_divisor
         logits = small_projection(self.span_predictor, span_inputs if divisor == 1 else span_inputs / divisor)
         logits = logits.squeeze(-1)
-        return self.config.max_span * torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        if logits.dtype not in WIDE:
+            logits = logits.float()
+        return self.config.max_span * torch.sigmoid(logits)
 
     def project(self, hidden_states: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """Queries, keys and values (B, H, T, d) of hidden_states (B, T, D), queries and keys rotated with rotary
@@ -276,7 +281,8 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
                     output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
                     visible_memory.expiry_slack = next_decoding_slack(slack, spans)
                     read_count = torch.full((), seen.numel(), dtype=torch.float32, device=output.device)
-                    return output, visible_memory, spans, output.new_zeros((), dtype=torch.float32), read_count
+                    no_loss = output.new_zeros((), dtype=torch.promote_types(output.dtype, torch.float32))
+                    return output, visible_memory, spans, no_loss, read_count
         table = relative_positions.weight if relative_positions is not None else None  # q_t · p_{t−i}
         # The official options' backward reuses the weights when they take no more memory per query than the layer
         # keeps per token anyway (about 8·D + 2·I floats: inputs, projections, outputs, norms, the MLP's activations).
@@ -437,6 +443,44 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             hidden_states, dropout(self.dropout, mlp_output), self.post_attention_layernorm, self.norm_position
         )
         return hidden_states, memory, spans, span_loss_sum, read
+
+    def step(self, hidden_states, block: Block, rotation: tuple, memory: ExpireSpanMemory | None, **options):
+        """A decoding step (`ExpireSpanModel.steps_one_token`: one real token per row, no gradients, evaluation, the
+        plain attention), as `run_layer_over_blocks` over the one block returns it. While no memory the token sees is
+        on the ramp (`decoding_slack` >= 0), Eq. 5's mask is 1 on every valid memory: the step is the layer's forward
+        without its bookkeeping — the token's keys and values written into the memory's buffer, softmax attention over
+        the valid memories, no span loss (nothing on the ramp) — and its reads are a Python number. Otherwise, or
+        before the memory has a buffer, the layer's forward runs. `rotation`: the block's cos and `signed_sine`."""
+        if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
+            memory = self.prune(memory, block.first_positions, options["delete_expired"])
+        slack = decoding_slack(memory, block.positions, block.valid)
+        if memory is None or memory.buffer is None or slack is None or slack < 0:
+            return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
+        attention = self.attention
+        attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
+        batch_size = hidden_states.shape[0]
+        shape = (batch_size, 1, attention.num_heads, attention.head_dim)
+        query = rotate(attention.q_proj(attention_input).view(shape), *rotation).transpose(1, 2)
+        key = rotate(attention.k_proj(attention_input).view(shape), *rotation).transpose(1, 2)
+        value = attention.v_proj(attention_input).view(shape).transpose(1, 2)
+        spans = attention.predict_spans(attention_input)
+        kept_inputs = hidden_states if attention.config.recompute_memory else None
+        dense = memory.every_valid  # else: padding, or memories marked dead in place and not yet compacted away
+        if dense is None:
+            dense = bool(memory.valid.all())
+        memory = memory.append(ExpireSpanMemory(key, value, block.positions, block.valid, spans, None, kept_inputs))
+        memory.every_valid = dense  # (the token is valid)
+        mask = None if dense else memory.valid[:, None, None, :]
+        output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
+        output = attention.o_proj(output.transpose(1, 2).reshape(batch_size, 1, -1))
+        memory.expiry_slack = next_decoding_slack(slack, spans)
+        hidden_states = add_sublayer_output(hidden_states, output, self.input_layernorm, self.norm_position)
+        mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
+        hidden_states = add_sublayer_output(
+            hidden_states, mlp_output, self.post_attention_layernorm, self.norm_position
+        )
+        reads = memory.valid.numel() if dense else memory.valid.sum()
+        return hidden_states, memory, [spans], 0, reads
 
 
 class ExpireSpanCacheLayer(MemoryCacheLayer):
@@ -637,6 +681,10 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             past_length = cache.get_seq_length()
         token_valid = current_padding_mask(attention_mask, batch_size, length, past_length)
         recording = cache is not None and cache.recording
+        if self.steps_one_token(length, cache, recording, position_ids, token_valid):
+            return self.step(
+                inputs_embeds, cache, token_valid, use_cache, output_hidden_states, output_spans, return_dict
+            )
         if recording:
             cache.record_forward(length, token_valid)
         if token_valid is None:
@@ -757,6 +805,65 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             span_loss=span_loss,
             aux_loss=span_loss,
             memory_size=memory_size,
+        )
+        return output if return_dict else output.to_tuple()
+
+    def steps_one_token(self, length, cache, recording, position_ids, token_valid) -> bool:
+        """Whether the forward is a decoding `step`: one real token per row at its counted position, continuing a cache
+        that does not record, without gradients, in evaluation and eagerly, over expiring memories whose keys and
+        values were made with the current weights, and the plain attention (rotary positions, the token attends to
+        itself, no ε)."""
+        if not (
+            length == 1 and cache is not None and cache.get_seq_length() > 0 and not recording and position_ids is None
+            and not self.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        ):  # fmt: skip
+            return False
+        config = self.config
+        if not (config.expire_memories and self.layers[0].attention.plain_attention):
+            return False
+        if config.recompute_memory and cache.weights_version != weights_version(self):
+            return False
+        return token_valid is None or bool(token_valid.all())
+
+    def step(self, inputs_embeds, cache, token_valid, use_cache, output_hidden_states, output_spans, return_dict):
+        """The forward of a decoding step (`steps_one_token`): each row's token at the position after the cache's,
+        through each layer's `step`; the forward's outputs, without its work for blocks, padding and training."""
+        config = self.config
+        positions = cache.next_positions.to(inputs_embeds.device)[:, None]  # (B, 1)
+        valid = torch.ones_like(positions, dtype=torch.bool) if token_valid is None else token_valid
+        cos, sin = self.rotary_emb(positions)
+        block = Block(slice(0, 1), positions, valid, cos, sin, positions[:, 0])
+        rotation = (cos, signed_sine(sin))  # for every layer's `rotate`
+        options = {"max_distance": None, "delete_expired": self.prune_expired_memories, "counted_positions": True}
+        if config.recompute_memory:
+            options["rotary_embedding"] = self.rotary_emb
+        hidden_states = inputs_embeds
+        all_hidden_states = [hidden_states] if output_hidden_states else None
+        all_spans, span_loss_sum, read_count = [], 0, 0  # Python numbers while no layer needs its forward
+        for layer, cache_layer in zip(self.layers, cache.layers):
+            hidden_states, cache_layer.memory, spans, span_loss, read = layer.step(
+                hidden_states, block, rotation, cache_layer.memory, **options
+            )
+            cache_layer.seen_tokens += 1
+            span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
+            if output_hidden_states:
+                all_hidden_states.append(hidden_states)
+            if output_spans:
+                all_spans.append(torch.cat(spans, dim=1))
+        hidden_states = self.norm(hidden_states)
+        cache.next_positions = positions[:, 0] + 1
+        batch_size, device = positions.shape[0], hidden_states.device
+        wide = torch.promote_types(hidden_states.dtype, torch.float32)  # as the forward sums the layers' losses
+        span_loss_sum = torch.as_tensor(span_loss_sum, dtype=wide, device=device)
+        span_loss = config.span_loss_coefficient * span_loss_sum / batch_size
+        output = ExpireSpanModelOutput(
+            last_hidden_state=hidden_states,
+            **with_cache(cache if use_cache else None),
+            hidden_states=tuple(all_hidden_states[:-1]) + (hidden_states,) if output_hidden_states else None,
+            spans=tuple(all_spans) if output_spans else None,
+            span_loss=span_loss,
+            aux_loss=span_loss,
+            memory_size=torch.as_tensor(read_count, device=device).float() / (batch_size * config.num_hidden_layers),
         )
         return output if return_dict else output.to_tuple()
 

@@ -38,7 +38,6 @@ from ..export import RemoteCodeMixin
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.compiled import (
     ACTIVATIONS,
-    rotate,
     step_block,
     step_memory,
     step_query,
@@ -48,6 +47,7 @@ from ..kernels.feedback.scores import adaptive_span_window, read_memory, step_te
 from ..kernels.feedback.tape import ProjectedMemories, undo_ring_writes
 from ..kernels.feedback.through_time import Recording, StepGradients
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
+from ..kernels.rotary import rotate, signed_sine
 from .layers import (
     GatedMLP,
     LayerNorm,
@@ -562,9 +562,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         rotation = (None, None)
         if self.rotary_emb is not None:
             cos, sin = self.rotary_emb(positions[:, None])  # (B, 1, 1, d)
-            # For (B, H, d) queries and (G, B, H, d) keys, with rotate-half's sign folded into sin (`_rotate`).
-            half = self.head_dim // 2
-            rotation = cos[:, 0], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, 0]  # (B, 1, d)
+            # For (B, H, d) queries and (G, B, H, d) keys, with rotate-half's sign folded into sin (`rotate`).
+            rotation = cos[:, 0], signed_sine(sin)[:, 0]  # (B, 1, d)
         if compiled:
             query_function, block_function, memory_function = (
                 compiled_function(step_query), compiled_function(step_block), compiled_function(step_memory)

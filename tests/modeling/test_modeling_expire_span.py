@@ -465,3 +465,57 @@ def test_decoding_at_given_positions_that_jump_past_the_spans_still_masks(monkey
     with torch.no_grad():
         full = model(input_ids, position_ids=torch.tensor([given_positions] * 2)).logits
     torch.testing.assert_close(torch.cat([step[0] for step in fast], 1), full[:, 3:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("span_bias", [2.0, -0.5])
+def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias):
+    """`ExpireSpanModel.step` (a decoding step without the forward's work for blocks and padding) gives what the
+    forward gives for the same token: logits, spans, hidden states, span loss, memory size and the memories left in
+    the cache, over many steps — with lazy pruning marking memories dead in place (the step then masks them) and
+    compacting, and, with short spans (bias -0.5), memories on the ramp, where layers run their forward. float64, so
+    that the two paths' different products (softmax attention against the masked one) show only at 1e-12."""
+    from memlm.modeling.modeling_expire_span import ExpireSpanDecoderLayer, ExpireSpanModel
+
+    model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4).double()
+    model.config.span_loss_coefficient = 1.0
+    input_ids = torch.randint(0, 256, (2, 70))
+    steps = {"stepped": 0, "fallback": 0}
+    layer_step = ExpireSpanDecoderLayer.step
+
+    def counted(self, *arguments, **options):
+        outputs = layer_step(self, *arguments, **options)
+        steps["stepped" if isinstance(outputs[3], int) else "fallback"] += 1
+        return outputs
+
+    def decode(**mask):
+        outputs = []
+        with torch.no_grad():
+            cache = model(input_ids[:, :6], use_cache=True).cache
+            for t in range(6, input_ids.shape[1]):
+                given = {"attention_mask": torch.ones(2, t + 1, dtype=torch.long)} if mask else {}
+                output = model(input_ids[:, t : t + 1], cache=cache, use_cache=True, output_spans=True,
+                               output_hidden_states=True, **given)  # fmt: skip
+                cache = output.cache
+                memories = [(layer.memory.positions.clone(), layer.memory.valid.clone()) for layer in cache.layers]
+                outputs.append((output, memories))
+        return outputs
+
+    monkeypatch.setattr(ExpireSpanDecoderLayer, "step", counted)
+    stepped, stepped_with_mask = decode(), decode(mask=True)
+    monkeypatch.setattr(ExpireSpanModel, "steps_one_token", lambda *arguments: False)
+    forward = decode()
+    assert steps["stepped"] > 0
+    if span_bias < 0:
+        assert steps["fallback"] > 0  # memories on the ramp: those layers ran their forward
+    for run in (stepped, stepped_with_mask):
+        for (output, memories), (expected, expected_memories) in zip(run, forward):
+            torch.testing.assert_close(output.logits, expected.logits, atol=1e-12, rtol=0)
+            for name in ("spans", "hidden_states"):
+                for value, expected_value in zip(getattr(output, name), getattr(expected, name)):
+                    torch.testing.assert_close(value, expected_value, atol=1e-12, rtol=0)
+            torch.testing.assert_close(output.span_loss, expected.span_loss, atol=1e-12, rtol=1e-9)
+            torch.testing.assert_close(output.memory_size, expected.memory_size, atol=0, rtol=0)
+            for (positions, valid), (expected_positions, expected_valid) in zip(memories, expected_memories):
+                assert torch.equal(positions, expected_positions) and torch.equal(valid, expected_valid)
+    dead = [not bool(valid.all()) for _, memories in forward for _, valid in memories]
+    assert any(dead)  # memories marked dead in place: the step masked them

@@ -371,13 +371,13 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_step_rotation_gives_apply_rotarys_very_numbers(dtype):
-    from memlm.kernels.feedback.compiled import rotate
+    from memlm.kernels.rotary import rotate, signed_sine
     from memlm.modeling.layers import RotaryEmbedding, apply_rotary
 
     rotary = RotaryEmbedding(head_dim=8, rope_theta=10000.0)
     positions = torch.tensor([0, 5, 2047])
     cos, sin = rotary(positions[:, None])  # (B, 1, 1, d)
-    signed_sin = torch.cat([-sin[..., :4], sin[..., 4:]], dim=-1)[:, 0]
+    signed_sin = signed_sine(sin)[:, 0]
     queries = torch.randn(3, 2, 8, dtype=torch.float64).to(dtype)  # (B, H, d)
     keys = torch.randn(1, 3, 2, 8, dtype=torch.float64).to(dtype)  # (G, B, H, d)
     assert torch.equal(rotate(queries, cos[:, 0], signed_sin), apply_rotary(queries[:, :, None], cos, sin)[:, :, 0])

@@ -84,10 +84,15 @@ class ExpireSpanMemory:
     # Decoding: a lower bound on min over rows and valid memories of (i + e_i) − t, t the row's next query; None
     # when unknown. While it is >= 0 no memory is on the ramp or expired (see `decoding_slack`).
     expiry_slack: float | None = dataclasses.field(default=None, repr=False, compare=False)
+    # Decoding: whether every slot is valid (no padding, no memory marked dead in place), when known; kept with the
+    # slack, forgotten where the validity changes in place.
+    every_valid: bool | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
-        """What a copy or a checkpoint keeps: the memories, not the decoding buffer or the slack (both rebuilt)."""
-        return {name: value for name, value in vars(self).items() if name not in ("buffer", "expiry_slack")}
+        """What a copy or a checkpoint keeps: the memories, not the decoding buffer, slack and validity (rebuilt)."""
+        return {
+            name: value for name, value in vars(self).items() if name not in ("buffer", "expiry_slack", "every_valid")
+        }
 
     @property
     def width(self) -> int:
@@ -177,7 +182,9 @@ class ExpireSpanMemory:
             tensors["span_inputs"] = None
         if any(tensor is not None and tensor.requires_grad for tensor in tensors.values()):  # (decoding: none does)
             tensors = {name: None if tensor is None else tensor.detach() for name, tensor in tensors.items()}
-        return ExpireSpanMemory(**tensors, buffer=self.buffer, expiry_slack=self.expiry_slack)
+        return ExpireSpanMemory(
+            **tensors, buffer=self.buffer, expiry_slack=self.expiry_slack, every_valid=self.every_valid
+        )
 
     def map(self, function) -> "ExpireSpanMemory":
         """Apply `function` to every tensor along the batch dimension (reorder, repeat, select rows). Every new row
@@ -185,7 +192,22 @@ class ExpireSpanMemory:
         return ExpireSpanMemory(
             **{name: None if tensor is None else function(tensor) for name, tensor in self.tensors().items()},
             expiry_slack=self.expiry_slack,
+            every_valid=self.every_valid,
         )
+
+    def _prunes_lazily(self) -> bool:
+        """Whether `prune` marks the dead in place (decoding, with a buffer this memory is the newest prefix of)."""
+        buffer = self.buffer
+        return (
+            not torch.compiler.is_compiling()
+            and not torch.is_grad_enabled()  # marking in place is for decoding; see `append`
+            and buffer is not None
+            and buffer.used == self.width
+        )
+
+    def checks_pruning(self) -> bool:
+        """Whether `prune` looks at the memories now: always, except in decoding between two of a buffer's checks."""
+        return not self._prunes_lazily() or self.width >= self.buffer.next_check
 
     def prune(self, dead: Callable[[], torch.Tensor] | None) -> "ExpireSpanMemory":
         """Without empty slots and without the memories `dead` returns (B, N) True for (called only when needed).
@@ -195,18 +217,12 @@ class ExpireSpanMemory:
         once the slots no row needs exceed `COMPACT_FRACTION` of it. Its width stays below (live memories) /
         (1 − COMPACT_FRACTION) + check_interval + the block. Compiled, the dead are only masked (how many a row
         keeps is data, which torch.compile cannot trace); the caller compacts afterwards."""
-        buffer = self.buffer
-        lazy = (
-            not torch.compiler.is_compiling()
-            and not torch.is_grad_enabled()  # marking in place is for decoding; see `append`
-            and buffer is not None
-            and buffer.used == self.width
-        )
-        if lazy and self.width < buffer.next_check:
+        if not self.checks_pruning():
             return self
+        buffer, lazy = self.buffer, self._prunes_lazily()
         keep = self.valid if dead is None else self.valid & ~dead()
         if torch.compiler.is_compiling():
-            return dataclasses.replace(self, valid=keep)
+            return dataclasses.replace(self, valid=keep, every_valid=None)
         if not lazy:
             return self.select(keep)
         self.valid.copy_(keep)  # the dead stay dead for every later query (m only falls as t grows)
@@ -215,6 +231,7 @@ class ExpireSpanMemory:
         if self.width - width > self.width * COMPACT_FRACTION:
             return self.select(keep, width)  # a new memory: its slack is computed again at the next step
         self.expiry_slack = None  # recomputed at the next step: without the dead memories it may have grown
+        self.every_valid = None
         return self
 
 
@@ -229,6 +246,7 @@ class MemorySnapshot:
     used: int | None = None
     next_check: int | None = None
     expiry_slack: float | None = None
+    every_valid: bool | None = None
 
     @classmethod
     def of(cls, memory: ExpireSpanMemory | None) -> "MemorySnapshot":
@@ -236,7 +254,7 @@ class MemorySnapshot:
             return cls(None)
         buffer = memory.buffer
         return cls(memory, memory.valid.clone(), buffer and buffer.used, buffer and buffer.next_check,
-                   memory.expiry_slack)  # fmt: skip
+                   memory.expiry_slack, memory.every_valid)  # fmt: skip
 
     def restore(self) -> ExpireSpanMemory | None:
         """The memory as it was: its validity written back (in place: the buffer's later views are dropped) and the
@@ -247,7 +265,7 @@ class MemorySnapshot:
         memory.valid.copy_(self.valid)
         if memory.buffer is not None:
             memory.buffer.used, memory.buffer.next_check = self.used, self.next_check
-        memory.expiry_slack = self.expiry_slack
+        memory.expiry_slack, memory.every_valid = self.expiry_slack, self.every_valid
         return memory
 
 

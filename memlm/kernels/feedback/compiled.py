@@ -14,18 +14,11 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
+from ..rotary import rotate
+
 logger = logging.get_logger(__name__)
 
-__all__ = ["ACTIVATIONS", "compiled", "compiler_available", "rotate", "step_block", "step_memory", "step_query"]
-
-
-def rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """`layers.apply_rotary` in fewer ops: x·cos + [−x₂, x₁]·sin = x·cos + roll(x, d/2)·[−sin₁, sin₂], the same
-    numbers (a negation moves only a sign bit); `signed_sin` = [−sin₁, sin₂], made once per step for every layer."""
-    rolled = states.roll(states.shape[-1] // 2, dims=-1)
-    if states.dtype in (torch.float32, torch.float64):  # already at least float32: no conversions
-        return states * cos + rolled * signed_sin
-    return (states.float() * cos + rolled.float() * signed_sin).to(states.dtype)
+__all__ = ["ACTIVATIONS", "compiled", "compiler_available", "step_block", "step_memory", "step_query"]
 
 
 def _gelu_tanh(states: torch.Tensor) -> torch.Tensor:
