@@ -69,6 +69,32 @@ class LayerNorm(nn.Module):
         return normed.to(hidden_states.dtype)
 
 
+def runs_as_defined(*modules: nn.Module) -> bool:
+    """Whether calling each of `modules` runs only its class's `forward`: no hook of its own nor a global one, no
+    forward set on the instance (🤗 kernels' `kernelize`, 🤗 Accelerate's device hooks) and no JIT trace, so that a
+    step may compute with the modules' weights directly or skip a module's call."""
+    hooks = nn.modules.module
+    if (
+        hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks or torch._C._get_tracing_state()
+    ):  # fmt: skip
+        return False
+    return not any(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or "forward" in module.__dict__
+        for module in modules
+    )  # fmt: skip
+
+
+def linear(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """`module(inputs)`, as the product itself when `module` is a linear layer whose call would run only `nn.Linear`'s
+    forward (an adapter or a quantized layer defines its own; hooks, see `runs_as_defined`): a decoding step makes
+    about eight such calls per layer, and on a CPU the call's machinery costs microseconds each."""
+    if type(module).forward is nn.Linear.forward and runs_as_defined(module):
+        return F.linear(inputs, module.weight, module.bias)
+    return module(inputs)
+
+
 def dropout(module: nn.Dropout, states: torch.Tensor) -> torch.Tensor:
     """`module(states)`, without the module call when it does nothing (evaluation or p = 0): a decoding step calls
     several per layer, and each call costs microseconds for nothing."""
@@ -92,7 +118,7 @@ def small_projection(module: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
     dtype = module.weight.dtype
     if dtype != inputs.dtype and dtype.is_floating_point:
         inputs = inputs.to(dtype)
-    return module(inputs)
+    return linear(module, inputs)
 
 
 def make_norm(config, width: int | None = None) -> nn.Module:
@@ -114,7 +140,8 @@ class GatedMLP(nn.Module):
         self.act_fn = ACT2FN[hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+        gated = self.act_fn(linear(self.gate_proj, hidden_states)) * linear(self.up_proj, hidden_states)
+        return linear(self.down_proj, gated)
 
 
 class PlainMLP(nn.Module):
@@ -128,7 +155,7 @@ class PlainMLP(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(dropout(self.dropout, self.act_fn(self.up_proj(hidden_states))))
+        return linear(self.down_proj, dropout(self.dropout, self.act_fn(linear(self.up_proj, hidden_states))))
 
 
 def make_mlp(config) -> nn.Module:

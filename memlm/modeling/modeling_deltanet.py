@@ -41,6 +41,7 @@ from .layers import (
     dropout,
     make_mlp,
     make_norm,
+    runs_as_defined,
     small_projection,
     sublayer_input,
 )
@@ -69,16 +70,6 @@ SUM_NORM_EPS = 1e-6
 # From this many tokens in a call (batch × length) the q/k/v projections run as one product over their weights side by
 # side; below it (decoding) as three, since copying the weights together would cost more than the products.
 FUSED_PROJECTION_TOKENS = 64
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    """Whether a forward hook (the module's own or a global one) would see `module` run."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or nn.modules.module._global_forward_hooks
-        or nn.modules.module._global_forward_pre_hooks
-    )
 
 
 class DeltaNetShortConvolution(nn.Module):
@@ -299,7 +290,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             # (an exported graph takes any batch size: its choice may not depend on one)
             (torch.compiler.is_exporting() or batch_size * length >= FUSED_PROJECTION_TOKENS)
             and all(
-                type(projection) is nn.Linear and projection.bias is None and not _has_hooks(projection)
+                type(projection) is nn.Linear and projection.bias is None and runs_as_defined(projection)
                 for projection in projections
             )
             and plain_weights(*projections)

@@ -60,8 +60,10 @@ from .layers import (
     add_sublayer_output,
     apply_rotary,
     dropout,
+    linear,
     make_mlp,
     make_norm,
+    runs_as_defined,
     small_projection,
     sublayer_input,
 )
@@ -454,15 +456,16 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
             memory = self.prune(memory, block.first_positions, options["delete_expired"])
         slack = decoding_slack(memory, block.positions, block.valid)
-        if memory is None or memory.buffer is None or slack is None or slack < 0:
-            return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
         attention = self.attention
+        stepping = memory is not None and memory.buffer is not None and slack is not None and slack >= 0
+        if not (stepping and runs_as_defined(self, attention)):  # (a hook or a kernel sees the layer's forward run)
+            return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
         attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
         batch_size = hidden_states.shape[0]
         shape = (batch_size, 1, attention.num_heads, attention.head_dim)
-        query = rotate(attention.q_proj(attention_input).view(shape), *rotation).transpose(1, 2)
-        key = rotate(attention.k_proj(attention_input).view(shape), *rotation).transpose(1, 2)
-        value = attention.v_proj(attention_input).view(shape).transpose(1, 2)
+        query = rotate(linear(attention.q_proj, attention_input).view(shape), *rotation).transpose(1, 2)
+        key = rotate(linear(attention.k_proj, attention_input).view(shape), *rotation).transpose(1, 2)
+        value = linear(attention.v_proj, attention_input).view(shape).transpose(1, 2)
         spans = attention.predict_spans(attention_input)
         kept_inputs = hidden_states if attention.config.recompute_memory else None
         dense = memory.every_valid  # else: padding, or memories marked dead in place and not yet compacted away
@@ -472,7 +475,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         memory.every_valid = dense  # (the token is valid)
         mask = None if dense else memory.valid[:, None, None, :]
         output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
-        output = attention.o_proj(output.transpose(1, 2).reshape(batch_size, 1, -1))
+        output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))
         memory.expiry_slack = next_decoding_slack(slack, spans)
         hidden_states = add_sublayer_output(hidden_states, output, self.input_layernorm, self.norm_position)
         mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))

@@ -519,3 +519,24 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias)
                 assert torch.equal(positions, expected_positions) and torch.equal(valid, expected_valid)
     dead = [not bool(valid.all()) for _, memories in forward for _, valid in memories]
     assert any(dead)  # memories marked dead in place: the step masked them
+
+
+def test_hooks_see_every_module_run_in_decoding_steps():
+    """The decoding step computes with the weights directly only where a call would run just the class's forward:
+    a hook on a decoder layer, on a projection or on an MLP's linear layer sees its module run at every step, and the
+    logits stay those of the unhooked model."""
+    model = _model(span_weight=0.05, span_bias=2.0, max_span=64, block_size=4)
+    input_ids = torch.randint(0, 256, (2, 12))
+    plain, _ = _decode(model, input_ids, prefill=6)
+    layers = model.model.layers
+    modules = [layers[0], layers[1].attention.q_proj, layers[1].mlp.down_proj, layers[0].attention.span_predictor]
+    calls = {index: 0 for index in range(len(modules))}
+    handles = [
+        module.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+        for index, module in enumerate(modules)
+    ]
+    hooked, _ = _decode(model, input_ids, prefill=6)
+    for handle in handles:
+        handle.remove()
+    assert all(count == 2 + 6 for count in calls.values()), calls  # the prefill's two blocks, the six steps
+    torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
