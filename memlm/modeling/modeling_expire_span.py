@@ -285,36 +285,46 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
                     read_count = torch.full((), seen.numel(), dtype=torch.float32, device=output.device)
                     no_loss = output.new_zeros((), dtype=torch.promote_types(output.dtype, torch.float32))
                     return output, visible_memory, spans, no_loss, read_count
+        output, span_loss_sum, read = self.attend(
+            query, visible_memory, memory_spans, positions, token_valid, max_distance, counted_positions, dropout,
+            relative_positions,
+        )  # fmt: skip
+        output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
+        if slack is not None:
+            visible_memory.expiry_slack = next_decoding_slack(slack, spans)
+        return output, visible_memory, spans, span_loss_sum, read
+
+    def attend(self, query, memory, spans, positions, token_valid, max_distance, counted_positions, dropout=0.0,
+               relative_positions=None):  # fmt: skip
+        """The masked attention of `query` (B, H, T, d) at `positions` over `memory` (paper Eqs. 4–5, with `spans` as
+        the mask sees them), before the output projection; the span-loss sum and the memories read."""
         table = relative_positions.weight if relative_positions is not None else None  # q_t · p_{t−i}
         # The official options' backward reuses the weights when they take no more memory per query than the layer
         # keeps per token anyway (about 8·D + 2·I floats: inputs, projections, outputs, norms, the MLP's activations).
         config = self.config
-        keep_weights = self.num_heads * visible_memory.width <= 8 * config.hidden_size + 2 * config.intermediate_size
+        keep_weights = self.num_heads * memory.width <= 8 * config.hidden_size + 2 * config.intermediate_size
         output = expire_span_attention(
-            query, visible_memory.keys, visible_memory.values, memory_spans, positions, visible_memory.positions,
-            ramp=config.ramp, key_valid=visible_memory.valid, max_distance=max_distance, dropout=dropout,
-            relative_positions=table, attend_to_self=config.attend_to_self,
-            renormalization_epsilon=config.renormalization_epsilon, keep_weights=keep_weights,
+            query, memory.keys, memory.values, spans, positions, memory.positions, ramp=config.ramp,
+            key_valid=memory.valid, max_distance=max_distance, dropout=dropout, relative_positions=table,
+            attend_to_self=config.attend_to_self, renormalization_epsilon=config.renormalization_epsilon,
+            keep_weights=keep_weights,
         )  # fmt: skip
-        output = self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
 
         # Bookkeeping: which (query, memory) pairs are read (m > 0), and which are on the ramp (0 < m < 1), where the
         # span loss is computed (paper, "Loss Computation"): the loss is Σ_i e_i · (queries seeing i on the ramp) / R,
         # or with the official value Σ (e_i − (t − i)) / R over the same pairs (the remaining span; same gradient).
-        remaining = self.config.span_loss_form == "remaining_span"
+        remaining = config.span_loss_form == "remaining_span"
         read_counts, ramp_counts, *distances = memory_counts(
-            memory_spans, positions, token_valid, visible_memory, self.config.ramp, max_distance, counted_positions,
-            attend_to_self=self.config.attend_to_self, distance_sums=remaining,
+            spans, positions, token_valid, memory, config.ramp, max_distance, counted_positions,
+            attend_to_self=config.attend_to_self, distance_sums=remaining,
         )  # fmt: skip
-        if memory_spans is None:
+        if spans is None:
             span_loss_sum = output.new_zeros((), dtype=torch.promote_types(output.dtype, torch.float32))
         elif remaining:
-            span_loss_sum = ((ramp_counts * memory_spans).sum() - distances[0].sum()) / self.config.ramp
+            span_loss_sum = ((ramp_counts * spans).sum() - distances[0].sum()) / config.ramp
         else:
-            span_loss_sum = (ramp_counts * memory_spans).sum() / self.config.ramp
-        if slack is not None:
-            visible_memory.expiry_slack = next_decoding_slack(slack, spans)
-        return output, visible_memory, spans, span_loss_sum, read_counts.sum()
+            span_loss_sum = (ramp_counts * spans).sum() / config.ramp
+        return output, span_loss_sum, read_counts.sum()
 
 
 class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
@@ -448,16 +458,18 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
 
     def step(self, hidden_states, block: Block, rotation: tuple, memory: ExpireSpanMemory | None, **options):
         """A decoding step (`ExpireSpanModel.steps_one_token`: one real token per row, no gradients, evaluation, the
-        plain attention), as `run_layer_over_blocks` over the one block returns it. While no memory the token sees is
-        on the ramp (`decoding_slack` >= 0), Eq. 5's mask is 1 on every valid memory: the step is the layer's forward
-        without its bookkeeping — the token's keys and values written into the memory's buffer, softmax attention over
-        the valid memories, no span loss (nothing on the ramp) — and its reads are a Python number. Otherwise, or
-        before the memory has a buffer, the layer's forward runs. `rotation`: the block's cos and `signed_sine`."""
+        plain attention), as `run_layer_over_blocks` over the one block returns it: the layer's forward without its
+        work for blocks, padding and training — the token's keys and values written into the memory's buffer, then,
+        while no memory the token sees is on the ramp (`decoding_slack` >= 0, so Eq. 5's mask is 1 on every valid
+        memory), softmax attention over the valid memories with no span loss and the reads as a Python number, else
+        the masked attention and its counts (`ExpireSpanAttention.attend`). Before the memory has a buffer, or where a
+        hook or a kernel would see the layer run, the layer's forward runs. `rotation`: the block's cos and
+        `signed_sine`."""
         if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
             memory = self.prune(memory, block.first_positions, options["delete_expired"])
         slack = decoding_slack(memory, block.positions, block.valid)
         attention = self.attention
-        stepping = memory is not None and memory.buffer is not None and slack is not None and slack >= 0
+        stepping = memory is not None and memory.buffer is not None and slack is not None
         if not (stepping and runs_as_defined(self, attention)):  # (a hook or a kernel sees the layer's forward run)
             return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
         attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
@@ -473,8 +485,14 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             dense = bool(memory.valid.all())
         memory = memory.append(ExpireSpanMemory(key, value, block.positions, block.valid, spans, None, kept_inputs))
         memory.every_valid = dense  # (the token is valid)
-        mask = None if dense else memory.valid[:, None, None, :]
-        output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
+        if slack >= 0:  # softmax attention over the valid memories, nothing on the ramp
+            mask = None if dense else memory.valid[:, None, None, :]
+            output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
+            span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
+        else:  # memories on the ramp: Eq. 4–5's mask, the span loss and the reads as the forward counts them
+            output, span_loss_sum, reads = attention.attend(
+                query, memory, memory.spans, block.positions, block.valid, None, True
+            )
         output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))
         memory.expiry_slack = next_decoding_slack(slack, spans)
         hidden_states = add_sublayer_output(hidden_states, output, self.input_layernorm, self.norm_position)
@@ -482,8 +500,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         hidden_states = add_sublayer_output(
             hidden_states, mlp_output, self.post_attention_layernorm, self.norm_position
         )
-        reads = memory.valid.numel() if dense else memory.valid.sum()
-        return hidden_states, memory, [spans], 0, reads
+        return hidden_states, memory, [spans], span_loss_sum, reads
 
 
 class ExpireSpanCacheLayer(MemoryCacheLayer):
@@ -817,8 +834,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         values were made with the current weights, and the plain attention (rotary positions, the token attends to
         itself, no ε)."""
         if not (
-            length == 1 and cache is not None and cache.get_seq_length() > 0 and not recording and position_ids is None
-            and not self.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            length == 1 and cache is not None and cache.get_seq_length() > 0 and cache.next_positions is not None
+            and not recording and position_ids is None and not self.training and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
         ):  # fmt: skip
             return False
         config = self.config

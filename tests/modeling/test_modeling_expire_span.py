@@ -472,19 +472,20 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias)
     """`ExpireSpanModel.step` (a decoding step without the forward's work for blocks and padding) gives what the
     forward gives for the same token: logits, spans, hidden states, span loss, memory size and the memories left in
     the cache, over many steps — with lazy pruning marking memories dead in place (the step then masks them) and
-    compacting, and, with short spans (bias -0.5), memories on the ramp, where layers run their forward. float64, so
-    that the two paths' different products (softmax attention against the masked one) show only at 1e-12."""
+    compacting, and, with short spans (bias -0.5), memories on the ramp, which the step masks as the forward does.
+    float64, so that the two paths' different products (softmax attention against the masked one) show only at
+    1e-12."""
     from memlm.modeling.modeling_expire_span import ExpireSpanDecoderLayer, ExpireSpanModel
 
     model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4).double()
     model.config.span_loss_coefficient = 1.0
     input_ids = torch.randint(0, 256, (2, 70))
-    steps = {"stepped": 0, "fallback": 0}
+    steps = {"unmasked": 0, "masked": 0}
     layer_step = ExpireSpanDecoderLayer.step
 
     def counted(self, *arguments, **options):
         outputs = layer_step(self, *arguments, **options)
-        steps["stepped" if isinstance(outputs[3], int) else "fallback"] += 1
+        steps["unmasked" if isinstance(outputs[3], int) else "masked"] += 1  # (the span loss: 0, or a sum)
         return outputs
 
     def decode(**mask):
@@ -504,9 +505,10 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias)
     stepped, stepped_with_mask = decode(), decode(mask=True)
     monkeypatch.setattr(ExpireSpanModel, "steps_one_token", lambda *arguments: False)
     forward = decode()
-    assert steps["stepped"] > 0
+    assert steps["unmasked"] > 0
     if span_bias < 0:
-        assert steps["fallback"] > 0  # memories on the ramp: those layers ran their forward
+        assert steps["masked"] > 0  # memories on the ramp
+        assert max(float(output.span_loss) for output, _ in stepped) > 0
     for run in (stepped, stepped_with_mask):
         for (output, memories), (expected, expected_memories) in zip(run, forward):
             torch.testing.assert_close(output.logits, expected.logits, atol=1e-12, rtol=0)
