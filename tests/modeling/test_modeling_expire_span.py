@@ -488,12 +488,16 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias)
         steps["unmasked" if isinstance(outputs[3], int) else "masked"] += 1  # (the span loss: 0, or a sum)
         return outputs
 
-    def decode(**mask):
+    def decode(mask=False, padded=False):
+        prompt_mask = torch.ones(2, 6, dtype=torch.long)
+        if padded:  # row 0 starts with 3 padding tokens: invalid slots the step must mask
+            prompt_mask[0, :3] = 0
         outputs = []
         with torch.no_grad():
-            cache = model(input_ids[:, :6], use_cache=True).cache
+            cache = model(input_ids[:, :6], attention_mask=prompt_mask, use_cache=True).cache
             for t in range(6, input_ids.shape[1]):
-                given = {"attention_mask": torch.ones(2, t + 1, dtype=torch.long)} if mask else {}
+                full_mask = torch.cat([prompt_mask, torch.ones(2, t - 5, dtype=torch.long)], dim=1)
+                given = {"attention_mask": full_mask} if mask or padded else {}
                 output = model(input_ids[:, t : t + 1], cache=cache, use_cache=True, output_spans=True,
                                output_hidden_states=True, **given)  # fmt: skip
                 cache = output.cache
@@ -502,15 +506,15 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias)
         return outputs
 
     monkeypatch.setattr(ExpireSpanDecoderLayer, "step", counted)
-    stepped, stepped_with_mask = decode(), decode(mask=True)
+    stepped, stepped_with_mask, stepped_padded = decode(), decode(mask=True), decode(padded=True)
     monkeypatch.setattr(ExpireSpanModel, "steps_one_token", lambda *arguments: False)
-    forward = decode()
+    forward, forward_padded = decode(), decode(padded=True)
     assert steps["unmasked"] > 0
     if span_bias < 0:
         assert steps["masked"] > 0  # memories on the ramp
         assert max(float(output.span_loss) for output, _ in stepped) > 0
-    for run in (stepped, stepped_with_mask):
-        for (output, memories), (expected, expected_memories) in zip(run, forward):
+    for run, expected_run in ((stepped, forward), (stepped_with_mask, forward), (stepped_padded, forward_padded)):
+        for (output, memories), (expected, expected_memories) in zip(run, expected_run):
             torch.testing.assert_close(output.logits, expected.logits, atol=1e-12, rtol=0)
             for name in ("spans", "hidden_states"):
                 for value, expected_value in zip(getattr(output, name), getattr(expected, name)):
