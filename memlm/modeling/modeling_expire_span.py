@@ -34,7 +34,7 @@ from ..compat import (
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels import plain_weights
-from ..kernels.expire_attention import expire_span_attention
+from ..kernels.expire_attention import expire_span_attention, expire_span_attention_decoding
 from ..kernels.expire_attention.blocks import (
     Block,
     compact_memories,
@@ -310,21 +310,37 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
             keep_weights=keep_weights,
         )  # fmt: skip
 
-        # Bookkeeping: which (query, memory) pairs are read (m > 0), and which are on the ramp (0 < m < 1), where the
-        # span loss is computed (paper, "Loss Computation"): the loss is Σ_i e_i · (queries seeing i on the ramp) / R,
-        # or with the official value Σ (e_i − (t − i)) / R over the same pairs (the remaining span; same gradient).
+        return (output, *self.count_reads(memory, spans, positions, token_valid, max_distance, counted_positions))
+
+    def attend_decoding(self, query, memory, positions, token_valid):
+        """`attend` for a decoding step's query (one per row, at `positions` (B, 1), after every memory, its own last;
+        the plain attention): the same output, span loss and reads, with the one-query attention."""
+        distance = positions - memory.positions  # t − i
+        output = expire_span_attention_decoding(
+            query, memory.keys, memory.values, memory.spans, distance, memory.valid, self.config.ramp
+        )
+        if output is None:  # not finite: the general attention keeps a non-finite memory in place
+            return self.attend(query, memory, memory.spans, positions, token_valid, None, True)
+        return (output, *self.count_reads(memory, memory.spans, positions, token_valid, None, True))
+
+    def count_reads(self, memory, spans, positions, token_valid, max_distance, counted_positions):
+        """The span-loss sum and the memories read of `attend`: which (query, memory) pairs are read (m > 0), and
+        which are on the ramp (0 < m < 1), where the span loss is computed (paper, "Loss Computation"): the loss is
+        Σ_i e_i · (queries seeing i on the ramp) / R, or with the official value Σ (e_i − (t − i)) / R over the same
+        pairs (the remaining span; same gradient)."""
+        config = self.config
         remaining = config.span_loss_form == "remaining_span"
         read_counts, ramp_counts, *distances = memory_counts(
             spans, positions, token_valid, memory, config.ramp, max_distance, counted_positions,
             attend_to_self=config.attend_to_self, distance_sums=remaining,
         )  # fmt: skip
         if spans is None:
-            span_loss_sum = output.new_zeros((), dtype=torch.promote_types(output.dtype, torch.float32))
+            span_loss_sum = read_counts.new_zeros((), dtype=torch.promote_types(memory.keys.dtype, torch.float32))
         elif remaining:
             span_loss_sum = ((ramp_counts * spans).sum() - distances[0].sum()) / config.ramp
         else:
             span_loss_sum = (ramp_counts * spans).sum() / config.ramp
-        return output, span_loss_sum, read_counts.sum()
+        return span_loss_sum, read_counts.sum()
 
 
 class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
@@ -490,9 +506,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
             span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
         else:  # memories on the ramp: Eq. 4–5's mask, the span loss and the reads as the forward counts them
-            output, span_loss_sum, reads = attention.attend(
-                query, memory, memory.spans, block.positions, block.valid, None, True
-            )
+            output, span_loss_sum, reads = attention.attend_decoding(query, memory, block.positions, block.valid)
         output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))
         memory.expiry_slack = next_decoding_slack(slack, spans)
         hidden_states = add_sublayer_output(hidden_states, output, self.input_layernorm, self.norm_position)

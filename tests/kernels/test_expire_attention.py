@@ -5,6 +5,7 @@ import torch
 
 from memlm.kernels.expire_attention import (
     expire_span_attention,
+    expire_span_attention_decoding,
     expire_span_attention_reference,
     expire_span_attention_sdpa,
     expire_span_mask,
@@ -468,6 +469,32 @@ def test_a_non_finite_key_reaches_only_the_queries_that_see_it(backend, where, o
         assert torch.equal(output[1, head, :first_seeing], clean[1, head, :first_seeing])
         assert output[1, head, first_seeing:].isnan().all()
     assert torch.equal(output[0], clean[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_decoding_attention_is_the_general_attention_of_one_query_bit_for_bit(dtype):
+    """`expire_span_attention_decoding` (a decoding step: one query after every key, its own key valid) gives
+    `expire_span_attention`'s output bit for bit, over memories that are read whole, on the ramp, expired and invalid;
+    with a non-finite value at a key no query sees, it answers None (its caller then takes the general attention,
+    which keeps that value in place) where the general attention stays finite."""
+    tensors, options, _ = make_inputs(length=1, memory=25, dtype=dtype, seed=3)
+    query, key, value, spans = (tensors[name].detach() for name in ("query", "key", "value", "spans"))
+    at, positions = options["query_positions"], options["key_positions"]
+    valid = options["key_valid"] | (positions == at)  # the token's own memory is valid
+    distance = at - positions
+    remaining = spans.double() - distance  # e_i − (t − i), Eq. 5
+    assert (valid & (remaining >= 0)).any() and (valid & (remaining < 0) & (remaining > -RAMP)).any()
+    assert (valid & (remaining <= -RAMP)).any() and (~valid).any()
+    arguments = (query, key, value, spans, at, positions)
+    expected = expire_span_attention(*arguments, ramp=RAMP, key_valid=valid, backend="torch")
+    output = expire_span_attention_decoding(query, key, value, spans, distance, valid, RAMP)
+    assert output.dtype == dtype and torch.equal(output, expected)
+
+    hidden = (~valid).nonzero()[0]
+    value[hidden[0], :, hidden[1]] = float("nan")
+    assert expire_span_attention_decoding(query, key, value, spans, distance, valid, RAMP) is None
+    general = expire_span_attention(*arguments, ramp=RAMP, key_valid=valid, backend="torch")
+    assert torch.equal(general, expected)
 
 
 @pytest.mark.parametrize("band", [False, True], ids=["every_column", "band"])

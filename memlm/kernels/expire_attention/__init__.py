@@ -28,10 +28,11 @@ from .reference import (
     relative_position_scores,
     visible_keys,
 )
-from .sdpa import expire_span_attention_sdpa
+from .sdpa import expire_span_attention_decoding, expire_span_attention_sdpa
 
 __all__ = [
     "expire_span_attention",
+    "expire_span_attention_decoding",
     "expire_span_attention_reference",
     "expire_span_attention_sdpa",
     "expire_span_mask",

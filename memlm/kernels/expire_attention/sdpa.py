@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from memlm.kernels import sums_are_finite
+
 from .reference import visible_keys
 
-__all__ = ["expire_span_attention_sdpa"]
+__all__ = ["expire_span_attention_decoding", "expire_span_attention_sdpa"]
 
 
 def log_clamped(ramp_position: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,6 +111,19 @@ def expire_span_attention_sdpa(
             return _RecomputedAttention.apply(*arguments)
         return checkpoint(_attention, *arguments, dropout, use_reentrant=False)  # same dropout mask when replayed
     return _attention(*arguments, dropout)
+
+
+def expire_span_attention_decoding(query, key, value, spans, distance, key_valid, ramp: float) -> torch.Tensor | None:
+    """A decoding step's Expire-Span attention, without gradients: one query t per row, after every key (``distance``
+    t − i >= 0, (B, N)), the token's own key among them, valid, no distance limit. The same bias and product as
+    `expire_span_attention_sdpa` for such a query, bit for bit, in fewer passes: the visible keys are the valid ones,
+    and the query sees its own key (m >= 1), so no row needs zeroing. None when the output is not finite: the caller
+    then takes `expire_span_attention`, which keeps a non-finite key, value or span where it is."""
+    dtype = torch.float64 if spans.dtype == torch.float64 else torch.float32
+    ramp_position = (spans.to(dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R, Eq. 5
+    bias = log_clamped(ramp_position, ~key_valid | (ramp_position <= 0))
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias.to(query.dtype)[:, None, None])
+    return output if sums_are_finite(output) else None
 
 
 class _RecomputedAttention(torch.autograd.Function):
