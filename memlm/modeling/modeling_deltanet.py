@@ -23,11 +23,19 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import logging
 
-from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
+from ..compat import (
+    CACHE_NAMES,
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    is_exporting,
+    resolve_cache_argument,
+    with_cache,
+)
 from ..configuration.configuration_deltanet import DeltaNetConfig
 from ..export import RemoteCodeMixin
 from ..kernels import describe_backend, in_dtype, plain_weights, resolve_backend
 from ..kernels.delta_rule import delta_rule, sum_rule
+from ..kernels.delta_rule.chunk import delta_rule_step, sum_rule_step
 from ..kernels.delta_rule.feature_map import dpfp
 from ..kernels.delta_rule.hub_function import chunk_gated_delta_rule, swapped_kernel
 from ..kernels.delta_rule.packing import PaddingPacker
@@ -39,6 +47,7 @@ from .layers import (
     add_sublayer_output,
     compile_region,
     dropout,
+    linear,
     make_mlp,
     make_norm,
     runs_as_defined,
@@ -233,6 +242,14 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         self.key_head_dim = config.key_head_dim
         self.value_head_dim = config.value_head_dim
         self.feature_dim = config.feature_dim
+        # The options read at every forward, as plain attributes: a config's attribute read costs ~1.6 µs (🤗's
+        # `__getattribute__`), tens of µs in a decoding step whose caches the weights have just flushed.
+        self.update_rule = config.update_rule
+        self.value_activation = config.value_activation
+        self.scale_queries = config.scale_queries
+        self.scale_output = config.scale_output
+        self.attention_normalizer = config.attention_normalizer
+        self.attention_normalizer_eps = config.attention_normalizer_eps
         key_width = self.num_heads * self.key_head_dim
         value_width = self.num_heads * self.value_head_dim
 
@@ -273,6 +290,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         key_sum: torch.Tensor | None = None,
         return_writes: bool = False,
         state_in_place: bool = False,
+        rule_step: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, tuple | None]:
         """hidden_states (B, T, D); attention_mask (B, T), 1 for each row's real tokens, which come first, and 0 for
         the padding after them, which writes nothing into the memory; fast_weights (B, H, d_k, d_v[+1]) float32,
@@ -300,7 +318,7 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             # copying the weights side by side costs more than the products.
             projected = F.linear(hidden_states, torch.cat([projection.weight for projection in projections]))
         else:  # a few tokens, an adapter (e.g. LoRA), a quantised layer or weight, a hook: each module runs as it is
-            projected = torch.cat([projection(hidden_states) for projection in projections], dim=-1)
+            projected = torch.cat([linear(projection, hidden_states) for projection in projections], dim=-1)
         keep = lengths = None
         if attention_mask is not None:
             keep = attention_mask[:, :, None].bool()
@@ -323,11 +341,11 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         else:
             query, key = (self.feature_map(part) for part in heads.split(self.num_heads, dim=1))
         value = value.view(batch_size, length, self.num_heads, -1).transpose(1, 2)
-        if self.config.value_activation == "silu":
+        if self.value_activation == "silu":
             value = F.silu(value)
         if keep is not None:
             key = torch.where(keep[:, None], key, torch.zeros((), dtype=key.dtype, device=key.device))
-        if self.config.scale_queries:
+        if self.scale_queries:
             query = query * self.feature_dim**-0.5
         beta = None
         if self.beta_proj is not None:
@@ -337,43 +355,59 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
             beta = in_dtype(beta, value.dtype)
 
         new_key_sum = None
-        if self.config.update_rule == "delta":
+        # A decoding step that updates the cache's fast weights where they lie, on PyTorch's backend: the rule's step
+        # itself, as `delta_rule`/`sum_rule` would run it, without their checks of user inputs and backend choice
+        # (more time than the step's arithmetic on a CPU); the model built these inputs.
+        direct = rule_step and state_in_place and length == 1 and cu_seqlens is None and swapped_kernel(self) is None
+        if self.update_rule == "delta":
             writes = (convolution_inputs, key, value, beta) if return_writes else None
-            output, new_state = delta_rule(
-                query, key, value, beta, initial_state=fast_weights, output_final_state=return_state,
-                chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                hub_kernel=swapped_kernel(self), in_place=state_in_place,
-            )  # fmt: skip
-            if self.config.attention_normalizer:
+            if direct:
+                output, new_state = delta_rule_step(query, key, value, beta, fast_weights, return_state, in_place=True)
+            else:
+                output, new_state = delta_rule(
+                    query, key, value, beta, initial_state=fast_weights, output_final_state=return_state,
+                    chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                    hub_kernel=swapped_kernel(self), in_place=state_in_place,
+                )  # fmt: skip
+            if self.attention_normalizer:
                 # Paper Eqs. 26-28 on the output only (the official attn_type 24/26): o_t / (z_tᵀq_t + eps).
                 key_sums, new_key_sum = running_key_sums(key, key_sum, cu_seqlens)
                 denominator = (query.to(key_sums.dtype) * key_sums).sum(-1, keepdim=True)
-                output = output / (denominator + self.config.attention_normalizer_eps).to(output.dtype)
+                output = output / (denominator + self.attention_normalizer_eps).to(output.dtype)
         else:
             if beta is not None:
                 key = key * beta[..., None]  # with the sum rule, β scales each write
-            if self.config.attention_normalizer:
+            if self.attention_normalizer:
                 # Appending a constant 1 to the values makes the last column of S the normaliser z_t = Σ k_τ.
                 value = torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
             writes = (convolution_inputs, key, value, None) if return_writes else None
-            output, new_state = sum_rule(
-                query, key, value, initial_state=fast_weights, output_final_state=return_state,
-                chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                in_place=state_in_place,
-            )  # fmt: skip
-            if self.config.attention_normalizer:
-                output = output[..., :-1] / (output[..., -1:] + self.config.attention_normalizer_eps)
+            if direct:
+                output, new_state = sum_rule_step(query, key, value, fast_weights, return_state, in_place=True)
+            else:
+                output, new_state = sum_rule(
+                    query, key, value, initial_state=fast_weights, output_final_state=return_state,
+                    chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                    in_place=state_in_place,
+                )  # fmt: skip
+            if self.attention_normalizer:
+                output = output[..., :-1] / (output[..., -1:] + self.attention_normalizer_eps)
 
         output = output.transpose(1, 2)  # (B, T, H, d_v)
         if self.output_norm is not None:
             output = self.output_norm(output)
         if self.g_proj is not None:
-            gate = self.g_proj(hidden_states).view(batch_size, length, self.num_heads, self.value_head_dim)
+            gate = linear(self.g_proj, hidden_states).view(batch_size, length, self.num_heads, self.value_head_dim)
             output = output * F.silu(gate)
-        if self.config.scale_output:
+        if self.scale_output:
             output = output * self.key_head_dim**-0.5  # the official code's `self.scale`
-        output = self.o_proj(output.reshape(batch_size, length, -1))
+        output = linear(self.o_proj, output.reshape(batch_size, length, -1))
         return output, new_state, new_tail, new_key_sum, writes
+
+    @staticmethod
+    def runs_rule_step(device) -> bool:
+        """Whether the rule runs PyTorch's one-token step on `device` (no autocast, the "torch" backend) in a layer
+        without a hub kernel, so that a decoding step may call it itself (`rule_step`)."""
+        return not torch.is_autocast_enabled(device.type) and resolve_backend(None, device, "delta_rule") == "torch"
 
 
 class DeltaNetDecoderLayer(GradientCheckpointingLayer):
@@ -417,6 +451,31 @@ class DeltaNetDecoderLayer(GradientCheckpointingLayer):
             hidden_states, dropout(self.dropout, mlp_output), self.post_attention_layernorm, self.norm_position
         )
         return hidden_states, fast_weights, convolution_tail, key_sum, writes
+
+    def step(self, hidden_states: torch.Tensor, cache_layer: "DeltaNetCacheLayer", rule_step: bool) -> torch.Tensor:
+        """A decoding step (`DeltaNetModel.steps_one_token`: one real token per row, no gradients, evaluation, a cache
+        that does not record): the forward's output, the cache layer's states updated (the fast weights where they
+        lie). The attention's forward is called without its module call, and the layer's body runs here, unless a
+        hook or a kernel would see the layer or the attention run (`runs_as_defined`): then the layer's forward.
+        `rule_step`: `DeltaNetAttention.runs_rule_step`, read once for all layers."""
+        state_in_place = writes_in_place(cache_layer.fast_weights, cache_layer.fast_weights)
+        states = (cache_layer.fast_weights, cache_layer.convolution_tail, True, None, None, cache_layer.key_sum)
+        if not runs_as_defined(self, self.attention):
+            hidden_states, fast_weights, convolution_tail, key_sum, _ = self(
+                hidden_states, None, *states, False, state_in_place
+            )
+        else:
+            mixed, fast_weights, convolution_tail, key_sum, _ = self.attention.forward(
+                sublayer_input(hidden_states, self.input_layernorm, self.norm_position), None, *states, False,
+                state_in_place, rule_step,
+            )  # fmt: skip
+            hidden_states = add_sublayer_output(hidden_states, mixed, self.input_layernorm, self.norm_position)
+            mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
+            hidden_states = add_sublayer_output(
+                hidden_states, mlp_output, self.post_attention_layernorm, self.norm_position
+            )
+        cache_layer.update(fast_weights, convolution_tail, 1, key_sum)
+        return hidden_states
 
 
 class AdaptiveLogSoftmaxHead(nn.Module):
@@ -719,6 +778,8 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
                     "records its past for rolling back (activate_past_recording) takes one sequence per row."
                 )
             cache.record_forward(length, attention_mask)
+        if self.steps_one_token(length, cache, recording, attention_mask, starts):
+            return self.step(inputs_embeds, cache, use_cache, output_hidden_states, return_dict)
         padding = None
         # Whether a mask holds padding reads it, which torch.compile cannot trace: compiled, any mask runs the padded
         # path (with no padding it reorders nothing and masks nothing).
@@ -779,6 +840,37 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             hidden_states = padding.scatter(hidden_states)
         if output_hidden_states:
             # As in 🤗 Llama: the last entry is the normed output.
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            **with_cache(cache if use_cache else None),
+            hidden_states=all_hidden_states,
+        )
+        return output if return_dict else output.to_tuple()
+
+    def steps_one_token(self, length, cache, recording, attention_mask, starts) -> bool:
+        """Whether this forward is a decoding step `step` computes: one real token per row, continuing a cache whose
+        layers hold fast weights and that does not record, without gradients, in evaluation, eagerly."""
+        if (
+            length != 1 or cache is None or recording or starts is not None or self.training
+            or torch.is_grad_enabled() or torch.compiler.is_compiling() or is_exporting()
+        ):  # fmt: skip
+            return False
+        if any(layer.fast_weights is None for layer in cache.layers):
+            return False
+        return attention_mask is None or bool(attention_mask.all())
+
+    def step(self, hidden_states, cache, use_cache, output_hidden_states, return_dict):
+        """The forward of a decoding step (`steps_one_token`): each layer's `step`, without the forward's work for
+        padding, packed documents and recording."""
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        rule_step = DeltaNetAttention.runs_rule_step(hidden_states.device)
+        for layer, cache_layer in zip(self.layers, cache.layers):
+            hidden_states = layer.step(hidden_states, cache_layer, rule_step)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,

@@ -180,6 +180,103 @@ def test_full_forward_equals_prefill_then_token_by_token_decoding(deltanet_confi
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-4, rtol=0)
 
 
+def test_a_decoding_step_equals_the_forward_of_one_token(deltanet_config, monkeypatch):
+    """`DeltaNetModel.step` (a decoding step without the forward's work for padding, packing and recording; the rule's
+    one-token step called directly) gives what the forward gives for the same token: logits, hidden states and every
+    state the cache keeps, with and without an attention mask and after a left-padded prompt, in float64."""
+    from memlm.modeling import modeling_deltanet
+
+    model = _randomised(DeltaNetForCausalLM(deltanet_config).eval()).double()
+    input_ids = torch.randint(0, 256, (2, 16))
+    calls = {"step": 0, "rule_step": 0}
+    model_step = DeltaNetModel.step
+    rule_name = "delta_rule_step" if deltanet_config.update_rule == "delta" else "sum_rule_step"
+    rule_step = getattr(modeling_deltanet, rule_name)
+
+    def counted_step(*arguments, **options):
+        calls["step"] += 1
+        return model_step(*arguments, **options)
+
+    def counted_rule_step(*arguments, **options):
+        calls["rule_step"] += 1
+        return rule_step(*arguments, **options)
+
+    monkeypatch.setattr(DeltaNetModel, "step", counted_step)
+    monkeypatch.setattr(modeling_deltanet, rule_name, counted_rule_step)
+
+    def decode(mask=False, padded=False):
+        prompt_mask = torch.ones(2, 6, dtype=torch.long)
+        if padded:
+            prompt_mask[0, :2] = 0
+        outputs = []
+        with torch.no_grad():
+            cache = model(input_ids[:, :6], attention_mask=prompt_mask, use_cache=True).cache
+            for t in range(6, input_ids.shape[1]):
+                full_mask = torch.cat([prompt_mask, torch.ones(2, t - 5, dtype=torch.long)], dim=1)
+                given = {"attention_mask": full_mask} if mask or padded else {}
+                output = model(
+                    input_ids[:, t : t + 1], cache=cache, use_cache=True, output_hidden_states=True, **given
+                )
+                cache = output.cache
+                states = [
+                    [
+                        None if (tensor := getattr(layer, name)) is None else tensor.clone()
+                        for name in layer.tensor_names
+                    ]
+                    for layer in cache.layers
+                ]
+                outputs.append((output, states))
+        return outputs
+
+    stepped, stepped_with_mask, stepped_padded = decode(), decode(mask=True), decode(padded=True)
+    assert calls["step"] == 3 * 10 and calls["rule_step"] == 3 * 10 * deltanet_config.num_hidden_layers
+    monkeypatch.setattr(DeltaNetModel, "steps_one_token", lambda *arguments: False)
+    forward, forward_padded = decode(), decode(padded=True)
+    assert calls["step"] == 3 * 10
+    for run, expected_run in ((stepped, forward), (stepped_with_mask, forward), (stepped_padded, forward_padded)):
+        for (output, states), (expected, expected_states) in zip(run, expected_run):
+            torch.testing.assert_close(output.logits, expected.logits, atol=1e-12, rtol=0)
+            for value, expected_value in zip(output.hidden_states, expected.hidden_states, strict=True):
+                torch.testing.assert_close(value, expected_value, atol=1e-12, rtol=0)
+            for layer, expected_layer in zip(states, expected_states, strict=True):
+                for tensor, expected_tensor in zip(layer, expected_layer, strict=True):
+                    assert (tensor is None) == (expected_tensor is None)
+                    if tensor is not None:
+                        torch.testing.assert_close(tensor, expected_tensor, atol=1e-12, rtol=0)
+
+
+def test_hooks_see_every_module_run_in_decoding_steps():
+    """A decoding step runs a decoder layer's body and its attention's forward without their module calls only where
+    nothing would see them: a hook on a layer or on an attention sees it run at every step (and on a projection,
+    which the step calls through `linear`), and the logits stay those of the unhooked model."""
+    model = _randomised(DeltaNetForCausalLM(DELTANET_VARIANTS["fla"]()).eval())
+    input_ids = torch.randint(0, 256, (2, 12))
+
+    def decode():
+        with torch.no_grad():
+            cache = model(input_ids[:, :6], use_cache=True).cache
+            logits = []
+            for t in range(6, 12):
+                output = model(input_ids[:, t : t + 1], cache=cache, use_cache=True)
+                cache = output.cache
+                logits.append(output.logits)
+        return torch.cat(logits, 1)
+
+    plain = decode()
+    layers = model.model.layers
+    modules = [layers[0], layers[1].attention, layers[0].attention.q_proj, layers[1].mlp]
+    calls = {index: 0 for index in range(len(modules))}
+    handles = [
+        module.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+        for index, module in enumerate(modules)
+    ]
+    hooked = decode()
+    for handle in handles:
+        handle.remove()
+    assert all(count == 1 + 6 for count in calls.values()), calls  # the prefill, the six steps
+    torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
+
+
 def test_prefill_in_several_chunks_equals_one_forward(preset_config):
     model = _randomised(DeltaNetForCausalLM(preset_config).eval())
     input_ids = torch.randint(0, 256, (1, 30))
@@ -454,7 +551,7 @@ def test_cache_holds_only_the_convolution_tail_not_the_whole_prefill():
 
 def test_few_tokens_run_the_three_projections_and_many_run_one_product_over_their_weights(monkeypatch):
     """Decoding (fewer than FUSED_PROJECTION_TOKENS tokens) calls q/k/v one by one instead of copying their weights
-    side by side every token; a longer input runs one product (the modules' forward is not called), same numbers."""
+    side by side every token; a longer input runs one product over the weights side by side, same numbers."""
     from memlm.compat import cache_keyword, output_cache
     from memlm.modeling.modeling_deltanet import FUSED_PROJECTION_TOKENS
 
@@ -464,14 +561,14 @@ def test_few_tokens_run_the_three_projections_and_many_run_one_product_over_thei
     model = DeltaNetForCausalLM(config).eval()
     projection = model.model.layers[0].attention.q_proj
     calls = []
-    forward = torch.nn.Linear.forward
+    linear = F.linear
 
-    def counted(self, states):  # (a forward set on the instance would make it run as it is, with no fused product)
-        if self is projection:
+    def counted(states, weight, bias=None):  # a product with q's own weight (the module's, or the step's)
+        if weight is projection.weight:
             calls.append(states.shape[:2])
-        return forward(self, states)
+        return linear(states, weight, bias)
 
-    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+    monkeypatch.setattr(F, "linear", counted)
     tokens = torch.randint(0, 32, (1, FUSED_PROJECTION_TOKENS))
     with torch.no_grad():
         whole = model(tokens).logits
@@ -479,7 +576,7 @@ def test_few_tokens_run_the_three_projections_and_many_run_one_product_over_thei
         cache = output_cache(model(tokens[:, :-1], use_cache=True))
         calls.clear()
         last = model(tokens[:, -1:], use_cache=True, **{cache_keyword(model): cache}).logits
-    assert calls == [(1, 1)]  # the single token went through the module
+    assert calls == [(1, 1)]  # the single token's product with q's weight alone
     torch.testing.assert_close(last[:, -1], whole[:, -1], rtol=1e-5, atol=1e-5)
 
 
