@@ -138,18 +138,21 @@ class ExpireSpanMemory:
         )
 
     def _appended_in_place(self, other: "ExpireSpanMemory") -> "ExpireSpanMemory":
-        ours, theirs = self.tensors(), other.tensors()
-        names = [name for name in _FIELDS if ours[name] is not None and theirs[name] is not None]
         width, total = self.width, self.width + other.width
         buffer = self.buffer
-        reusable = (
-            buffer is not None
-            and buffer.used == width
-            and buffer.capacity >= total
-            and set(names) == set(buffer.tensors)
-            and all(buffer.tensors[name].dtype == theirs[name].dtype for name in names)
-        )
+        # The buffer takes `other` as it is when it holds exactly the fields both sides have, in other's dtypes (one
+        # pass over the fields: a decoding step appends to every layer).
+        reusable = buffer is not None and buffer.used == width and buffer.capacity >= total
+        names = []
+        for name in _FIELDS:
+            theirs = getattr(other, name)
+            kept = theirs is not None and getattr(self, name) is not None
+            if kept:
+                names.append(name)
+            if reusable and (kept != (name in buffer.tensors) or kept and buffer.tensors[name].dtype != theirs.dtype):
+                reusable = False
         if not reusable:
+            ours, theirs = self.tensors(), other.tensors()
             capacity = total + max(int(total * _GROWTH_FRACTION), _MINIMUM_GROWTH)
             tensors = {}
             for name in names:
@@ -158,11 +161,12 @@ class ExpireSpanMemory:
                 tensors[name] = tensor.new_empty(shape, dtype=theirs[name].dtype)
                 tensors[name].narrow(dim, 0, width).copy_(tensor)
             buffer = _Buffer(tensors, width)
+        views = dict.fromkeys(_FIELDS)
         for name in names:
-            buffer.tensors[name].narrow(_SLOT_DIMENSION[name], width, other.width).copy_(theirs[name])
+            tensor, dim = buffer.tensors[name], _SLOT_DIMENSION[name]
+            tensor.narrow(dim, width, other.width).copy_(getattr(other, name))
+            views[name] = tensor.narrow(dim, 0, total)
         buffer.used = total
-        views = {name: None for name in _FIELDS}
-        views.update({name: buffer.tensors[name].narrow(_SLOT_DIMENSION[name], 0, total) for name in names})
         return ExpireSpanMemory(**views, buffer=buffer)
 
     def slots(self, start: int, count: int) -> "ExpireSpanMemory":
