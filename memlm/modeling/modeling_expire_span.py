@@ -324,7 +324,7 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         )
         if output is None:  # not finite: the general attention keeps a non-finite memory in place
             return self.attend(query, memory, memory.spans, positions, token_valid, None, True)
-        return (output, *self.count_reads(memory, memory.spans, positions, token_valid, None, True))
+        return (output, *self.count_reads(memory, memory.spans, positions, None, None, True))  # (every query real)
 
     def count_reads(self, memory, spans, positions, token_valid, max_distance, counted_positions):
         """The span-loss sum and the memories read of `attend`: which (query, memory) pairs are read (m > 0), and

@@ -318,14 +318,19 @@ def memory_counts(
 
     When the valid queries of each row hold consecutive positions (always when `counted_positions`: counted from the
     padding mask; else checked, which torch.compile cannot trace), the counts come from their first and last position
-    without building the (T, N) mask; other position_ids fall back to the mask."""
+    without building the (T, N) mask; other position_ids fall back to the mask. One query per row with spans may come
+    with `token_valid` None: every row's query is real (a decoding step)."""
     nearest = 0 if attend_to_self else 1
     if positions.shape[1] == 1 and spans is not None:
         # One query t per row (decoding), Eq. 5 with r_ti = e_i − (t − i): read ⇔ visible and r > −R; on the ramp
         # ⇔ also r < 0. In float64, exact for integer positions and float32 spans.
         distance = positions - memory.positions  # t − i
         remaining = spans.detach().double() - distance
-        read = (remaining > -ramp) & (distance >= nearest) & memory.valid & token_valid
+        read = (remaining > -ramp) & memory.valid
+        if not (counted_positions and nearest == 0):  # counted positions: every memory precedes its query (i ≤ t)
+            read = read & (distance >= nearest)
+        if token_valid is not None:
+            read = read & token_valid
         if max_distance is not None:
             read = read & (distance <= max_distance)
         on_ramp = read & (remaining < 0)

@@ -121,7 +121,7 @@ def expire_span_attention_decoding(query, key, value, spans, distance, key_valid
     then takes `expire_span_attention`, which keeps a non-finite key, value or span where it is."""
     dtype = torch.float64 if spans.dtype == torch.float64 else torch.float32
     ramp_position = (spans.to(dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R, Eq. 5
-    bias = log_clamped(ramp_position, ~key_valid | (ramp_position <= 0))
+    bias = log_clamped(torch.where(key_valid, ramp_position, 0))  # an invalid key as one past its ramp: −inf
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias.to(query.dtype)[:, None, None])
     return output if sums_are_finite(output) else None
 
