@@ -838,13 +838,16 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         hidden_states = dropout(self.output_dropout, self.norm(hidden_states))
         if padding is not None:
             hidden_states = padding.scatter(hidden_states)
-        if output_hidden_states:
-            # As in 🤗 Llama: the last entry is the normed output.
+        return self.output(hidden_states, cache if use_cache else None, all_hidden_states, return_dict)
+
+    @staticmethod
+    def output(hidden_states, cache, all_hidden_states, return_dict):
+        """The forward's output: `hidden_states` after the final norm, also the last of `all_hidden_states` (the
+        input and each layer's output, or None) as in 🤗 Llama."""
+        if all_hidden_states is not None:
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
         output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **with_cache(cache if use_cache else None),
-            hidden_states=all_hidden_states,
+            last_hidden_state=hidden_states, **with_cache(cache), hidden_states=all_hidden_states
         )
         return output if return_dict else output.to_tuple()
 
@@ -869,15 +872,7 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
             hidden_states = layer.step(hidden_states, cache_layer, rule_step)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-        hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
-        output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **with_cache(cache if use_cache else None),
-            hidden_states=all_hidden_states,
-        )
-        return output if return_dict else output.to_tuple()
+        return self.output(self.norm(hidden_states), cache if use_cache else None, all_hidden_states, return_dict)
 
 
 class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, GenerationMixin):
