@@ -467,15 +467,21 @@ def test_decoding_at_given_positions_that_jump_past_the_spans_still_masks(monkey
     torch.testing.assert_close(torch.cat([step[0] for step in fast], 1), full[:, 3:], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("one_query", [True, False], ids=["one_query_attention", "general_attention"])
 @pytest.mark.parametrize("span_bias", [2.0, -0.5])
-def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias):
+def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias, one_query):
     """`ExpireSpanModel.step` (a decoding step without the forward's work for blocks and padding) gives what the
     forward gives for the same token: logits, spans, hidden states, span loss, memory size and the memories left in
     the cache, over many steps — with lazy pruning marking memories dead in place (the step then masks them) and
     compacting, and, with short spans (bias -0.5), memories on the ramp, which the step masks as the forward does.
     float64, so that the two paths' different products (softmax attention against the masked one) show only at
-    1e-12."""
+    1e-12. Also with the one-query attention answering None (a non-finite output), where the step takes the general
+    masked attention."""
+    from memlm.modeling import modeling_expire_span
     from memlm.modeling.modeling_expire_span import ExpireSpanDecoderLayer, ExpireSpanModel
+
+    if not one_query:
+        monkeypatch.setattr(modeling_expire_span, "expire_span_attention_decoding", lambda *arguments: None)
 
     model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4).double()
     model.config.span_loss_coefficient = 1.0
