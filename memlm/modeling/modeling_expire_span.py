@@ -13,6 +13,7 @@ the block-parallel forward (`blocks.py`).
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,26 @@ def _reusable(projection: nn.Module) -> bool:
 
 
 @use_kernel_forward_from_hub("ExpireSpanAttention")
+class OneQueryReads(NamedTuple):
+    """What a decoding step's one-query attention read (`ExpireSpanAttention.attend_decoding`): the soft mask m (B, N)
+    it attended with (paper Eq. 5; 0 at invalid slots) and, per memory, what the span loss sums over the pairs on the
+    ramp (e_i, or with the official loss e_i − (t − i)). `ExpireSpanModel.step` counts every layer's at once."""
+
+    mask: torch.Tensor
+    loss_terms: torch.Tensor
+
+    @staticmethod
+    def counted(reads: list["OneQueryReads"], ramp: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The span-loss sum and the number of memories read of `reads` (one per layer), as `count_reads` counts them:
+        read ⇔ m > 0; on the ramp ⇔ 0 < m < 1, where m has a fractional part (paper Eq. 6 and "Loss Computation")."""
+        if len(reads) == 1:
+            mask, loss_terms = reads[0]
+        else:
+            mask, loss_terms = (torch.cat(tensors, dim=1) for tensors in zip(*reads))
+        span_loss_sum = torch.where(mask.frac().bool(), loss_terms, 0).sum() / ramp
+        return span_loss_sum, torch.count_nonzero(mask)
+
+
 class ExpireSpanAttention(HubLayerMixin, nn.Module):
     """Multi-head attention over the layer's memories and the current block, masked by the learned spans."""
 
@@ -315,16 +336,19 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
 
         return (output, *self.count_reads(memory, spans, positions, token_valid, max_distance, counted_positions))
 
-    def attend_decoding(self, query, memory, positions, token_valid):
-        """`attend` for a decoding step's query (one per row, at `positions` (B, 1), after every memory, its own last;
-        the plain attention): the same output, span loss and reads, with the one-query attention."""
+    def attend_decoding(self, query, memory, positions):
+        """The masked attention of a decoding step's query (one per row, at `positions` (B, 1), after every memory, its
+        own last; the plain attention), as `attend` computes it, with the one-query attention; its reads are counted
+        later (`OneQueryReads`). None when the output is not finite (the caller then takes `attend`)."""
         distance = positions - memory.positions  # t − i
-        output = expire_span_attention_decoding(
+        attended = expire_span_attention_decoding(
             query, memory.keys, memory.values, memory.spans, distance, memory.valid, self.ramp
         )
-        if output is None:  # not finite: the general attention keeps a non-finite memory in place
-            return self.attend(query, memory, memory.spans, positions, token_valid, None, True)
-        return (output, *self.count_reads(memory, memory.spans, positions, None, None, True))  # (every query real)
+        if attended is None:
+            return None
+        output, mask = attended
+        remaining = self.config.span_loss_form == "remaining_span"
+        return output, OneQueryReads(mask, memory.spans - distance if remaining else memory.spans)
 
     def count_reads(self, memory, spans, positions, token_valid, max_distance, counted_positions):
         """The span-loss sum and the memories read of `attend`: which (query, memory) pairs are read (m > 0), and
@@ -514,7 +538,12 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
             span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
         else:  # memories on the ramp: Eq. 4–5's mask, the span loss and the reads as the forward counts them
-            output, span_loss_sum, reads = attention.attend_decoding(query, memory, block.positions, block.valid)
+            attended = attention.attend_decoding(query, memory, block.positions)
+            if attended is None:  # not finite: the general attention keeps a non-finite memory in place
+                attended = attention.attend(query, memory, memory.spans, block.positions, block.valid, None, True)
+                output, span_loss_sum, reads = attended
+            else:
+                (output, reads), span_loss_sum = attended, 0  # (counted by the model's step)
         output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))
         memory.expiry_slack = next_decoding_slack(slack, spans)
         hidden_states = add_sublayer_output(hidden_states, output, self.input_layernorm, self.norm_position)
@@ -886,16 +915,23 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans, span_loss_sum, read_count = [], 0, 0  # Python numbers while no layer needs its forward
+        one_query_reads = []  # the layers' one-query attentions, counted together after the last
         for layer, cache_layer in zip(self.layers, cache.layers):
             hidden_states, cache_layer.memory, spans, span_loss, read = layer.step(
                 hidden_states, block, rotation, cache_layer.memory, **options
             )
             cache_layer.seen_tokens += 1
-            span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
+            if isinstance(read, OneQueryReads):
+                one_query_reads.append(read)
+            else:
+                span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
             if output_hidden_states:
                 all_hidden_states.append(hidden_states)
             if output_spans:
                 all_spans.append(torch.cat(spans, dim=1))
+        if one_query_reads:
+            span_loss, read = OneQueryReads.counted(one_query_reads, config.ramp)
+            span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
         hidden_states = self.norm(hidden_states)
         cache.next_positions = positions[:, 0] + 1
         batch_size, device = positions.shape[0], hidden_states.device

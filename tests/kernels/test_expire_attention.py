@@ -474,7 +474,7 @@ def test_a_non_finite_key_reaches_only_the_queries_that_see_it(backend, where, o
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_decoding_attention_is_the_general_attention_of_one_query_bit_for_bit(dtype):
     """`expire_span_attention_decoding` (a decoding step: one query after every key, its own key valid) gives
-    `expire_span_attention`'s output bit for bit, over memories that are read whole, on the ramp, expired and invalid;
+    `expire_span_attention`'s output bit for bit, and the mask it attended with (Eq. 5's, 0 at invalid keys), over memories that are read whole, on the ramp, expired and invalid;
     with a non-finite value at a key no query sees, it answers None (its caller then takes the general attention,
     which keeps that value in place) where the general attention stays finite."""
     tensors, options, _ = make_inputs(length=1, memory=25, dtype=dtype, seed=3)
@@ -487,8 +487,10 @@ def test_the_decoding_attention_is_the_general_attention_of_one_query_bit_for_bi
     assert (valid & (remaining <= -RAMP)).any() and (~valid).any()
     arguments = (query, key, value, spans, at, positions)
     expected = expire_span_attention(*arguments, ramp=RAMP, key_valid=valid, backend="torch")
-    output = expire_span_attention_decoding(query, key, value, spans, distance, valid, RAMP)
+    output, mask = expire_span_attention_decoding(query, key, value, spans, distance, valid, RAMP)
     assert output.dtype == dtype and torch.equal(output, expected)
+    expected_mask = expire_span_mask(spans, at, positions, RAMP)[:, 0].masked_fill(~valid, 0)  # Eq. 5, read m > 0
+    torch.testing.assert_close(mask, expected_mask, atol=0, rtol=0)
 
     hidden = (~valid).nonzero()[0]
     value[hidden[0], :, hidden[1]] = float("nan")

@@ -293,8 +293,9 @@ def decoding_slack(
 
 def next_decoding_slack(slack: float, spans: torch.Tensor) -> float:
     """The slack for the next step, from this step's `slack` and the spans e_t (B, 1) of its memories: every row's
-    next query is at most one position further, and a memory made at t has r = e_t − 1 for the query at t + 1."""
-    return min(slack, float(spans.min())) - 1
+    next query is at most one position further, and a memory made at t has r = e_t − 1 for the query at t + 1. A
+    negative slack only says that the mask is needed, and stays negative: the spans are not read then."""
+    return (min(slack, float(spans.min())) if slack >= 0 else slack) - 1
 
 
 def expired_memories(
