@@ -12,6 +12,7 @@ the block-parallel forward (`blocks.py`).
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -499,19 +500,21 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         )
         return hidden_states, memory, spans, span_loss_sum, read
 
-    def step(self, hidden_states, block: Block, rotation: tuple, memory: ExpireSpanMemory | None, **options):
-        """A decoding step (`ExpireSpanModel.steps_one_token`: one real token per row, no gradients, evaluation, the
-        plain attention), as `run_layer_over_blocks` over the one block returns it: the layer's forward without its
-        work for blocks, padding and training — the token's keys and values written into the memory's buffer, then,
-        while no memory the token sees is on the ramp (`decoding_slack` >= 0, so Eq. 5's mask is 1 on every valid
+    def step(self, hidden_states, block: Block, rotation: tuple | None, memory: ExpireSpanMemory | None, **options):
+        """A decoding step (`ExpireSpanModel.steps_one_token`: one real token per row, no gradients, evaluation), as
+        `run_layer_over_blocks` over the one block returns it: the layer's forward without its work for blocks, padding
+        and training — the token's keys and values written into the memory's buffer, then, with the plain attention
+        and while no memory the token sees is on the ramp (`decoding_slack` >= 0, so Eq. 5's mask is 1 on every valid
         memory), softmax attention over the valid memories with no span loss and the reads as a Python number, else
-        the masked attention and its counts (`ExpireSpanAttention.attend`). Before the memory has a buffer, or where a
-        hook or a kernel would see the layer run, the layer's forward runs. `rotation`: the block's cos and
-        `signed_sine`."""
+        the masked attention and its counts (the one-query attention, `ExpireSpanAttention.attend_decoding`, or, with
+        the official options — learned relative positions, no attention to the token itself, ε — `attend`). Before
+        the memory has a buffer, or where a hook or a kernel would see the layer run, the layer's forward runs.
+        `rotation`: the block's cos and `signed_sine` (None without rotary positions)."""
         if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
             memory = self.prune(memory, block.first_positions, options["delete_expired"])
-        slack = decoding_slack(memory, block.positions, block.valid)
         attention = self.attention
+        plain = attention.plain_attention
+        slack = decoding_slack(memory, block.positions, block.valid) if plain else -math.inf
         stepping = memory is not None and memory.buffer is not None and slack is not None
         if not (stepping and runs_as_defined(self, attention)):  # (a hook or a kernel sees the layer's forward run)
             return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
@@ -521,10 +524,10 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         # Queries and keys side by side (2H heads), rotated in one pass: the same numbers, half the ops.
         query_key = torch.cat(
             [linear(attention.q_proj, attention_input), linear(attention.k_proj, attention_input)], -1
-        )
-        query, key = (
-            rotate(query_key.view(batch_size, 1, 2 * heads, head_dim), *rotation).transpose(1, 2).split(heads, 1)
-        )
+        ).view(batch_size, 1, 2 * heads, head_dim)
+        if rotation is not None:
+            query_key = rotate(query_key, *rotation)
+        query, key = query_key.transpose(1, 2).split(heads, 1)
         value = linear(attention.v_proj, attention_input).view(batch_size, 1, heads, head_dim).transpose(1, 2)
         spans = attention.predict_spans(attention_input)
         kept_inputs = hidden_states if attention.config.recompute_memory else None
@@ -533,7 +536,12 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             dense = bool(memory.valid.all())
         memory = memory.append(ExpireSpanMemory(key, value, block.positions, block.valid, spans, None, kept_inputs))
         memory.every_valid = dense  # (the token is valid)
-        if slack >= 0:  # softmax attention over the valid memories, nothing on the ramp
+        if not plain:  # the official options: the general attention over the memories
+            output, span_loss_sum, reads = attention.attend(
+                query, memory, memory.spans, block.positions, block.valid, None, True, 0.0,
+                options.get("relative_positions"),
+            )  # fmt: skip
+        elif slack >= 0:  # softmax attention over the valid memories, nothing on the ramp
             mask = None if dense else memory.valid[:, None, None, :]
             output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
             span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
@@ -545,7 +553,8 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             else:
                 (output, reads), span_loss_sum = attended, 0  # (counted by the model's step)
         output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))
-        memory.expiry_slack = next_decoding_slack(slack, spans)
+        if plain:
+            memory.expiry_slack = next_decoding_slack(slack, spans)
         hidden_states = add_sublayer_output(hidden_states, output, self.input_layernorm, self.norm_position)
         mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
         hidden_states = add_sublayer_output(
@@ -882,8 +891,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
     def steps_one_token(self, length, cache, recording, position_ids, token_valid) -> bool:
         """Whether the forward is a decoding `step`: one real token per row at its counted position, continuing a cache
         that does not record, without gradients, in evaluation and eagerly, over expiring memories whose keys and
-        values were made with the current weights, and the plain attention (rotary positions, the token attends to
-        itself, no ε)."""
+        values were made with the current weights."""
         if not (
             length == 1 and cache is not None and cache.get_seq_length() > 0 and cache.next_positions is not None
             and not recording and position_ids is None and not self.training and not torch.is_grad_enabled()
@@ -891,7 +899,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         ):  # fmt: skip
             return False
         config = self.config
-        if not (config.expire_memories and self.layers[0].attention.plain_attention):
+        if not config.expire_memories:
             return False
         if config.recompute_memory and cache.weights_version != weights_version(self):
             return False
@@ -906,12 +914,15 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             positions = positions.to(inputs_embeds.device)
         positions = positions[:, None]  # (B, 1)
         valid = torch.ones_like(positions, dtype=torch.bool) if token_valid is None else token_valid
-        cos, sin = self.rotary_emb(positions)
+        rotary = self.rotary_emb is not None
+        cos, sin = self.rotary_emb(positions) if rotary else (None, None)
         block = Block(slice(0, 1), positions, valid, cos, sin, positions[:, 0])
-        rotation = (cos, signed_sine(sin))  # for every layer's `rotate`
+        rotation = (cos, signed_sine(sin)) if rotary else None  # for every layer's `rotate`
         options = {"max_distance": None, "delete_expired": self.prune_expired_memories, "counted_positions": True}
-        if config.recompute_memory:
+        if config.recompute_memory and rotary:
             options["rotary_embedding"] = self.rotary_emb
+        if self.relative_positions is not None:
+            options["relative_positions"] = self.relative_positions
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans, span_loss_sum, read_count = [], 0, 0  # Python numbers while no layer needs its forward

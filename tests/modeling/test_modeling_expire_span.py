@@ -467,17 +467,27 @@ def test_decoding_at_given_positions_that_jump_past_the_spans_still_masks(monkey
     torch.testing.assert_close(torch.cat([step[0] for step in fast], 1), full[:, 3:], atol=1e-4, rtol=0)
 
 
+OFFICIAL_OPTIONS = {  # the official code's attention and layer (benchmarks/paper_layouts.py's official layout)
+    "position_encoding": "learned_relative", "attend_to_self": False, "renormalization_epsilon": 1e-3,
+    "recompute_memory": True, "norm_type": "layernorm", "norm_position": "post", "mlp_type": "plain",
+    "mlp_bias": True, "hidden_act": "relu", "initial_memory": "zeros", "span_loss_form": "remaining_span",
+}
+
+
 @pytest.mark.parametrize("one_query", [True, False], ids=["one_query_attention", "general_attention"])
 @pytest.mark.parametrize(
-    ("span_bias", "span_loss_form"), [(2.0, "span"), (-0.5, "span"), (-0.5, "remaining_span")],
-    ids=["long_spans", "short_spans", "short_spans_remaining_loss"],
+    ("span_bias", "options"),
+    [(2.0, {}), (-0.5, {}), (-0.5, {"span_loss_form": "remaining_span"}), (-0.5, OFFICIAL_OPTIONS)],
+    ids=["long_spans", "short_spans", "short_spans_remaining_loss", "official_layout"],
 )
-def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias, span_loss_form, one_query):
+def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias, options, one_query):
     """`ExpireSpanModel.step` (a decoding step without the forward's work for blocks and padding) gives what the
     forward gives for the same token: logits, spans, hidden states, span loss, memory size and the memories left in
     the cache, over many steps — with lazy pruning marking memories dead in place (the step then masks them) and
     compacting, and, with short spans (bias -0.5), memories on the ramp, which the step masks as the forward does
-    (with either span loss: the span, or the official remaining span).
+    (with either span loss: the span, or the official remaining span), and in the official layout (learned relative
+    positions, no attention to the token itself, ε, memories recomputed from their hidden states, post-norm), whose
+    step always takes the masked attention.
     float64, so that the two paths' different products (softmax attention against the masked one) show only at
     1e-12. Also with the one-query attention answering None (a non-finite output), where the step takes the general
     masked attention."""
@@ -487,8 +497,7 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
     if not one_query:
         monkeypatch.setattr(modeling_expire_span, "expire_span_attention_decoding", lambda *arguments: None)
 
-    model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4,
-                   span_loss_form=span_loss_form).double()  # fmt: skip
+    model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4, **options).double()
     model.config.span_loss_coefficient = 1.0
     input_ids = torch.randint(0, 256, (2, 70))
     steps = {"unmasked": 0, "masked": 0}
@@ -521,7 +530,8 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
     stepped, stepped_with_mask, stepped_padded = decode(), decode(mask=True), decode(padded=True)
     monkeypatch.setattr(ExpireSpanModel, "steps_one_token", lambda *arguments: False)
     forward, forward_padded = decode(), decode(padded=True)
-    assert steps["unmasked"] > 0
+    official = options is OFFICIAL_OPTIONS
+    assert (steps["unmasked"] == 0) if official else (steps["unmasked"] > 0)  # the official options always mask
     if span_bias < 0:
         assert steps["masked"] > 0  # memories on the ramp
         assert any(float(output.span_loss) != 0 for output, _ in stepped)  # (the remaining span is negative)
