@@ -36,7 +36,11 @@ from ..compat import (
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels import plain_weights
-from ..kernels.expire_attention import expire_span_attention, expire_span_attention_decoding
+from ..kernels.expire_attention import (
+    expire_span_attention,
+    expire_span_attention_decoding,
+    expire_span_attention_official_decoding,
+)
 from ..kernels.expire_attention.blocks import (
     Block,
     compact_memories,
@@ -337,14 +341,21 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
 
         return (output, *self.count_reads(memory, spans, positions, token_valid, max_distance, counted_positions))
 
-    def attend_decoding(self, query, memory, positions):
+    def attend_decoding(self, query, memory, positions, relative_positions=None):
         """The masked attention of a decoding step's query (one per row, at `positions` (B, 1), after every memory, its
-        own last; the plain attention), as `attend` computes it, with the one-query attention; its reads are counted
-        later (`OneQueryReads`). None when the output is not finite (the caller then takes `attend`)."""
+        own last), as `attend` computes it, with the one-query attention (the plain one, or with the official options
+        `expire_span_attention_official_decoding`); its reads are counted later (`OneQueryReads`). None when the
+        output is not finite (the caller then takes `attend`)."""
         distance = positions - memory.positions  # t − i
-        attended = expire_span_attention_decoding(
-            query, memory.keys, memory.values, memory.spans, distance, memory.valid, self.ramp
-        )
+        arguments = (query, memory.keys, memory.values, memory.spans, distance, memory.valid, self.ramp)
+        if self.plain_attention:
+            attended = expire_span_attention_decoding(*arguments)
+        else:
+            config = self.config
+            table = relative_positions.weight if relative_positions is not None else None
+            attended = expire_span_attention_official_decoding(
+                *arguments, table, config.attend_to_self, config.renormalization_epsilon
+            )
         if attended is None:
             return None
         output, mask = attended
@@ -536,20 +547,17 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             dense = bool(memory.valid.all())
         memory = memory.append(ExpireSpanMemory(key, value, block.positions, block.valid, spans, None, kept_inputs))
         memory.every_valid = dense  # (the token is valid)
-        if not plain:  # the official options: the general attention over the memories
-            output, span_loss_sum, reads = attention.attend(
-                query, memory, memory.spans, block.positions, block.valid, None, True, 0.0,
-                options.get("relative_positions"),
-            )  # fmt: skip
-        elif slack >= 0:  # softmax attention over the valid memories, nothing on the ramp
+        if slack >= 0:  # softmax attention over the valid memories, nothing on the ramp
             mask = None if dense else memory.valid[:, None, None, :]
             output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
             span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
-        else:  # memories on the ramp: Eq. 4–5's mask, the span loss and the reads as the forward counts them
-            attended = attention.attend_decoding(query, memory, block.positions)
+        else:  # memories on the ramp, or the official options: Eq. 4–5's mask, the span loss and the reads
+            relative_positions = options.get("relative_positions")
+            attended = attention.attend_decoding(query, memory, block.positions, relative_positions)
             if attended is None:  # not finite: the general attention keeps a non-finite memory in place
-                attended = attention.attend(query, memory, memory.spans, block.positions, block.valid, None, True)
-                output, span_loss_sum, reads = attended
+                output, span_loss_sum, reads = attention.attend(
+                    query, memory, memory.spans, block.positions, block.valid, None, True, 0.0, relative_positions
+                )
             else:
                 (output, reads), span_loss_sum = attended, 0  # (counted by the model's step)
         output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))

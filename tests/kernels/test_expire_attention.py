@@ -499,6 +499,59 @@ def test_the_decoding_attention_is_the_general_attention_of_one_query_bit_for_bi
     assert torch.equal(general, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "options",
+    [{"table": True, "attend_to_self": False, "renormalization_epsilon": 1e-2}, {"table": True},
+     {"attend_to_self": False}, {"renormalization_epsilon": 1e-2}],
+    ids=["official", "positions", "no_self", "epsilon"],
+)  # fmt: skip
+def test_the_official_decoding_attention_is_the_general_attention_of_one_query(options, dtype):
+    """`expire_span_attention_official_decoding` (a decoding step with the official options: learned relative
+    positions, no attention to the token itself, ε; each alone and together) gives `expire_span_attention`'s output
+    to rounding and the mask it attended with (Eq. 5's, 0 at hidden keys), over memories read whole, on the ramp,
+    expired, invalid and farther than the table reaches; None where a hidden key's value is NaN (the general
+    attention keeps it in place) and where no key is visible."""
+    from memlm.kernels.expire_attention import expire_span_attention_official_decoding
+
+    tensors, arguments, _ = make_inputs(length=1, memory=25, value_dim=8, dtype=dtype, seed=3)
+    query, key, value, spans = (tensors[name].detach() for name in ("query", "key", "value", "spans"))
+    at, positions = arguments["query_positions"], arguments["key_positions"]
+    valid = arguments["key_valid"] | (positions == at)  # the token's own memory is valid
+    distance = at - positions
+    table = torch.randn(6, query.shape[-1], dtype=dtype, generator=torch.Generator().manual_seed(1))
+    table = table if options.get("table") else None
+    self_attention, epsilon = options.get("attend_to_self", True), options.get("renormalization_epsilon", 0.0)
+    assert (valid & (distance > 6)).any() and (valid & (distance >= 1) & (distance <= 6)).any()
+
+    def general():
+        return expire_span_attention(query, key, value, spans, at, positions, ramp=RAMP, key_valid=valid,
+                                     relative_positions=table, attend_to_self=self_attention,
+                                     renormalization_epsilon=epsilon, backend="torch")  # fmt: skip
+
+    def decoding():
+        return expire_span_attention_official_decoding(query, key, value, spans, distance, valid, RAMP, table,
+                                                       self_attention, epsilon)  # fmt: skip
+
+    expected = general()
+    output, mask = decoding()
+    tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-13, "rtol": 0}
+    assert output.dtype == dtype
+    torch.testing.assert_close(output, expected, **tolerance)
+    hidden = ~valid | (distance == 0) if not self_attention else ~valid
+    expected_mask = expire_span_mask(spans, at, positions, RAMP)[:, 0].masked_fill(hidden, 0)
+    torch.testing.assert_close(mask, expected_mask, atol=0, rtol=0)
+    remaining = spans.double() - distance
+    assert (mask == 1).any() and ((mask > 0) & (mask < 1)).any() and (~hidden & (remaining <= -RAMP)).any()
+
+    masked = (~valid).nonzero()[0]
+    value[masked[0], :, masked[1]] = float("nan")
+    assert decoding() is None
+    torch.testing.assert_close(general(), expected, atol=0, rtol=0)
+    valid = torch.zeros_like(valid)  # no key visible: the general attention gives zeros
+    assert decoding() is None and not general().any()
+
+
 @pytest.mark.parametrize("band", [False, True], ids=["every_column", "band"])
 @pytest.mark.parametrize("keep_weights", [False, True], ids=["weights_rebuilt", "weights_kept"])
 @pytest.mark.parametrize("epsilon", [0.0, 1e-3])

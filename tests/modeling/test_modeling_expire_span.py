@@ -468,9 +468,17 @@ def test_decoding_at_given_positions_that_jump_past_the_spans_still_masks(monkey
 
 
 OFFICIAL_OPTIONS = {  # the official code's attention and layer (benchmarks/paper_layouts.py's official layout)
-    "position_encoding": "learned_relative", "attend_to_self": False, "renormalization_epsilon": 1e-3,
-    "recompute_memory": True, "norm_type": "layernorm", "norm_position": "post", "mlp_type": "plain",
-    "mlp_bias": True, "hidden_act": "relu", "initial_memory": "zeros", "span_loss_form": "remaining_span",
+    "position_encoding": "learned_relative",
+    "attend_to_self": False,
+    "renormalization_epsilon": 1e-3,
+    "recompute_memory": True,
+    "norm_type": "layernorm",
+    "norm_position": "post",
+    "mlp_type": "plain",
+    "mlp_bias": True,
+    "hidden_act": "relu",
+    "initial_memory": "zeros",
+    "span_loss_form": "remaining_span",
 }
 
 
@@ -495,7 +503,8 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
     from memlm.modeling.modeling_expire_span import ExpireSpanDecoderLayer, ExpireSpanModel
 
     if not one_query:
-        monkeypatch.setattr(modeling_expire_span, "expire_span_attention_decoding", lambda *arguments: None)
+        for name in ("expire_span_attention_decoding", "expire_span_attention_official_decoding"):
+            monkeypatch.setattr(modeling_expire_span, name, lambda *arguments: None)
 
     model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4, **options).double()
     model.config.span_loss_coefficient = 1.0

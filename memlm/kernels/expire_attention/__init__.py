@@ -20,7 +20,7 @@ import torch
 
 from memlm.kernels import check_triton_device, resolve_backend, sums_are_finite
 
-from .official import expire_span_attention_official
+from .official import expire_span_attention_official, expire_span_attention_official_decoding
 from .reference import (
     expire_span_attention_reference,
     expire_span_mask,
@@ -33,6 +33,7 @@ from .sdpa import expire_span_attention_decoding, expire_span_attention_sdpa
 __all__ = [
     "expire_span_attention",
     "expire_span_attention_decoding",
+    "expire_span_attention_official_decoding",
     "expire_span_attention_reference",
     "expire_span_attention_sdpa",
     "expire_span_mask",

@@ -27,10 +27,12 @@ from typing import NamedTuple
 
 import torch
 
+from memlm.kernels import in_dtype, sums_are_finite
+
 from .reference import _compute_dtype, expire_span_attention_reference, visible_keys
 from .sdpa import log_clamped
 
-__all__ = ["expire_span_attention_official"]
+__all__ = ["expire_span_attention_official", "expire_span_attention_official_decoding"]
 
 
 def expire_span_attention_official(query, key, value, spans, query_positions, key_positions, *, ramp, key_valid=None,
@@ -56,6 +58,40 @@ def expire_span_attention_official(query, key, value, spans, query_positions, ke
         return (weights @ cast[2]).to(query.dtype)
     return _OfficialAttention.apply(settings, keep_weights, query_positions, key_positions, query, key, value, spans,
                                     position_scores, relative_positions)  # fmt: skip
+
+
+def expire_span_attention_official_decoding(query, key, value, spans, distance, key_valid, ramp: float, table=None,
+                                            attend_to_self=True, renormalization_epsilon=0.0):  # fmt: skip
+    """A decoding step's attention with the official options, without gradients: one query t per row, after every key
+    (``distance`` t − i >= 0, (B, N)), the token's own key among them, no distance limit; `table` the learned relative
+    positions (P, d) or None. `expire_span_attention_official`'s weights (see the module docstring) for that query in
+    fewer passes: no (T, N) pair terms, no band search, 1/m only as ε needs it. Returns the output and the soft mask m
+    (B, N) it attended with (Eq. 5; 0 at a hidden key: invalid, or the token's own without `attend_to_self`), for the
+    caller to count the reads; None when the output is not finite (a hidden key's NaN reaches it, or no key is
+    visible): the caller then takes `expire_span_attention`."""
+    dtype, output_dtype = _compute_dtype(query, key, value, spans), query.dtype
+    query, key, value = (in_dtype(tensor, dtype) for tensor in (query, key, value))
+    batch_size, num_heads, _, head_dim = query.shape
+    scale = head_dim**-0.5
+    visible = key_valid if attend_to_self else key_valid & (distance > 0)
+    ramp_position = (spans.to(dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
+    mask = torch.where(visible, ramp_position, 0).clamp_(0, 1)  # Eq. 5, 0 where hidden
+    bias = mask.log()[:, None, None]  # (B, 1, 1, N), log 0 = −inf
+    shape = (batch_size, num_heads, 1, key.shape[2])
+    if table is not None:  # q_t · p_{t−i} for t − i in 1..P, 0 farther (the extended table's zero row)
+        extended = torch.cat([in_dtype(table, dtype), table.new_zeros(1, table.shape[1], dtype=dtype)])
+        # Row t − i − 1 of [table; 0]; the token itself (−1) and past P read row P (a hidden key's term is unread).
+        row = (distance - 1).clamp_(max=table.shape[0]).remainder_(table.shape[0] + 1)[:, None, None].expand(shape)
+        scores = torch.add(bias, (query @ extended.mT).gather(-1, row), alpha=scale)
+    else:
+        scores = bias.expand(shape).contiguous()
+    scores = scores.view(-1, 1, shape[-1]).baddbmm_(query.flatten(0, 1), key.flatten(0, 1).mT, alpha=scale)
+    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores).view(shape)  # w¹ = softmax(s + log m)
+    if renormalization_epsilon > 0:  # w = w¹ / (1 + ε Σ_j w¹_j / m_j); w¹ = 0 where m = 0, so 1/m is 1 there
+        inverse = torch.where(mask > 0, mask, 1).reciprocal_()[:, None, None]
+        weights /= torch.linalg.vecdot(weights, inverse).unsqueeze(-1).mul_(renormalization_epsilon).add_(1)
+    output = weights @ value
+    return (output.to(output_dtype), mask) if sums_are_finite(output) else None
 
 
 class _PositionBand(NamedTuple):
