@@ -349,7 +349,8 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         distance = positions - memory.positions  # t − i
         arguments = (query, memory.keys, memory.values, memory.spans, distance, memory.valid, self.ramp)
         if self.plain_attention:
-            attended = expire_span_attention_decoding(*arguments)
+            valid = None if memory.every_valid else memory.valid  # (every_valid: known to hold no invalid slot)
+            attended = expire_span_attention_decoding(*arguments[:5], valid, self.ramp)
         else:
             config = self.config
             table = relative_positions.weight if relative_positions is not None else None

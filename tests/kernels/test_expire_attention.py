@@ -491,6 +491,10 @@ def test_the_decoding_attention_is_the_general_attention_of_one_query_bit_for_bi
     assert output.dtype == dtype and torch.equal(output, expected)
     expected_mask = expire_span_mask(spans, at, positions, RAMP)[:, 0].masked_fill(~valid, 0)  # Eq. 5, read m > 0
     torch.testing.assert_close(mask, expected_mask, atol=0, rtol=0)
+    every = torch.ones_like(valid)  # every key valid: the same without the validity (None)
+    with_validity, without = (expire_span_attention_decoding(query, key, value, spans, distance, given, RAMP)
+                              for given in (every, None))  # fmt: skip
+    assert all(torch.equal(first, second) for first, second in zip(with_validity, without))
 
     hidden = (~valid).nonzero()[0]
     value[hidden[0], :, hidden[1]] = float("nan")

@@ -115,7 +115,8 @@ def expire_span_attention_sdpa(
 
 def expire_span_attention_decoding(query, key, value, spans, distance, key_valid, ramp: float):
     """A decoding step's Expire-Span attention, without gradients: one query t per row, after every key (``distance``
-    t − i >= 0, (B, N)), the token's own key among them, valid, no distance limit. The same bias and product as
+    t − i >= 0, (B, N)), the token's own key among them, valid, no distance limit; `key_valid` None when every key is
+    valid. The same bias and product as
     `expire_span_attention_sdpa` for such a query, bit for bit, in fewer passes: the visible keys are the valid ones,
     and the query sees its own key (m >= 1), so no row needs zeroing. Returns the output and the soft mask m (B, N)
     (Eq. 5, 0 at an invalid key; float32, or float64 with float64 spans), from which the caller counts the reads and
@@ -125,7 +126,7 @@ def expire_span_attention_decoding(query, key, value, spans, distance, key_valid
     ramp_position = (spans.to(dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
     # m = clamp(·, 0, 1), an invalid key as one past its ramp; log 0 = −inf. (`log_clamped` keeps zeros off the
     # logarithm for the (T, N) pairs of a block; one query's few hundred memories cost less than its two passes.)
-    mask = torch.where(key_valid, ramp_position, 0).clamp_(0, 1)
+    mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.log().to(query.dtype)[:, None, None])
     return (output, mask) if sums_are_finite(output) else None
 
