@@ -162,7 +162,6 @@ def _reusable(projection: nn.Module) -> bool:
     return type(projection) is nn.Linear and projection.bias is None and plain_weights(projection)
 
 
-@use_kernel_forward_from_hub("ExpireSpanAttention")
 class OneQueryReads(NamedTuple):
     """What a decoding step's one-query attention read (`ExpireSpanAttention.attend_decoding`): the soft mask m (B, N)
     it attended with (paper Eq. 5; 0 at invalid slots) and, per memory, what the span loss sums over the pairs on the
@@ -183,6 +182,7 @@ class OneQueryReads(NamedTuple):
         return span_loss_sum, torch.count_nonzero(mask)
 
 
+@use_kernel_forward_from_hub("ExpireSpanAttention")
 class ExpireSpanAttention(HubLayerMixin, nn.Module):
     """Multi-head attention over the layer's memories and the current block, masked by the learned spans."""
 
