@@ -87,11 +87,12 @@ def expire_span_attention_official_decoding(query, key, value, spans, distance, 
         scores = bias.expand(shape).contiguous()
     scores = scores.view(-1, 1, shape[-1]).baddbmm_(query.flatten(0, 1), key.flatten(0, 1).mT, alpha=scale)
     weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores).view(shape)  # w¹ = softmax(s + log m)
-    if renormalization_epsilon > 0:  # w = w¹ / (1 + ε Σ_j w¹_j / m_j); w¹ = 0 where m = 0, so 1/m is 1 there
-        inverse = torch.where(mask > 0, mask, 1).reciprocal_()[:, None, None]
-        weights /= torch.linalg.vecdot(weights, inverse).unsqueeze(-1).mul_(renormalization_epsilon).add_(1)
     output = weights @ value
-    return (output.to(output_dtype), mask) if sums_are_finite(output) else None
+    if renormalization_epsilon > 0:  # o = w¹·V / (1 + ε Σ_j w¹_j / m_j)
+        # w¹ = 0 where m = 0: m clamped to the smallest normal number keeps ε/m finite there, and the term 0.
+        scaled_inverse = torch.div(renormalization_epsilon, mask.clamp(min=torch.finfo(dtype).tiny))[:, None, None]
+        output /= torch.linalg.vecdot(weights, scaled_inverse).add_(1).unsqueeze(-1)
+    return (in_dtype(output, output_dtype), mask) if sums_are_finite(output) else None
 
 
 class _PositionBand(NamedTuple):
