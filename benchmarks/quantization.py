@@ -64,9 +64,12 @@ TRAINING = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "intermediate_s
             "batch_size": 8, "eval_tokens": 4096, "eval_rows": 4, "max_span": 512, "memory_span": 128,
             "learning_rate": 2e-3, "weight_decay": 0.01, "max_grad_norm": 1.0, "carry_memory": True,
             "max_bytes": 8_000_000}  # fmt: skip
-QUICK_TRAINING = {**TRAINING, "hidden_size": 64, "intermediate_size": 160, "length": 32, "batch_size": 2,
+QUICK_TRAINING = {**TRAINING, "hidden_size": 64, "intermediate_size": 128, "length": 32, "batch_size": 2,
                   "eval_tokens": 256, "eval_rows": 2, "max_span": 64, "memory_span": 32, "max_bytes": 300_000}  # fmt: skip
-GROUP = 32  # the MLP widths solved for Llama's parameter count are rounded to multiples of this
+# The MLP widths solved for Llama's parameter count are rounded to multiples of this: torchao's int4 takes whole
+# groups of 32 inputs, and bitsandbytes' 4-bit layers on a CPU with AVX512-BF16 whole blocks of 64 (they repack their
+# weight by such blocks at the first forward without gradients, and bitsandbytes 0.50.2 fails on a partial one).
+GROUP = 64
 COLUMNS = [
     ("model", "name", "s"),
     ("quantizer", "quantizer", "s"),
@@ -175,7 +178,7 @@ def train_and_save(args, sizes: dict, work: Path) -> dict:
     tokenizer = byte_level_tokenizer()
     byte_lengths = token_byte_lengths(tokenizer)
     configs = lm_compare.matched_configs(training, tokenizer)
-    for config in configs.values():  # whole groups of 32 inputs, which int4 by groups of 32 needs (torchao)
+    for config in configs.values():  # whole groups of inputs (GROUP)
         config.intermediate_size = GROUP * round(config.intermediate_size / GROUP)
     documents = lm_compare.corpus_documents("stdlib", sizes["max_bytes"])
     train_tokens, eval_tokens = split_held_out(documents, tokenizer, sizes["eval_tokens"], seed=0)

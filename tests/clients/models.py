@@ -7,12 +7,12 @@ import memlm
 FAMILIES = ["deltanet", "expire_span", "feedback_transformer"]
 
 
-def tiny_model(family: str, tokenizer):
+def tiny_model(family: str, tokenizer, **sizes):
     """A tiny model of `family` over the byte-level tokenizer, in eval mode, the same weights on every call. Its LM
     head scores only the lowercase letters (the other rows are zero), so greedy text is printable, never holds a stop
     string made of other characters and never stops early at <|endoftext|>. Its padding token has a non-zero embedding (as where
     padding is <|endoftext|>), so that only the attention mask keeps padding out. Expire-Span's spans start at 16 of
-    its 32 tokens, so that its memory reaches back over the padding of a batch."""
+    its 32 tokens, so that its memory reaches back over the padding of a batch. `sizes`: other hidden or MLP widths."""
     torch.manual_seed(0)
     fields = {
         "vocab_size": len(tokenizer),
@@ -23,6 +23,7 @@ def tiny_model(family: str, tokenizer):
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
+        **sizes,
     }
     if family == "deltanet":
         model = memlm.DeltaNetForCausalLM(memlm.DeltaNetConfig.from_preset("fla", chunk_size=8, **fields))
