@@ -195,6 +195,8 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         # Read at every call, as plain attributes: a config's attribute read costs ~1.6 µs (🤗's `__getattribute__`),
         # tens of µs in a decoding step whose caches the weights have just flushed.
         self.max_span, self.span_pre_divisor, self.ramp = config.max_span, config.span_pre_divisor, config.ramp
+        self.attend_to_self, self.renormalization_epsilon = config.attend_to_self, config.renormalization_epsilon
+        self.remaining_span_loss = config.span_loss_form == "remaining_span"
         width = config.num_attention_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, width, bias=False)
@@ -352,16 +354,14 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
             valid = None if memory.every_valid else memory.valid  # (every_valid: known to hold no invalid slot)
             attended = expire_span_attention_decoding(*arguments[:5], valid, self.ramp)
         else:
-            config = self.config
             table = relative_positions.weight if relative_positions is not None else None
             attended = expire_span_attention_official_decoding(
-                *arguments, table, config.attend_to_self, config.renormalization_epsilon
+                *arguments, table, self.attend_to_self, self.renormalization_epsilon
             )
         if attended is None:
             return None
         output, mask = attended
-        remaining = self.config.span_loss_form == "remaining_span"
-        return output, OneQueryReads(mask, memory.spans - distance if remaining else memory.spans)
+        return output, OneQueryReads(mask, memory.spans - distance if self.remaining_span_loss else memory.spans)
 
     def count_reads(self, memory, spans, positions, token_valid, max_distance, counted_positions):
         """The span-loss sum and the memories read of `attend`: which (query, memory) pairs are read (m > 0), and
@@ -518,9 +518,10 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         and training — the token's keys and values written into the memory's buffer, then, with the plain attention
         and while no memory the token sees is on the ramp (`decoding_slack` >= 0, so Eq. 5's mask is 1 on every valid
         memory), softmax attention over the valid memories with no span loss and the reads as a Python number, else
-        the masked attention and its counts (the one-query attention, `ExpireSpanAttention.attend_decoding`, or, with
-        the official options — learned relative positions, no attention to the token itself, ε — `attend`). Before
-        the memory has a buffer, or where a hook or a kernel would see the layer run, the layer's forward runs.
+        the masked attention (`ExpireSpanAttention.attend_decoding`: the one-query attention, plain or with the official
+        options — learned relative positions, no attention to the token itself, ε — whose reads the model counts;
+        `attend` where its output is not finite). Before the memory has a buffer, or where a hook or a kernel would
+        see the layer run, the layer's forward runs.
         `rotation`: the block's cos and `signed_sine` (None without rotary positions)."""
         if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
             memory = self.prune(memory, block.first_positions, options["delete_expired"])

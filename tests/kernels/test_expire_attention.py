@@ -474,9 +474,10 @@ def test_a_non_finite_key_reaches_only_the_queries_that_see_it(backend, where, o
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_decoding_attention_is_the_general_attention_of_one_query_bit_for_bit(dtype):
     """`expire_span_attention_decoding` (a decoding step: one query after every key, its own key valid) gives
-    `expire_span_attention`'s output bit for bit, and the mask it attended with (Eq. 5's, 0 at invalid keys), over memories that are read whole, on the ramp, expired and invalid;
-    with a non-finite value at a key no query sees, it answers None (its caller then takes the general attention,
-    which keeps that value in place) where the general attention stays finite."""
+    `expire_span_attention`'s output bit for bit, and the mask it attended with (Eq. 5's, 0 at invalid keys), over
+    memories that are read whole, on the ramp, expired and invalid, also without the validity when every key is
+    valid; with a non-finite value at a key no query sees, it answers None (its caller then takes the general
+    attention, which keeps that value in place) where the general attention stays finite."""
     tensors, options, _ = make_inputs(length=1, memory=25, dtype=dtype, seed=3)
     query, key, value, spans = (tensors[name].detach() for name in ("query", "key", "value", "spans"))
     at, positions = options["query_positions"], options["key_positions"]

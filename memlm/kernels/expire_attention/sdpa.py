@@ -116,9 +116,8 @@ def expire_span_attention_sdpa(
 def expire_span_attention_decoding(query, key, value, spans, distance, key_valid, ramp: float):
     """A decoding step's Expire-Span attention, without gradients: one query t per row, after every key (``distance``
     t − i >= 0, (B, N)), the token's own key among them, valid, no distance limit; `key_valid` None when every key is
-    valid. The same bias and product as
-    `expire_span_attention_sdpa` for such a query, bit for bit, in fewer passes: the visible keys are the valid ones,
-    and the query sees its own key (m >= 1), so no row needs zeroing. Returns the output and the soft mask m (B, N)
+    valid. The same bias and product as `expire_span_attention_sdpa` for such a query, bit for bit, in fewer passes:
+    the visible keys are the valid ones, and the query sees its own key (m >= 1), so no row needs zeroing. Returns the output and the soft mask m (B, N)
     (Eq. 5, 0 at an invalid key; float32, or float64 with float64 spans), from which the caller counts the reads and
     the pairs on the ramp; None when the output is not finite: the caller then takes `expire_span_attention`, which
     keeps a non-finite key, value or span where it is."""
