@@ -520,15 +520,16 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         memory), softmax attention over the valid memories with no span loss and the reads as a Python number, else
         the masked attention (`ExpireSpanAttention.attend_decoding`: the one-query attention, plain or with the official
         options — learned relative positions, no attention to the token itself, ε — whose reads the model counts;
-        `attend` where its output is not finite). Before the memory has a buffer, or where a hook or a kernel would
-        see the layer run, the layer's forward runs.
+        `attend` where its output is not finite). A memory without a buffer (compacted by the last pruning) gets one
+        from the append. Before the first memory, or where a hook or a kernel would see the layer run, the layer's
+        forward runs.
         `rotation`: the block's cos and `signed_sine` (None without rotary positions)."""
         if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
             memory = self.prune(memory, block.first_positions, options["delete_expired"])
         attention = self.attention
         plain = attention.plain_attention
         slack = decoding_slack(memory, block.positions, block.valid) if plain else -math.inf
-        stepping = memory is not None and memory.buffer is not None and slack is not None
+        stepping = memory is not None and slack is not None
         if not (stepping and runs_as_defined(self, attention)):  # (a hook or a kernel sees the layer's forward run)
             return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
         attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)

@@ -509,14 +509,21 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
     model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4, **options).double()
     model.config.span_loss_coefficient = 1.0
     input_ids = torch.randint(0, 256, (2, 70))
-    steps = {"unmasked": 0, "masked": 0}
-    layer_step = ExpireSpanDecoderLayer.step
+    steps = {"unmasked": 0, "masked": 0, "new_buffer": 0, "forward_in_step": 0, "in_step": False}
+    layer_step, layer_forward = ExpireSpanDecoderLayer.step, ExpireSpanDecoderLayer.forward
 
     def counted(self, *arguments, **options):
+        steps["in_step"] = True
         outputs = layer_step(self, *arguments, **options)
+        steps["in_step"] = False
         masked = not isinstance(outputs[3], int) or isinstance(outputs[4], modeling_expire_span.OneQueryReads)
         steps["masked" if masked else "unmasked"] += 1  # (the span loss a sum, or the reads counted by the model)
+        steps["new_buffer"] += outputs[1].buffer is not arguments[3].buffer  # (compacted by the pruning)
         return outputs
+
+    def forward_counted(self, *arguments, **options):
+        steps["forward_in_step"] += steps["in_step"]
+        return layer_forward(self, *arguments, **options)
 
     def decode(mask=False, padded=False):
         prompt_mask = torch.ones(2, 6, dtype=torch.long)
@@ -536,7 +543,11 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
         return outputs
 
     monkeypatch.setattr(ExpireSpanDecoderLayer, "step", counted)
+    monkeypatch.setattr(ExpireSpanDecoderLayer, "forward", forward_counted)
     stepped, stepped_with_mask, stepped_padded = decode(), decode(mask=True), decode(padded=True)
+    # Every step took the step's path, also after a pruning compacted the memory (its buffer then comes from the step's
+    # append).
+    assert steps["forward_in_step"] == 0 and steps["new_buffer"] > 0
     monkeypatch.setattr(ExpireSpanModel, "steps_one_token", lambda *arguments: False)
     forward, forward_padded = decode(), decode(padded=True)
     official = options is OFFICIAL_OPTIONS
