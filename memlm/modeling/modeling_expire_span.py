@@ -40,6 +40,7 @@ from ..kernels.expire_attention import (
     expire_span_attention,
     expire_span_attention_decoding,
     expire_span_attention_official_decoding,
+    padded_position_table,
 )
 from ..kernels.expire_attention.blocks import (
     Block,
@@ -197,6 +198,7 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         self.max_span, self.span_pre_divisor, self.ramp = config.max_span, config.span_pre_divisor, config.ramp
         self.attend_to_self, self.renormalization_epsilon = config.attend_to_self, config.renormalization_epsilon
         self.remaining_span_loss = config.span_loss_form == "remaining_span"
+        self.recompute_memory = config.recompute_memory
         width = config.num_attention_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, width, bias=False)
@@ -343,20 +345,21 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
 
         return (output, *self.count_reads(memory, spans, positions, token_valid, max_distance, counted_positions))
 
-    def attend_decoding(self, query, memory, positions, relative_positions=None):
+    def attend_decoding(self, query, memory, positions, relative_positions=None, padded_positions=None):
         """The masked attention of a decoding step's query (one per row, at `positions` (B, 1), after every memory, its
         own last), as `attend` computes it, with the one-query attention (the plain one, or with the official options
-        `expire_span_attention_official_decoding`); its reads are counted later (`OneQueryReads`). None when the
-        output is not finite (the caller then takes `attend`)."""
+        `expire_span_attention_official_decoding`, `padded_positions` the positions' table as `padded_position_table`
+        pads it, once per step for every layer); its reads are counted later (`OneQueryReads`). None when the output
+        is not finite (the caller then takes `attend`)."""
         distance = positions - memory.positions  # t − i
-        arguments = (query, memory.keys, memory.values, memory.spans, distance, memory.valid, self.ramp)
+        valid = None if memory.every_valid else memory.valid  # (every_valid: known to hold no invalid slot)
+        arguments = (query, memory.keys, memory.values, memory.spans, distance, valid, self.ramp)
         if self.plain_attention:
-            valid = None if memory.every_valid else memory.valid  # (every_valid: known to hold no invalid slot)
-            attended = expire_span_attention_decoding(*arguments[:5], valid, self.ramp)
+            attended = expire_span_attention_decoding(*arguments)
         else:
             table = relative_positions.weight if relative_positions is not None else None
             attended = expire_span_attention_official_decoding(
-                *arguments, table, self.attend_to_self, self.renormalization_epsilon
+                *arguments, table, self.attend_to_self, self.renormalization_epsilon, padded_positions
             )
         if attended is None:
             return None
@@ -512,7 +515,8 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         )
         return hidden_states, memory, spans, span_loss_sum, read
 
-    def step(self, hidden_states, block: Block, rotation: tuple | None, memory: ExpireSpanMemory | None, **options):
+    def step(self, hidden_states, block: Block, rotation: tuple | None, memory: ExpireSpanMemory | None,
+             padded_positions=None, **options):  # fmt: skip
         """A decoding step (`ExpireSpanModel.steps_one_token`: one real token per row, no gradients, evaluation), as
         `run_layer_over_blocks` over the one block returns it: the layer's forward without its work for blocks, padding
         and training — the token's keys and values written into the memory's buffer, then, with the plain attention
@@ -523,7 +527,8 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         `attend` where its output is not finite). A memory without a buffer (compacted by the last pruning) gets one
         from the append. Before the first memory, or where a hook or a kernel would see the layer run, the layer's
         forward runs.
-        `rotation`: the block's cos and `signed_sine` (None without rotary positions)."""
+        `rotation`: the block's cos and `signed_sine` (None without rotary positions); `padded_positions`: the learned
+        relative positions padded for the step (`padded_position_table`)."""
         if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
             memory = self.prune(memory, block.first_positions, options["delete_expired"])
         attention = self.attention
@@ -544,7 +549,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         query, key = query_key.transpose(1, 2).split(heads, 1)
         value = linear(attention.v_proj, attention_input).view(batch_size, 1, heads, head_dim).transpose(1, 2)
         spans = attention.predict_spans(attention_input)
-        kept_inputs = hidden_states if attention.config.recompute_memory else None
+        kept_inputs = hidden_states if attention.recompute_memory else None
         dense = memory.every_valid  # else: padding, or memories marked dead in place and not yet compacted away
         if dense is None:
             dense = bool(memory.valid.all())
@@ -556,7 +561,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
         else:  # memories on the ramp, or the official options: Eq. 4–5's mask, the span loss and the reads
             relative_positions = options.get("relative_positions")
-            attended = attention.attend_decoding(query, memory, block.positions, relative_positions)
+            attended = attention.attend_decoding(query, memory, block.positions, relative_positions, padded_positions)
             if attended is None:  # not finite: the general attention keeps a non-finite memory in place
                 output, span_loss_sum, reads = attention.attend(
                     query, memory, memory.spans, block.positions, block.valid, None, True, 0.0, relative_positions
@@ -934,6 +939,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             options["rotary_embedding"] = self.rotary_emb
         if self.relative_positions is not None:
             options["relative_positions"] = self.relative_positions
+            # Padded once for every layer's one-query attention, in the dtype it computes in.
+            dtype = torch.float64 if inputs_embeds.dtype == torch.float64 else torch.float32
+            options["padded_positions"] = padded_position_table(self.relative_positions.weight, dtype)
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans, span_loss_sum, read_count = [], 0, 0  # Python numbers while no layer needs its forward

@@ -515,11 +515,13 @@ def test_the_official_decoding_attention_is_the_general_attention_of_one_query(o
     """`expire_span_attention_official_decoding` (a decoding step with the official options: learned relative
     positions, no attention to the token itself, ε; each alone and together) gives `expire_span_attention`'s output
     to rounding and the mask it attended with (Eq. 5's, 0 at hidden keys), over memories read whole, on the ramp,
-    expired, invalid and farther than the table reaches; None where a hidden key's value is NaN (the general
-    attention keeps it in place) and where no key is visible."""
-    from memlm.kernels.expire_attention import expire_span_attention_official_decoding
+    expired, invalid and farther than the table reaches; the same bits with the table padded by the caller (as a
+    decoding step pads it once for its layers) and with no validity for keys all valid; None where a hidden key's value
+    is NaN (the general attention keeps it in place) and where no key is visible."""
+    from memlm.kernels.expire_attention import expire_span_attention_official_decoding, padded_position_table
 
     tensors, arguments, _ = make_inputs(length=1, memory=25, value_dim=8, dtype=dtype, seed=3)
+    results = {}
     query, key, value, spans = (tensors[name].detach() for name in ("query", "key", "value", "spans"))
     at, positions = arguments["query_positions"], arguments["key_positions"]
     valid = arguments["key_valid"] | (positions == at)  # the token's own memory is valid
@@ -548,6 +550,18 @@ def test_the_official_decoding_attention_is_the_general_attention_of_one_query(o
     torch.testing.assert_close(mask, expected_mask, atol=0, rtol=0)
     remaining = spans.double() - distance
     assert (mask == 1).any() and ((mask > 0) & (mask < 1)).any() and (~hidden & (remaining <= -RAMP)).any()
+    if table is not None:  # the table padded once by the caller (a decoding step, for its layers): the same numbers
+        padded = padded_position_table(table, dtype)
+        assert padded.shape == (table.shape[0] + 2, table.shape[1]) and not padded[[0, -1]].any()
+        given = expire_span_attention_official_decoding(query, key, value, spans, distance, valid, RAMP, table,
+                                                        self_attention, epsilon, padded)  # fmt: skip
+        assert torch.equal(given[0], output) and torch.equal(given[1], mask)
+    every_valid = torch.ones_like(valid)  # without a validity to apply (None: every key valid)
+    for name, argument in (("all_valid", every_valid), ("none", None)):
+        results[name] = expire_span_attention_official_decoding(query, key, value, spans, distance, argument, RAMP,
+                                                                table, self_attention, epsilon)  # fmt: skip
+    assert all(torch.equal(x, y) for x, y in zip(results["all_valid"], results["none"]))
+    assert (results["none"][1] > 0).sum() > (mask > 0).sum()  # (the invalid keys became visible)
 
     masked = (~valid).nonzero()[0]
     value[masked[0], :, masked[1]] = float("nan")

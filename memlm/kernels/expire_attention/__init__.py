@@ -20,7 +20,11 @@ import torch
 
 from memlm.kernels import check_triton_device, resolve_backend, sums_are_finite
 
-from .official import expire_span_attention_official, expire_span_attention_official_decoding
+from .official import (
+    expire_span_attention_official,
+    expire_span_attention_official_decoding,
+    padded_position_table,
+)
 from .reference import (
     expire_span_attention_reference,
     expire_span_mask,
@@ -38,6 +42,7 @@ __all__ = [
     "expire_span_attention_sdpa",
     "expire_span_mask",
     "memory_statistics",
+    "padded_position_table",
     "relative_position_scores",
     "visible_keys",
 ]

@@ -32,7 +32,7 @@ from memlm.kernels import in_dtype, sums_are_finite
 from .reference import _compute_dtype, expire_span_attention_reference, visible_keys
 from .sdpa import log_clamped
 
-__all__ = ["expire_span_attention_official", "expire_span_attention_official_decoding"]
+__all__ = ["expire_span_attention_official", "expire_span_attention_official_decoding", "padded_position_table"]
 
 
 def expire_span_attention_official(query, key, value, spans, query_positions, key_positions, *, ramp, key_valid=None,
@@ -60,29 +60,40 @@ def expire_span_attention_official(query, key, value, spans, query_positions, ke
                                     position_scores, relative_positions)  # fmt: skip
 
 
+def padded_position_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[0; table; 0] (P + 2, d) in `dtype` for `expire_span_attention_official_decoding`: row d holds p_d for the
+    distances d = 1..P, and a zero row stands for the token itself (d = 0) and for every key farther than P, so that a
+    key's positions term is row min(t − i, P + 1). The layers share the table: a decoding step pads it once."""
+    zero = table.new_zeros(1, table.shape[1], dtype=dtype)
+    return torch.cat([zero, in_dtype(table, dtype), zero])
+
+
 def expire_span_attention_official_decoding(query, key, value, spans, distance, key_valid, ramp: float, table=None,
-                                            attend_to_self=True, renormalization_epsilon=0.0):  # fmt: skip
+                                            attend_to_self=True, renormalization_epsilon=0.0, padded_table=None):  # fmt: skip
     """A decoding step's attention with the official options, without gradients: one query t per row, after every key
-    (``distance`` t − i >= 0, (B, N)), the token's own key among them, no distance limit; `table` the learned relative
-    positions (P, d) or None. `expire_span_attention_official`'s weights (see the module docstring) for that query in
-    fewer passes: no (T, N) pair terms, no band search, 1/m only as ε needs it. Returns the output and the soft mask m
-    (B, N) it attended with (Eq. 5; 0 at a hidden key: invalid, or the token's own without `attend_to_self`), for the
-    caller to count the reads; None when the output is not finite (a hidden key's NaN reaches it, or no key is
-    visible): the caller then takes `expire_span_attention`."""
+    (``distance`` t − i >= 0, (B, N)), the token's own key the only one at distance 0, no distance limit; `key_valid`
+    None when every key is valid; `table` the learned relative positions (P, d) or None, `padded_table` the same as
+    `padded_position_table` makes it (made here when not given in the compute dtype).
+    `expire_span_attention_official`'s weights (see the module docstring) for that query in fewer passes: no (T, N)
+    pair terms, no band search, 1/m only as ε needs it. Returns the output and the soft mask m (B, N) it attended with
+    (Eq. 5; 0 at a hidden key: invalid, or the token's own without `attend_to_self`), for the caller to count the
+    reads; None when the output is not finite (a hidden key's NaN reaches it, or no key is visible): the caller then
+    takes `expire_span_attention`."""
     dtype, output_dtype = _compute_dtype(query, key, value, spans), query.dtype
     query, key, value = (in_dtype(tensor, dtype) for tensor in (query, key, value))
     batch_size, num_heads, _, head_dim = query.shape
     scale = head_dim**-0.5
-    visible = key_valid if attend_to_self else key_valid & (distance > 0)
-    ramp_position = (spans.to(dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
-    mask = torch.where(visible, ramp_position, 0).clamp_(0, 1)  # Eq. 5, 0 where hidden
+    ramp_position = (in_dtype(spans, dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
+    mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)  # Eq. 5
+    if not attend_to_self:
+        mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
     bias = mask.log()[:, None, None]  # (B, 1, 1, N), log 0 = −inf
     shape = (batch_size, num_heads, 1, key.shape[2])
-    if table is not None:  # q_t · p_{t−i} for t − i in 1..P, 0 farther (the extended table's zero row)
-        extended = torch.cat([in_dtype(table, dtype), table.new_zeros(1, table.shape[1], dtype=dtype)])
-        # Row t − i − 1 of [table; 0]; the token itself (−1) and past P read row P (a hidden key's term is unread).
-        row = (distance - 1).clamp_(max=table.shape[0]).remainder_(table.shape[0] + 1)[:, None, None].expand(shape)
-        scores = torch.add(bias, (query @ extended.mT).gather(-1, row), alpha=scale)
+    if table is not None:  # q_t · p_{t−i} for t − i in 1..P, 0 for the token itself and farther
+        if padded_table is None or padded_table.dtype != dtype:
+            padded_table = padded_position_table(table, dtype)
+        row = distance.clamp(max=padded_table.shape[0] - 1)[:, None, None].expand(shape)
+        scores = torch.add(bias, (query @ padded_table.mT).gather(-1, row), alpha=scale)
     else:
         scores = bias.expand(shape).contiguous()
     scores = scores.view(-1, 1, shape[-1]).baddbmm_(query.flatten(0, 1), key.flatten(0, 1).mT, alpha=scale)

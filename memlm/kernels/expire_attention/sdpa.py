@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memlm.kernels import sums_are_finite
+from memlm.kernels import in_dtype, sums_are_finite
 
 from .reference import visible_keys
 
@@ -122,11 +122,12 @@ def expire_span_attention_decoding(query, key, value, spans, distance, key_valid
     the pairs on the ramp; None when the output is not finite: the caller then takes `expire_span_attention`, which
     keeps a non-finite key, value or span where it is."""
     dtype = torch.float64 if spans.dtype == torch.float64 else torch.float32
-    ramp_position = (spans.to(dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
+    ramp_position = (in_dtype(spans, dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
     # m = clamp(·, 0, 1), an invalid key as one past its ramp; log 0 = −inf. (`log_clamped` keeps zeros off the
     # logarithm for the (T, N) pairs of a block; one query's few hundred memories cost less than its two passes.)
     mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.log().to(query.dtype)[:, None, None])
+    bias = in_dtype(mask.log(), query.dtype)[:, None, None]
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
     return (output, mask) if sums_are_finite(output) else None
 
 
