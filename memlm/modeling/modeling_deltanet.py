@@ -177,7 +177,11 @@ class DeltaNetFeatureMap(nn.Module):
         norms = torch.randn(features, dim, device=self.projection.device, dtype=torch.float32).norm(dim=1)
         init.copy_(self.projection, (torch.cat(blocks) * norms[:, None]).to(self.projection.dtype))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, activated: bool = False) -> torch.Tensor:
+        """φ, then the normalisation; `activated`: hidden_states hold φ's SiLU features already (the attention applied
+        SiLU to queries, keys and values in one op), only the normalisation is left."""
+        if activated:
+            return self.normalize(hidden_states)
         if self.kind == "dpfp":
             # Paper Eq. 37 and the normalisation as one operation with a hand-written backward (feature_map.py).
             eps = SUM_NORM_EPS if self.normalization == "sum" else L2_NORM_EPS
@@ -195,6 +199,10 @@ class DeltaNetFeatureMap(nn.Module):
                 # Both normalisations divide out a positive per-vector factor, so subtracting the max is exact.
                 exponent = exponent - exponent.amax(-1, keepdim=True).detach()
             features = (torch.exp(exponent) / math.sqrt(self.projection.shape[0])).to(hidden_states.dtype)
+        return self.normalize(features)
+
+    def normalize(self, features: torch.Tensor) -> torch.Tensor:
+        """The key/query normalisation of φ's features (sum, L2 or none)."""
         if self.normalization == "sum":
             # Paper Sec. 4.2 (sum normalisation): φ(x) / Σ_j φ(x)_j.
             return features / features.sum(-1, keepdim=True).clamp_min(SUM_NORM_EPS)
@@ -328,6 +336,11 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         new_tail = None
         if self.convolution is not None:
             projected, new_tail = self.convolution(projected, convolution_tail, lengths, cu_seqlens)
+        # SiLU features and SiLU values (the fla layout) when decoding: one op over queries, keys and values (longer
+        # inputs keep to the parts' own calls, each output half the size; see below).
+        activated = length == 1 and self.feature_map.kind == "silu" and self.value_activation == "silu"
+        if activated:
+            projected = F.silu(projected)
         query_key, value = projected.split_with_sizes([2 * key_width, projected.shape[-1] - 2 * key_width], dim=-1)
 
         # φ acts on each head's vector alone: one call for queries and keys (2H heads) when decoding, where the op
@@ -337,11 +350,11 @@ class DeltaNetAttention(HubLayerMixin, nn.Module):
         # training step on a 2-core machine).
         heads = query_key.view(batch_size, length, 2 * self.num_heads, -1).transpose(1, 2)
         if length == 1:
-            query, key = self.feature_map(heads).chunk(2, dim=1)
+            query, key = self.feature_map(heads, activated).chunk(2, dim=1)
         else:
-            query, key = (self.feature_map(part) for part in heads.split(self.num_heads, dim=1))
+            query, key = (self.feature_map(part, activated) for part in heads.split(self.num_heads, dim=1))
         value = value.view(batch_size, length, self.num_heads, -1).transpose(1, 2)
-        if self.value_activation == "silu":
+        if self.value_activation == "silu" and not activated:
             value = F.silu(value)
         if keep is not None:
             key = torch.where(keep[:, None], key, torch.zeros((), dtype=key.dtype, device=key.device))

@@ -393,7 +393,7 @@ def delta_rule_step(
         state = key_step.new_zeros(batch_size * num_heads, key_dim, value_dim)
     else:
         state = in_dtype(initial_state, dtype).reshape(-1, key_dim, value_dim)  # a view when it can be updated
-    delta = value_step - torch.bmm(key_step, state)  # v − v̄ with v̄ = Sᵀ k, as a row
+    delta = torch.baddbmm(value_step, key_step, state, alpha=-1)  # v − v̄ with v̄ = Sᵀ k, as a row, in one op
     if beta is not None:
         delta = delta * in_dtype(beta, dtype).reshape(-1, 1, 1)
     # S + β k (v − v̄)ᵀ: an outer product, element-wise (a matrix product with an inner size of 1 costs more).
