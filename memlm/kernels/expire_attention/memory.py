@@ -161,11 +161,13 @@ class ExpireSpanMemory:
                 tensors[name] = tensor.new_empty(shape, dtype=theirs[name].dtype)
                 tensors[name].narrow(dim, 0, width).copy_(tensor)
             buffer = _Buffer(tensors, width)
-        views = dict.fromkeys(_FIELDS)
+        views, slots, written = dict.fromkeys(_FIELDS), [], []
         for name in names:
             tensor, dim = buffer.tensors[name], _SLOT_DIMENSION[name]
-            tensor.narrow(dim, width, other.width).copy_(getattr(other, name))
+            slots.append(tensor.narrow(dim, width, other.width))
+            written.append(getattr(other, name))
             views[name] = tensor.narrow(dim, 0, total)
+        torch._foreach_copy_(slots, written)  # (one call for the fields: a decoding step appends to every layer)
         buffer.used = total
         return ExpireSpanMemory(**views, buffer=buffer)
 
