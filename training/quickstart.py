@@ -86,8 +86,10 @@ def carried_bytes(cache) -> int:
 
 def decoding_costs(models: dict, contexts: list[int], tokens: int = 32) -> dict:
     """{(name, context): (milliseconds per decoded token, bytes carried after the context)} for greedy steps of each of
-    `models` after a random context of each length. Every model and context takes turns, four steps at a time, so
-    that a machine that slows down for a while slows each of them alike; the median of `tokens` steps each."""
+    `models` after a random context of each length. Every model and context takes turns, four timed steps at a time
+    after two untimed ones, so that a machine that slows down for a while slows each of them alike and no turn pays
+    for the one before it (a Transformer's step after 8192 tokens leaves the caches and the allocator cold for the
+    next model's first steps); the median of `tokens` steps each."""
     states = {}
     with torch.no_grad():
         for name, model in models.items():
@@ -99,11 +101,12 @@ def decoding_costs(models: dict, contexts: list[int], tokens: int = 32) -> dict:
                 states[name, context] = [model, cache, outputs.logits[:, -1:].argmax(-1), [], carried_bytes(cache)]
         for _ in range(tokens // 4):
             for state in states.values():
-                for _ in range(4):  # a few steps in a row: the first one after another model finds its weights cold
+                for step in range(6):
                     model, cache, token, times, _ = state
                     start = time.perf_counter()
                     outputs = model(token, **with_cache(cache), use_cache=True)
-                    times.append(time.perf_counter() - start)
+                    if step >= 2:
+                        times.append(time.perf_counter() - start)
                     state[1], state[2] = output_cache(outputs), outputs.logits[:, -1:].argmax(-1)
     return {key: (1000 * statistics.median(times), carried) for key, (*_, times, carried) in states.items()}
 
