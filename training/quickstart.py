@@ -13,6 +13,7 @@ No progress bar is drawn when the output is not a terminal.
 """
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -87,9 +88,9 @@ def carried_bytes(cache) -> int:
 def decoding_costs(models: dict, contexts: list[int], tokens: int = 32) -> dict:
     """{(name, context): (milliseconds per decoded token, bytes carried after the context)} for greedy steps of each of
     `models` after a random context of each length. Every model and context takes turns, four timed steps at a time
-    after two untimed ones, so that a machine that slows down for a while slows each of them alike and no turn pays
-    for the one before it (a Transformer's step after 8192 tokens leaves the caches and the allocator cold for the
-    next model's first steps); the median of `tokens` steps each."""
+    after two untimed ones, in an order shuffled every round, so that a machine that slows down for a while slows
+    each of them alike and none pays more than the others for the turn before it (a Transformer's step after 8192
+    tokens leaves the caches cold for the next model's first steps); the median of `tokens` steps each."""
     states = {}
     with torch.no_grad():
         for name, model in models.items():
@@ -99,8 +100,11 @@ def decoding_costs(models: dict, contexts: list[int], tokens: int = 32) -> dict:
                 outputs = model(input_ids, use_cache=True)
                 cache = output_cache(outputs)  # its bytes after the context, before the timed steps add to it
                 states[name, context] = [model, cache, outputs.logits[:, -1:].argmax(-1), [], carried_bytes(cache)]
+        order = random.Random(0)
         for _ in range(tokens // 4):
-            for state in states.values():
+            turns = list(states.values())
+            order.shuffle(turns)  # a new order every round: none always follows the same one
+            for state in turns:
                 for step in range(6):
                     model, cache, token, times, _ = state
                     start = time.perf_counter()
