@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -279,13 +280,18 @@ def rewrite_section(page: str, name: str, command: str, section: str) -> None:
 
 def interleaved_median_times(functions: dict, warmup: int, repeats: int) -> dict:
     """Median seconds of each of `functions` (name → callable), timed in turns: one run of each per round, so
-    that a change in the machine's load (other jobs) weighs on all of them alike."""
+    that a change in the machine's load (other jobs) weighs on all of them alike, in an order shuffled every round
+    (seeded), so that none always runs after the same one (a Transformer over a long context leaves the caches cold
+    for whatever runs next)."""
     for _ in range(warmup):
         for function in functions.values():
             function()
     times = {name: [] for name in functions}
+    order, names = random.Random(0), list(functions)
     for _ in range(repeats):
-        for name, function in functions.items():
+        order.shuffle(names)
+        for name in names:
+            function = functions[name]
             start = time.perf_counter()
             function()
             times[name].append(time.perf_counter() - start)
