@@ -345,26 +345,29 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
 
         return (output, *self.count_reads(memory, spans, positions, token_valid, max_distance, counted_positions))
 
-    def attend_decoding(self, query, memory, positions, relative_positions=None, padded_positions=None):
+    def attend_decoding(self, query, memory, positions, relative_positions=None, padded_positions=None, earlier=None):
         """The masked attention of a decoding step's query (one per row, at `positions` (B, 1), after every memory, its
         own last), as `attend` computes it, with the one-query attention (the plain one, or with the official options
         `expire_span_attention_official_decoding`, `padded_positions` the positions' table as `padded_position_table`
-        pads it, once per step for every layer); its reads are counted later (`OneQueryReads`). None when the output
-        is not finite (the caller then takes `attend`)."""
-        distance = positions - memory.positions  # t − i
-        valid = None if memory.every_valid else memory.valid  # (every_valid: known to hold no invalid slot)
-        arguments = (query, memory.keys, memory.values, memory.spans, distance, valid, self.ramp)
+        pads it, once per step for every layer); its reads are counted later (`OneQueryReads`). `earlier`: the memory
+        before the token's own was appended, which is all that the official attention reads when it hides the token
+        from itself. None when the output is not finite (the caller then takes `attend`)."""
+        without_self = earlier is not None and not self.attend_to_self and not self.plain_attention
+        read = earlier if without_self else memory
+        distance = positions - read.positions  # t − i
+        valid = None if memory.every_valid else read.valid  # (every_valid: known to hold no invalid slot)
+        arguments = (query, read.keys, read.values, read.spans, distance, valid, self.ramp)
         if self.plain_attention:
             attended = expire_span_attention_decoding(*arguments)
         else:
             table = relative_positions.weight if relative_positions is not None else None
             attended = expire_span_attention_official_decoding(
-                *arguments, table, self.attend_to_self, self.renormalization_epsilon, padded_positions
+                *arguments, table, self.attend_to_self or without_self, self.renormalization_epsilon, padded_positions
             )
         if attended is None:
             return None
         output, mask = attended
-        return output, OneQueryReads(mask, memory.spans - distance if self.remaining_span_loss else memory.spans)
+        return output, OneQueryReads(mask, read.spans - distance if self.remaining_span_loss else read.spans)
 
     def count_reads(self, memory, spans, positions, token_valid, max_distance, counted_positions):
         """The span-loss sum and the memories read of `attend`: which (query, memory) pairs are read (m > 0), and
@@ -553,6 +556,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         dense = memory.every_valid  # else: padding, or memories marked dead in place and not yet compacted away
         if dense is None:
             dense = bool(memory.valid.all())
+        earlier = memory
         memory = memory.append(ExpireSpanMemory(key, value, block.positions, block.valid, spans, None, kept_inputs))
         memory.every_valid = dense  # (the token is valid)
         if slack >= 0:  # softmax attention over the valid memories, nothing on the ramp
@@ -561,7 +565,9 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
         else:  # memories on the ramp, or the official options: Eq. 4–5's mask, the span loss and the reads
             relative_positions = options.get("relative_positions")
-            attended = attention.attend_decoding(query, memory, block.positions, relative_positions, padded_positions)
+            attended = attention.attend_decoding(
+                query, memory, block.positions, relative_positions, padded_positions, earlier
+            )
             if attended is None:  # not finite: the general attention keeps a non-finite memory in place
                 output, span_loss_sum, reads = attention.attend(
                     query, memory, memory.spans, block.positions, block.valid, None, True, 0.0, relative_positions
