@@ -72,8 +72,8 @@ def expire_span_attention_official_decoding(query, key, value, spans, distance, 
                                             attend_to_self=True, renormalization_epsilon=0.0, padded_table=None):  # fmt: skip
     """A decoding step's attention with the official options, without gradients: one query t per row, after every key
     (``distance`` t − i >= 0, (B, N)), the token's own key the only one at distance 0, no distance limit; `key_valid`
-    None when every key is valid; `table` the learned relative positions (P, d) or None, `padded_table` the same as
-    `padded_position_table` makes it (made here when not given in the compute dtype).
+    None when every key is valid; `table` the learned relative positions (P, d) or None, `padded_table` the table as
+    `padded_position_table` pads it (padded here when not given, or not in the compute dtype).
     `expire_span_attention_official`'s weights (see the module docstring) for that query in fewer passes: no (T, N)
     pair terms, no band search, 1/m only as ε needs it. Returns the output and the soft mask m (B, N) it attended with
     (Eq. 5; 0 at a hidden key: invalid, or the token's own without `attend_to_self`), for the caller to count the
