@@ -521,7 +521,6 @@ def test_the_official_decoding_attention_is_the_general_attention_of_one_query(o
     from memlm.kernels.expire_attention import expire_span_attention_official_decoding, padded_position_table
 
     tensors, arguments, _ = make_inputs(length=1, memory=25, value_dim=8, dtype=dtype, seed=3)
-    results = {}
     query, key, value, spans = (tensors[name].detach() for name in ("query", "key", "value", "spans"))
     at, positions = arguments["query_positions"], arguments["key_positions"]
     valid = arguments["key_valid"] | (positions == at)  # the token's own memory is valid
@@ -556,12 +555,14 @@ def test_the_official_decoding_attention_is_the_general_attention_of_one_query(o
         given = expire_span_attention_official_decoding(query, key, value, spans, distance, valid, RAMP, table,
                                                         self_attention, epsilon, padded)  # fmt: skip
         assert torch.equal(given[0], output) and torch.equal(given[1], mask)
-    every_valid = torch.ones_like(valid)  # without a validity to apply (None: every key valid)
-    for name, argument in (("all_valid", every_valid), ("none", None)):
-        results[name] = expire_span_attention_official_decoding(query, key, value, spans, distance, argument, RAMP,
-                                                                table, self_attention, epsilon)  # fmt: skip
-    assert all(torch.equal(x, y) for x, y in zip(results["all_valid"], results["none"]))
-    assert (results["none"][1] > 0).sum() > (mask > 0).sum()  # (the invalid keys became visible)
+    # Without a validity to apply (None: every key valid), as with every key marked valid.
+    all_valid, no_validity = (
+        expire_span_attention_official_decoding(query, key, value, spans, distance, argument, RAMP, table,
+                                                self_attention, epsilon)
+        for argument in (torch.ones_like(valid), None)
+    )  # fmt: skip
+    assert all(torch.equal(x, y) for x, y in zip(all_valid, no_validity))
+    assert (no_validity[1] > 0).sum() > (mask > 0).sum()  # (the invalid keys became visible)
 
     masked = (~valid).nonzero()[0]
     value[masked[0], :, masked[1]] = float("nan")
