@@ -282,12 +282,13 @@ def weights_version(model: torch.nn.Module) -> tuple:
     the modules are walked directly (a tied weight counts twice), not through `parameters()`, whose generators took
     4% of a small model's decoding step."""
     versions, modules = [id(model)], [model]
-    while modules:
-        module = modules.pop()
+    for module in modules:  # (the list grows as it is read: half the time of a stack and a generator)
+        if module is None:
+            continue
         for parameter in module._parameters.values():
             if parameter is not None:
                 versions += (id(parameter), parameter._version)
-        modules.extend(child for child in module._modules.values() if child is not None)
+        modules += module._modules.values()
     return tuple(versions)
 
 

@@ -508,8 +508,9 @@ def test_the_decoding_attention_is_the_general_attention_of_one_query_bit_for_bi
 @pytest.mark.parametrize(
     "options",
     [{"table": True, "attend_to_self": False, "renormalization_epsilon": 1e-2}, {"table": True},
-     {"attend_to_self": False}, {"renormalization_epsilon": 1e-2}],
-    ids=["official", "positions", "no_self", "epsilon"],
+     {"attend_to_self": False}, {"renormalization_epsilon": 1e-2},
+     {"table": 64, "attend_to_self": False, "renormalization_epsilon": 1e-2}],
+    ids=["official", "positions", "no_self", "epsilon", "official_long_table"],
 )  # fmt: skip
 def test_the_official_decoding_attention_is_the_general_attention_of_one_query(options, dtype):
     """`expire_span_attention_official_decoding` (a decoding step with the official options: learned relative
@@ -525,10 +526,16 @@ def test_the_official_decoding_attention_is_the_general_attention_of_one_query(o
     at, positions = arguments["query_positions"], arguments["key_positions"]
     valid = arguments["key_valid"] | (positions == at)  # the token's own memory is valid
     distance = at - positions
-    table = torch.randn(6, query.shape[-1], dtype=dtype, generator=torch.Generator().manual_seed(1))
+    rows = 6 if options.get("table") is True else options.get("table", 6)
+    table = torch.randn(rows, query.shape[-1], dtype=dtype, generator=torch.Generator().manual_seed(1))
     table = table if options.get("table") else None
     self_attention, epsilon = options.get("attend_to_self", True), options.get("renormalization_epsilon", 0.0)
-    assert (valid & (distance > 6)).any() and (valid & (distance >= 1) & (distance <= 6)).any()
+    if rows == 6:  # keys within and beyond the table's reach
+        assert (valid & (distance > 6)).any() and (valid & (distance >= 1) & (distance <= 6)).any()
+    else:  # a table longer than every distance: only the rows the keys reach are multiplied, the farthest one's too
+        assert distance.max() + 1 < rows
+        farthest = (torch.arange(len(distance)), distance.argmax(-1))
+        spans[farthest], valid[farthest] = float(distance.max() + RAMP), True  # read whole
 
     def general():
         return expire_span_attention(query, key, value, spans, at, positions, ramp=RAMP, key_valid=valid,

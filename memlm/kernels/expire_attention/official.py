@@ -9,7 +9,8 @@ keys with m > 0) are
     w_i = m_i e^{s_i} / (Σ_j m_j e^{s_j} + ε Σ_{j: m_j > 0} e^{s_j}) = w¹_i / (1 + ε Σ_j w¹_j / m_j),
     w¹ = softmax(s + log m),  log 0 = −inf (hidden keys too),
 
-so a forward is one product q·kᵀ accumulated onto the bias log m (+ the positions' term), one softmax and, with ε,
+or, as the official code computes them and a decoding step does, w_i = m_i p_i / (Σ_j m_j p_j + ε) with p the softmax of
+s over the keys with m > 0. So a forward is one product q·kᵀ accumulated onto the bias log m (+ the positions' term), one softmax and, with ε,
 one weighted sum. In training the forward keeps its inputs and output; the backward computes w again and, with
 g_i = dO·v_i, G = Σ_j w_j g_j = dO·o (no pass over the pairs) and u_i = w_i / m_i,
 
@@ -87,22 +88,28 @@ def expire_span_attention_official_decoding(query, key, value, spans, distance, 
     mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)  # Eq. 5
     if not attend_to_self:
         mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
-    bias = mask.log()[:, None, None]  # (B, 1, 1, N), log 0 = −inf
+    # With ε the softmax runs over the visible keys (bias 0, −inf where m = 0: log ⌈m⌉) and m weighs it after, as the
+    # official code computes it; without ε, log m in the bias gives the weights at once.
+    epsilon = renormalization_epsilon
+    bias = (mask.ceil() if epsilon > 0 else mask).log()[:, None, None]  # (B, 1, 1, N), log 0 = −inf
     shape = (batch_size, num_heads, 1, key.shape[2])
     if table is not None:  # q_t · p_{t−i} for t − i in 1..P, 0 for the token itself and farther
         if padded_table is None or padded_table.dtype != dtype:
             padded_table = padded_position_table(table, dtype)
-        row = distance.clamp(max=padded_table.shape[0] - 1)[:, None, None].expand(shape)
-        scores = torch.add(bias, (query @ padded_table.mT).gather(-1, row), alpha=scale)
+        rows = padded_table.shape[0]
+        if distance.device.type == "cpu":  # (where reading a number costs no wait) the rows up to the farthest key's:
+            rows = min(rows, int(distance.max()) + 1)  # a few dozen after a short prompt, not P + 2
+        row = distance.clamp(max=rows - 1)[:, None, None].expand(shape)
+        scores = torch.add(bias, (query @ padded_table[:rows].mT).gather(-1, row), alpha=scale)
     else:
         scores = bias.expand(shape).contiguous()
     scores = scores.view(-1, 1, shape[-1]).baddbmm_(query.flatten(0, 1), key.flatten(0, 1).mT, alpha=scale)
-    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores).view(shape)  # w¹ = softmax(s + log m)
-    output = weights @ value
-    if renormalization_epsilon > 0:  # o = w¹·V / (1 + ε Σ_j w¹_j / m_j)
-        # w¹ = 0 where m = 0: m clamped to the smallest normal number keeps ε/m finite there, and the term 0.
-        scaled_inverse = torch.div(renormalization_epsilon, mask.clamp(min=torch.finfo(dtype).tiny))[:, None, None]
-        output /= torch.linalg.vecdot(weights, scaled_inverse).add_(1).unsqueeze(-1)
+    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores).view(shape)
+    if epsilon > 0:  # w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys (see the module docstring)
+        weights = weights.mul_(mask[:, None, None])
+        output = (weights @ value).div_(weights.sum(-1, keepdim=True).add_(epsilon))
+    else:  # w = softmax(s + log m)
+        output = weights @ value
     return (in_dtype(output, output_dtype), mask) if sums_are_finite(output) else None
 
 
