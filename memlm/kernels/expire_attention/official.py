@@ -97,8 +97,8 @@ def expire_span_attention_official_decoding(query, key, value, spans, distance, 
         if padded_table is None or padded_table.dtype != dtype:
             padded_table = padded_position_table(table, dtype)
         rows = padded_table.shape[0]
-        if distance.device.type == "cpu":  # (where reading a number costs no wait) the rows up to the farthest key's:
-            rows = min(rows, int(distance.max()) + 1)  # a few dozen after a short prompt, not P + 2
+        if distance.device.type == "cpu" and distance.numel():  # where reading a number costs no wait: the rows up
+            rows = min(rows, int(distance.max()) + 1)  # to the farthest key's (after a short prompt, not all P + 2)
         row = distance.clamp(max=rows - 1)[:, None, None].expand(shape)
         scores = torch.add(bias, (query @ padded_table[:rows].mT).gather(-1, row), alpha=scale)
     else:
