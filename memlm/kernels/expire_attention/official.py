@@ -77,10 +77,10 @@ def expire_span_attention_official_decoding(query, key, value, spans, distance, 
     None when every key is valid; `table` the learned relative positions (P, d) or None, `padded_table` the table as
     `padded_position_table` pads it (padded here when not given, or not in the compute dtype).
     `expire_span_attention_official`'s weights (see the module docstring) for that query in fewer passes: no (T, N)
-    pair terms, no band search, 1/m only as ε needs it. Returns the output and the soft mask m (B, N) it attended with
-    (Eq. 5; 0 at a hidden key: invalid, or the token's own without `attend_to_self`), for the caller to count the
-    reads; None when the output is not finite (a hidden key's NaN reaches it, or no key is visible): the caller then
-    takes `expire_span_attention`."""
+    pair terms, no band search, no 1/m (with ε, m weighs the softmax after). Returns the output and the soft mask m
+    (B, N) it attended with (Eq. 5; 0 at a hidden key: invalid, or the token's own without `attend_to_self`), for the
+    caller to count the reads; None when the output is not finite (a hidden key's NaN reaches it, or no key is
+    visible): the caller then takes `expire_span_attention`."""
     dtype, output_dtype = _compute_dtype(query, key, value, spans), query.dtype
     query, key, value = (in_dtype(tensor, dtype) for tensor in (query, key, value))
     batch_size, num_heads, _, head_dim = query.shape
