@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ..kernels import plain_weights
+from ..kernels.expire_attention.official import padded_position_table
 from ..kernels.expire_attention.reference import relative_position_scores
 
 # The dtypes a norm computes in as they are (narrower ones are computed in float32).
@@ -226,8 +228,27 @@ class LearnedRelativePositions(nn.Module):
     def __init__(self, num_positions: int, head_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_positions, head_dim))  # row d − 1 is p_d
+        self._padded = self._padded_from = None
 
     def forward(self, query: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """query (B, H, T, d), positions (B, T) and (B, N) → the scores q_t · p_{t−i}, (B, H, T, N)."""
         distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, T, N)
         return relative_position_scores(self.weight, query, distance)
+
+    def padded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The table as a decoding step reads it (`padded_position_table`: [0; p_1..p_P; 0] in `dtype`), without
+        gradient, padded again only when the weight changed (written in place, replaced, moved) or the dtype is
+        another: a copy of the whole table at every step cost more than a layer's positions' term after a short
+        prompt. A weight that is not a plain tensor (sharded, quantized) is padded at every call."""
+        weight = self.weight
+        if not plain_weights(self):
+            return padded_position_table(weight.detach(), dtype)
+        state = (weight._version, weight.data_ptr(), weight.device, dtype)
+        if self._padded_from is None or self._padded_from[0] is not weight or self._padded_from[1:] != state:
+            self._padded = padded_position_table(weight.detach(), dtype)
+            self._padded_from = (weight, *state)  # (the weight held: its identity cannot pass to another)
+        return self._padded
+
+    def __getstate__(self) -> dict:
+        """What a copy or a pickle keeps: the module without the padded table (padded again at the next step)."""
+        return {**super().__getstate__(), "_padded": None, "_padded_from": None}

@@ -40,7 +40,6 @@ from ..kernels.expire_attention import (
     expire_span_attention,
     expire_span_attention_decoding,
     expire_span_attention_official_decoding,
-    padded_position_table,
 )
 from ..kernels.expire_attention.blocks import (
     Block,
@@ -543,14 +542,16 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
         batch_size = hidden_states.shape[0]
         heads, head_dim = attention.num_heads, attention.head_dim
-        # Queries and keys side by side (2H heads), rotated in one pass: the same numbers, half the ops.
-        query_key = torch.cat(
-            [linear(attention.q_proj, attention_input), linear(attention.k_proj, attention_input)], -1
-        ).view(batch_size, 1, 2 * heads, head_dim)
-        if rotation is not None:
-            query_key = rotate(query_key, *rotation)
-        query, key = query_key.transpose(1, 2).split(heads, 1)
-        value = linear(attention.v_proj, attention_input).view(batch_size, 1, heads, head_dim).transpose(1, 2)
+        shape = (batch_size, 1, heads, head_dim)
+        if rotation is not None:  # queries and keys side by side (2H heads), rotated in one pass: half the ops
+            query_key = torch.cat(
+                [linear(attention.q_proj, attention_input), linear(attention.k_proj, attention_input)], -1
+            ).view(batch_size, 1, 2 * heads, head_dim)
+            query, key = rotate(query_key, *rotation).transpose(1, 2).split(heads, 1)
+        else:
+            query = linear(attention.q_proj, attention_input).view(shape).transpose(1, 2)
+            key = linear(attention.k_proj, attention_input).view(shape).transpose(1, 2)
+        value = linear(attention.v_proj, attention_input).view(shape).transpose(1, 2)
         spans = attention.predict_spans(attention_input)
         kept_inputs = hidden_states if attention.recompute_memory else None
         dense = memory.every_valid  # else: padding, or memories marked dead in place and not yet compacted away
@@ -947,7 +948,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             options["relative_positions"] = self.relative_positions
             # Padded once for every layer's one-query attention, in the dtype it computes in.
             dtype = torch.float64 if inputs_embeds.dtype == torch.float64 else torch.float32
-            options["padded_positions"] = padded_position_table(self.relative_positions.weight, dtype)
+            options["padded_positions"] = self.relative_positions.padded(dtype)
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans, span_loss_sum, read_count = [], 0, 0  # Python numbers while no layer needs its forward

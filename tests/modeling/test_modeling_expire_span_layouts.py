@@ -127,6 +127,45 @@ def test_learned_relative_positions_score_q_dot_p_of_the_distance():
                 assert torch.allclose(scores[b, :, t, n], expected, atol=1e-6), (b, t, n)
 
 
+def test_the_padded_table_a_decoding_step_reads_is_kept_while_the_weight_stays():
+    """`LearnedRelativePositions.padded`: [0; table; 0] in the dtype asked, the same tensor at every step while the
+    weight stays, padded again after an in-place write, a new weight, a move to another dtype; not kept by a copy."""
+    positions = LearnedRelativePositions(num_positions=4, head_dim=3)
+    with torch.no_grad():
+        positions.weight.normal_()
+
+    def expected(dtype):
+        zero = torch.zeros(1, 3, dtype=dtype)
+        return torch.cat([zero, positions.weight.detach().to(dtype), zero])
+
+    padded = positions.padded(torch.float32)
+    assert torch.equal(padded, expected(torch.float32)) and not padded.requires_grad
+    assert positions.padded(torch.float32) is padded
+    assert torch.equal(positions.padded(torch.float64), expected(torch.float64))
+    with torch.no_grad():
+        positions.weight.mul_(2)  # an optimizer step or a load writes in place
+    assert torch.equal(positions.padded(torch.float32), expected(torch.float32))
+    positions.weight = torch.nn.Parameter(torch.randn(4, 3))
+    assert torch.equal(positions.padded(torch.float32), expected(torch.float32))
+    positions.double()  # the same parameter, its data swapped
+    assert torch.equal(positions.padded(torch.float64), expected(torch.float64))
+    assert copy.deepcopy(positions)._padded is None
+
+
+def test_decoding_reads_the_positions_table_as_it_is_now():
+    """A decoding step reads the padded table kept from earlier steps only while the table stays: after an in-place
+    change (a training step between two generations), a new cache decodes with the new table, as the forward does."""
+    model = _model(**OFFICIAL)
+    input_ids = _input_ids(length=9)
+    with torch.no_grad():
+        for _ in range(2):
+            cache = model(input_ids=input_ids[:, :-1], use_cache=True).cache
+            stepped = model(input_ids=input_ids[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+            whole = model(input_ids=input_ids).logits[:, -1]
+            torch.testing.assert_close(stepped, whole, atol=1e-5, rtol=1e-5)
+            model.model.relative_positions.weight.add_(1)
+
+
 def test_one_relative_position_table_is_shared_by_the_layers():
     model = _model(**OFFICIAL)
     table = model.model.relative_positions.weight
