@@ -521,8 +521,7 @@ def test_the_official_decoding_attention_is_the_general_attention_of_one_query(o
     by the query for many (`FOLDED_POSITIONS_LIMIT`: both ways here); the same bits with the table padded by the caller
     (as a decoding step pads it once for its layers) and with no validity for keys all valid; None where a hidden
     key's value is NaN (the general attention keeps it in place) and where no key is visible."""
-    from memlm.kernels.expire_attention import expire_span_attention_official_decoding, padded_position_table
-    from memlm.kernels.expire_attention import official
+    from memlm.kernels.expire_attention import expire_span_attention_official_decoding, official, padded_position_table
 
     monkeypatch.setattr(official, "FOLDED_POSITIONS_LIMIT", official.FOLDED_POSITIONS_LIMIT if folded else 0)
 
