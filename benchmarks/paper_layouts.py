@@ -8,7 +8,12 @@ and decode tokens/s (batch 1, greedy steps with the cache after a prompt), with 
 peak memory of one training step (in a fresh process of its own: what the step adds to the built model's resident
 memory at its highest, read from Linux's /proc; "—" elsewhere).
 
-    python benchmarks/paper_layouts.py [--json results.json]     # a few minutes on 2 quiet cores
+A second table puts every layout next to a 🤗 Llama of the same size through `generate()` (greedy, batch 1, byte
+vocabulary) after prompts of 64 to 1,024 tokens: tokens/s of the steps after the first new token, timed inside
+`generate` (`report.generation_step_seconds`), with each model's ratio to Llama and a line judging issue 40's first
+goal (DeltaNet and Expire-Span at least at Llama's speed from 64 tokens up, the Feedback Transformer from 512 up).
+
+    python benchmarks/paper_layouts.py [--json results.json]     # about 10 minutes on 2 quiet cores
     python benchmarks/paper_layouts.py --quick                   # short sizes: a smoke run
     python benchmarks/paper_layouts.py --write-docs --json benchmarks/results/paper_layouts.json
     python benchmarks/paper_layouts.py --report benchmarks/results/paper_layouts.json
@@ -18,6 +23,7 @@ docs/performance/speed.md from the results (see ``report.py``).
 """
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -36,13 +42,19 @@ SIZES = {"vocab_size": VOCAB_SIZE, "hidden_size": 256, "num_hidden_layers": 4, "
 QUICK_SIZES = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 
 
-def deltanet_configs(quick: bool = False) -> tuple:
+def model_sizes(quick: bool, vocab_size: int | None) -> dict:
+    sizes = QUICK_SIZES if quick else SIZES
+    return sizes if vocab_size is None else {**sizes, "vocab_size": vocab_size}
+
+
+def deltanet_configs(quick: bool = False, vocab_size: int | None = None) -> tuple:
     """memlm's DeltaNet (`paper` preset: DPFP-free ELU+1 here too, so only the block differs) and the official
-    lmtool-fwp model (attn_type 24 with its normaliser, Transformer-XL's block, sinusoidal positions)."""
+    lmtool-fwp model (attn_type 24 with its normaliser, Transformer-XL's block, sinusoidal positions); the
+    vocabulary of the sizes, or `vocab_size` tokens (so for the other families)."""
     from memlm import DeltaNetConfig
     from memlm.configuration.configuration_deltanet import LMTOOL_FWP_LAYOUT
 
-    sizes = QUICK_SIZES if quick else SIZES
+    sizes = model_sizes(quick, vocab_size)
     default = DeltaNetConfig.from_preset("paper", feature_map="elu+1", **sizes)
     official = DeltaNetConfig(
         **{
@@ -62,13 +74,13 @@ EXPIRE_SPAN_SIZES = {"max_span": 1024, "ramp": 32, "block_size": 256}
 QUICK_EXPIRE_SPAN_SIZES = {"max_span": 64, "ramp": 8, "block_size": 32}
 
 
-def expire_span_configs(quick: bool = False) -> tuple:
+def expire_span_configs(quick: bool = False, vocab_size: int | None = None) -> tuple:
     """memlm's Expire-Span and the official transformer-sequential model (enwik8_small's post-norm layout: learned
     relative positions, no attention to self, zero initial memories, memories recomputed from hidden states every
     block, the remaining-span loss), spans up to 1024 tokens, blocks of 256."""
     from memlm import ExpireSpanConfig
 
-    sizes, spans = (QUICK_SIZES, QUICK_EXPIRE_SPAN_SIZES) if quick else (SIZES, EXPIRE_SPAN_SIZES)
+    sizes, spans = model_sizes(quick, vocab_size), QUICK_EXPIRE_SPAN_SIZES if quick else EXPIRE_SPAN_SIZES
     default = ExpireSpanConfig(**sizes, **spans)
     official = ExpireSpanConfig(
         **sizes,
@@ -91,13 +103,13 @@ def expire_span_configs(quick: bool = False) -> tuple:
     return default, official
 
 
-def feedback_configs(quick: bool = False) -> tuple:
+def feedback_configs(quick: bool = False, vocab_size: int | None = None) -> tuple:
     """memlm's Feedback Transformer and the official transformer-sequential model (algorithmic_3var's pre-norm
     layout: learned relative positions, zero initial memories carried as hidden states whose keys and values are
     recomputed every forward, each layer's own key/value projections and norm), a window of 256 steps."""
     from memlm import FeedbackTransformerConfig
 
-    sizes, span = (QUICK_SIZES, 32) if quick else (SIZES, 256)
+    sizes, span = model_sizes(quick, vocab_size), 32 if quick else 256
     default = FeedbackTransformerConfig(**sizes, memory_span=span)
     official = FeedbackTransformerConfig(
         **sizes,
@@ -175,6 +187,83 @@ def training_peak_megabytes(config, length: int, batch_size: int) -> float | Non
     result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], input=json.dumps(options), capture_output=True,
                             text=True, check=True)  # fmt: skip
     return float(result.stdout.strip().splitlines()[-1])
+
+
+# The generation table: every layout next to a 🤗 Llama of the same size, byte vocabulary (issue 40's decoding goal).
+BYTE_VOCABULARY = 258
+SHORT_NAMES = {"DeltaNet (lmtool-fwp)": "deltanet", "Expire-Span (transformer-sequential)": "expire_span",
+               "Feedback (transformer-sequential)": "feedback"}  # fmt: skip
+LABELS = {"deltanet": "DeltaNet", "expire_span": "Expire-Span", "feedback": "Feedback"}
+# From which context on each family should decode at least at Llama's speed (issue 40).
+GOAL_CONTEXTS = {"deltanet": 64, "expire_span": 64, "feedback": 512}
+
+
+def generation_models(quick: bool) -> dict:
+    """Both layouts of each family (`deltanet_default`, `deltanet_official`, …) and `llama`, a 🤗 Llama with the
+    default layouts' sizes (SDPA attention, its dynamic cache), byte vocabulary, seed 0, in evaluation mode."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import memlm  # noqa: F401  (registers memlm's classes)
+
+    models = {}
+    for family, (configs, _) in FAMILIES.items():
+        for layout, config in zip(("default", "official"), configs(quick, BYTE_VOCABULARY)):
+            torch.manual_seed(0)
+            models[f"{SHORT_NAMES[family]}_{layout}"] = AutoModelForCausalLM.from_config(config).eval()
+    default = models["expire_span_default"].config
+    llama = LlamaConfig(**model_sizes(quick, BYTE_VOCABULARY), intermediate_size=default.intermediate_size,
+                        max_position_embeddings=2**16, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    models["llama"] = AutoModelForCausalLM.from_config(llama).eval()
+    return models
+
+
+def measure_generation(args) -> list[dict]:
+    """Greedy `generate()` at batch 1 after each context of `--generate-contexts` (random tokens, seed 0): tokens/s
+    of the steps after the first new token (`report.generation_step_seconds`), the models timed in turns."""
+    models = generation_models(args.quick)
+    rows = []
+    for context in tqdm(args.generate_contexts, desc="generate", leave=False):
+        prompt = torch.randint(0, BYTE_VOCABULARY, (1, context), generator=torch.Generator().manual_seed(0))
+        functions = {
+            name: functools.partial(report.generation_step_seconds, model, prompt, args.generate_tokens)
+            for name, model in models.items()
+        }
+        seconds = report.interleaved_median_times(functions, 1, args.generate_repeats, timed_inside=True)
+        row = {"context": context, **{f"{name}_tokens_per_s": 1 / seconds[name] for name in models}}
+        for name in models:
+            if name != "llama":
+                row[f"{name}_over_llama"] = row[f"{name}_tokens_per_s"] / row["llama_tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
+def generation_columns() -> list[tuple[str, str, str]]:
+    shown = [("context", "context", "d"), ("🤗 Llama tok/s", "llama_tokens_per_s", ".1f")]
+    for family in LABELS:
+        shown += [(f"{LABELS[family]}, {layout} / Llama", f"{family}_{layout}_over_llama", ".2f")
+                  for layout in ("default", "official")]  # fmt: skip
+    return shown
+
+
+def generation_goals(rows: list[dict]) -> str:
+    """Issue 40's first goal, judged from the rows: DeltaNet and Expire-Span, both layouts, at least at Llama's speed
+    from 64 tokens of context up; the Feedback Transformer from 512 up."""
+    verdicts = []
+    for family, label in LABELS.items():
+        for layout in ("default", "official"):
+            key = f"{family}_{layout}_over_llama"
+            measured = [row for row in rows if row["context"] >= GOAL_CONTEXTS[family]]
+            if not measured:
+                verdicts.append(f"{label}, {layout}: no context of {GOAL_CONTEXTS[family]} tokens or more measured")
+                continue
+            lowest = min(measured, key=lambda row: row[key])
+            met = "met" if lowest[key] >= 1 else "missed"
+            verdicts.append(f"{label}, {layout}: {met} (lowest {lowest[key]:.2f}× after {lowest['context']} tokens)")
+    return (
+        "At least 🤗 Llama's speed through `generate()` (DeltaNet and Expire-Span from 64 tokens of context up, the "
+        "Feedback Transformer from 512 up): " + "; ".join(verdicts) + "."
+    )
 
 
 def measure(args) -> list[dict]:
@@ -259,6 +348,14 @@ def docs_section(results: dict) -> str:
             "tensors the memory holds after that context; training peak = what one training step adds to the "
             "built model's resident memory at its highest, each in a fresh process.",
             report.markdown_table(COLUMNS, _with_parameters(results["rows"])),
+            "Decoding through `generate()` next to a 🤗 Llama of the default layouts' size (SDPA attention, its "
+            f"dynamic cache), byte vocabulary ({BYTE_VOCABULARY} tokens), in the same run: greedy, batch 1, after a "
+            f"prompt of the row's context; tokens/s of the {settings['generate_tokens'] - 1} steps after the first "
+            "new token, each timed from that token to the last inside `generate` (the prompt's forward left out, "
+            f"`generate`'s own work in), medians of {settings['generate_repeats']} runs, the seven models timed in "
+            "turns.",
+            report.markdown_table(generation_columns(), results["generation"]),
+            generation_goals(results["generation"]),
         ]
     )
 
@@ -274,8 +371,17 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4, help="training rows per step")
     parser.add_argument("--context", type=int, default=2048, help="prompt before the timed decoding")
     parser.add_argument("--decode-steps", type=int, default=32)
-    quick = {"length": 64, "batch_size": 2, "context": 32, "decode_steps": 2, "repeats": 1}
-    return report.parse(parser, argv, quick)
+    parser.add_argument("--generate-contexts", type=int, nargs="+", default=[64, 128, 256, 512, 1024],
+                        help="prompts before the timed generate() tokens")  # fmt: skip
+    parser.add_argument("--generate-tokens", type=int, default=33, help="new tokens per timed generate() call (>= 2)")
+    parser.add_argument("--generate-repeats", type=int, default=9, help="timed generate() calls per model and context")
+    quick = {"length": 64, "batch_size": 2, "context": 32, "decode_steps": 2, "repeats": 1,
+             "generate_contexts": [8, 16], "generate_tokens": 3, "generate_repeats": 1}  # fmt: skip
+    args = report.parse(parser, argv, quick, positive=("generate_repeats",))
+    if args.generate_tokens < 2 or min(args.generate_contexts) < 1:
+        parser.error(f"--generate-tokens must be at least 2 and --generate-contexts positive, got "
+                     f"{args.generate_tokens} and {args.generate_contexts}")  # fmt: skip
+    return args
 
 
 def main(argv=None) -> dict:
@@ -285,9 +391,12 @@ def main(argv=None) -> dict:
         return saved
     machine = report.start(args)
     rows = measure(args)
-    settings = {key: getattr(args, key) for key in ("length", "batch_size", "context", "decode_steps", "repeats")}
-    results = {"settings": {**settings, "quick": args.quick, **machine}, "rows": rows}
+    generation = measure_generation(args)
+    settings = report.own_settings(args)
+    results = {"settings": {**settings, **machine}, "rows": rows, "generation": generation}
     report.print_table("The papers' layouts next to memlm's default", COLUMNS, _with_parameters(rows))
+    report.print_table("generate() next to 🤗 Llama", generation_columns(), generation)
+    print(generation_goals(generation))
     return report.finish(results, args, SECTION)
 
 

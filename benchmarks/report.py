@@ -5,7 +5,8 @@
   `--report RESULTS_JSON`;
 - the start of a run (`start`: torch's threads, the machine line) and its end (`finish`: the JSON, the docs);
 - timing: `median_seconds` for one function, `interleaved_median_times` for several timed in turns, `Decoding` for
-  greedy decoding after a prefill, and `cache_bytes` for what a cache holds;
+  greedy decoding after a prefill, `generation_step_seconds` for a token of `generate()`, and `cache_bytes` for
+  what a cache holds;
 - the tables: `print_table` for the terminal, `markdown_table` for the docs.
 
 A script with a section of `docs/performance/speed.md` (a `Section`) keeps it between two markers and rewrites it
@@ -278,11 +279,12 @@ def rewrite_section(page: str, name: str, command: str, section: str) -> None:
         file.write(text)
 
 
-def interleaved_median_times(functions: dict, warmup: int, repeats: int) -> dict:
+def interleaved_median_times(functions: dict, warmup: int, repeats: int, timed_inside: bool = False) -> dict:
     """Median seconds of each of `functions` (name → callable), timed in turns: one run of each per round, so
     that a change in the machine's load (other jobs) weighs on all of them alike, in an order shuffled every round
     (seeded), so that none always runs after the same one (a Transformer over a long context leaves the caches cold
-    for whatever runs next)."""
+    for whatever runs next). With `timed_inside`, each call returns the seconds it measured itself (a part of its
+    work, as `generation_step_seconds`)."""
     for _ in range(warmup):
         for function in functions.values():
             function()
@@ -293,6 +295,27 @@ def interleaved_median_times(functions: dict, warmup: int, repeats: int) -> dict
         for name in names:
             function = functions[name]
             start = time.perf_counter()
-            function()
-            times[name].append(time.perf_counter() - start)
+            seconds = function()
+            times[name].append(seconds if timed_inside else time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def generation_step_seconds(model, prompt, new_tokens: int) -> float:
+    """Seconds per token of greedy `model.generate(prompt)` after its first new token: the time from that token to
+    the last of `new_tokens` (≥ 2), read at each token by a stopping criterion that stops nothing, over the steps
+    between. So the prompt's forward is left out, and each step counts generate's own work around the model's."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps = []
+
+    class Clock(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    with torch.no_grad():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       stopping_criteria=StoppingCriteriaList([Clock()]))  # fmt: skip
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)

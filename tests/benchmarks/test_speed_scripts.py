@@ -148,6 +148,53 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
         peaks = row["official_training_peak_megabytes"], row["default_training_peak_megabytes"]
         assert all(peak > 0 for peak in peaks)  # each step, in its own process, raised the high-water mark
         assert abs(row["training_peak_official_over_default"] - peaks[0] / peaks[1]) < 1e-9
+    # The generate() table: a row per context asked, every layout of every family and Llama timed in it.
+    assert results["settings"]["generate_contexts"] == [8, 16]
+    models = [f"{family}_{layout}" for family in ("deltanet", "expire_span", "feedback")
+              for layout in ("default", "official")]  # fmt: skip
+    for row, context in zip(results["generation"], (8, 16), strict=True):
+        assert row["context"] == context and row["llama_tokens_per_s"] > 0
+        for name in models:
+            ratio = row[f"{name}_tokens_per_s"] / row["llama_tokens_per_s"]
+            assert row[f"{name}_tokens_per_s"] > 0 and abs(row[f"{name}_over_llama"] - ratio) < 1e-9
+
+
+def test_the_generation_goals_are_judged_from_the_contexts_each_family_is_held_to(monkeypatch):
+    """Issue 40's goal line of benchmarks/paper_layouts.py: DeltaNet and Expire-Span from 64 tokens up, the Feedback
+    Transformer from 512 up; a ratio below 1 in a context below a family's threshold does not count against it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import paper_layouts
+
+    names = [f"{family}_{layout}" for family in ("deltanet", "expire_span", "feedback") for layout in
+             ("default", "official")]  # fmt: skip
+    rows = [{"context": context, **{f"{name}_over_llama": 1.2 for name in names}} for context in (64, 512)]
+    rows[0]["feedback_official_over_llama"] = 0.5  # below 1 only before 512 tokens: still met
+    rows[1]["expire_span_official_over_llama"] = 0.9
+    line = paper_layouts.generation_goals(rows)
+    assert "Feedback, official: met (lowest 1.20× after 512 tokens)" in line
+    assert "Expire-Span, official: missed (lowest 0.90× after 512 tokens)" in line
+    assert "DeltaNet, default: met (lowest 1.20× after 64 tokens)" in line
+    assert "no context of 512 tokens or more" in paper_layouts.generation_goals(rows[:1])
+
+
+def test_a_generate_step_is_timed_from_the_first_new_token_to_the_last(monkeypatch):
+    """`report.generation_step_seconds`: the seconds per token between the first new token and the last, so a slow
+    prompt forward is left out and every step is in; a tiny 🤗 Llama's forward made slow by a hook that sleeps."""
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import report
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()  # fmt: skip
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: time.sleep(0.5 if kwargs["input_ids"].shape[1] > 1 else 0.05), with_kwargs=True
+    )
+    seconds = report.generation_step_seconds(model, torch.randint(0, 32, (1, 6)), new_tokens=4)
+    assert 0.05 <= seconds < 0.25  # three steps of 0.05 s and more, not the prompt's 0.5 s
 
 
 def test_batched_decoding_times_every_batch_and_context_and_a_fixed_memory_does_not_grow(tmp_path, monkeypatch):
