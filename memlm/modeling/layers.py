@@ -9,7 +9,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..kernels import plain_weights
-from ..kernels.expire_attention.official import padded_position_table
+from ..kernels.expire_attention.one_query import padded_position_table
 from ..kernels.expire_attention.reference import relative_position_scores
 
 # The dtypes a norm computes in as they are (narrower ones are computed in float32).

@@ -36,11 +36,7 @@ from ..compat import (
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
 from ..kernels import plain_weights
-from ..kernels.expire_attention import (
-    expire_span_attention,
-    expire_span_attention_decoding,
-    expire_span_attention_official_decoding,
-)
+from ..kernels.expire_attention import expire_span_attention
 from ..kernels.expire_attention.blocks import (
     Block,
     compact_memories,
@@ -55,6 +51,13 @@ from ..kernels.expire_attention.memory import (
     expired_memories,
     memory_counts,
     next_decoding_slack,
+)
+from ..kernels.expire_attention.one_query import (
+    OneQueryTerms,
+    folds_positions,
+    official_one_query_attention,
+    one_query_terms,
+    plain_one_query_attention,
 )
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from ..kernels.rotary import rotate, signed_sine
@@ -163,9 +166,10 @@ def _reusable(projection: nn.Module) -> bool:
 
 
 class OneQueryReads(NamedTuple):
-    """What a decoding step's one-query attention read (`ExpireSpanAttention.attend_decoding`): the soft mask m (B, N)
-    it attended with (paper Eq. 5; 0 at invalid slots) and, per memory, what the span loss sums over the pairs on the
-    ramp (e_i, or with the official loss e_i − (t − i)). `ExpireSpanModel.step` counts every layer's at once."""
+    """What decoding steps' one-query attentions read (`ExpireSpanModel.prepare_step`, one layer's or several layers'
+    side by side): the soft mask m (B, N) they attended with (paper Eq. 5; 0 at invalid slots) and, per memory, what
+    the span loss sums over the pairs on the ramp (e_i, or with the official loss e_i − (t − i)). `ExpireSpanModel.step`
+    counts every layer's at once."""
 
     mask: torch.Tensor
     loss_terms: torch.Tensor
@@ -344,29 +348,16 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
 
         return (output, *self.count_reads(memory, spans, positions, token_valid, max_distance, counted_positions))
 
-    def attend_decoding(self, query, memory, positions, relative_positions=None, padded_positions=None, earlier=None):
-        """The masked attention of a decoding step's query (one per row, at `positions` (B, 1), after every memory, its
-        own last), as `attend` computes it, with the one-query attention (the plain one, or with the official options
-        `expire_span_attention_official_decoding`, `padded_positions` the positions' table as `padded_position_table`
-        pads it, once per step for every layer); its reads are counted later (`OneQueryReads`). `earlier`: the memory
-        before the token's own was appended, which is all that the official attention reads when it hides the token
-        from itself. None when the output is not finite (the caller then takes `attend`)."""
-        without_self = earlier is not None and not self.attend_to_self and not self.plain_attention
-        read = earlier if without_self else memory
-        distance = positions - read.positions  # t − i
-        valid = None if memory.every_valid else read.valid  # (every_valid: known to hold no invalid slot)
-        arguments = (query, read.keys, read.values, read.spans, distance, valid, self.ramp)
+    def attend_decoding(self, query, memory: ExpireSpanMemory, earlier: ExpireSpanMemory, terms: OneQueryTerms):
+        """The masked attention of a decoding step's query (one per row, after every memory) over `memory` (the token's
+        own last), or without `attend_to_self` over `earlier` (the memory before the token's own was appended), with
+        the `terms` of those keys (`ExpireSpanModel.prepare_step`): the plain one-query attention, or the official
+        options' (learned relative positions, ε). None when the output is not finite (the caller then takes
+        `attend`)."""
+        read = memory if self.attend_to_self else earlier
         if self.plain_attention:
-            attended = expire_span_attention_decoding(*arguments)
-        else:
-            table = relative_positions.weight if relative_positions is not None else None
-            attended = expire_span_attention_official_decoding(
-                *arguments, table, self.attend_to_self or without_self, self.renormalization_epsilon, padded_positions
-            )
-        if attended is None:
-            return None
-        output, mask = attended
-        return output, OneQueryReads(mask, read.spans - distance if self.remaining_span_loss else read.spans)
+            return plain_one_query_attention(query, read.keys, read.values, terms.bias)
+        return official_one_query_attention(query, read.keys, read.values, terms, self.renormalization_epsilon)
 
     def count_reads(self, memory, spans, positions, token_valid, max_distance, counted_positions):
         """The span-loss sum and the memories read of `attend`: which (query, memory) pairs are read (m > 0), and
@@ -518,26 +509,21 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, memory, spans, span_loss_sum, read
 
     def step(self, hidden_states, block: Block, rotation: tuple | None, memory: ExpireSpanMemory | None,
-             padded_positions=None, **options):  # fmt: skip
+             slack: float | None, masked: tuple | None = None, **options):  # fmt: skip
         """A decoding step (`ExpireSpanModel.steps_one_token`: one real token per row, no gradients, evaluation), as
         `run_layer_over_blocks` over the one block returns it: the layer's forward without its work for blocks, padding
         and training — the token's keys and values written into the memory's buffer, then, with the plain attention
-        and while no memory the token sees is on the ramp (`decoding_slack` >= 0, so Eq. 5's mask is 1 on every valid
-        memory), softmax attention over the valid memories with no span loss and the reads as a Python number, else
-        the masked attention (`ExpireSpanAttention.attend_decoding`: the one-query attention, plain or with the official
-        options — learned relative positions, no attention to the token itself, ε — whose reads the model counts;
-        `attend` where its output is not finite). A memory without a buffer (compacted by the last pruning) gets one
-        from the append. Before the first memory, or where a hook or a kernel would see the layer run, the layer's
-        forward runs.
-        `rotation`: the block's cos and `signed_sine` (None without rotary positions); `padded_positions`: the learned
-        relative positions padded for the step (`padded_position_table`)."""
-        if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
-            memory = self.prune(memory, block.first_positions, options["delete_expired"])
+        and while no memory the token sees is on the ramp (`slack`, the `decoding_slack`, >= 0, so Eq. 5's mask is 1
+        on every valid memory), softmax attention over the valid memories with no span loss and the reads as a Python
+        number, else the masked attention (`ExpireSpanAttention.attend_decoding`: the one-query attention, plain or with
+        the official options — learned relative positions, no attention to the token itself, ε — with the keys'
+        terms and reads of `masked`, which the model computed for its layers at once and counts; `attend` where its
+        output is not finite). A memory without a buffer (compacted by the last pruning) gets one from the append.
+        Before the first memory, where the slack is unknown (None), or where a hook or a kernel would see the layer
+        run, the layer's forward runs (`ExpireSpanModel.prepare_step` decides it, and prunes the memory first).
+        `rotation`: the block's cos and `signed_sine` (None without rotary positions)."""
         attention = self.attention
-        plain = attention.plain_attention
-        slack = decoding_slack(memory, block.positions, block.valid) if plain else -math.inf
-        stepping = memory is not None and slack is not None
-        if not (stepping and runs_as_defined(self, attention)):  # (a hook or a kernel sees the layer's forward run)
+        if masked is None and not (slack is not None and slack >= 0):  # (see `ExpireSpanModel.prepare_step`)
             return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
         attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
         batch_size = hidden_states.shape[0]
@@ -565,18 +551,15 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
             span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
         else:  # memories on the ramp, or the official options: Eq. 4–5's mask, the span loss and the reads
-            relative_positions = options.get("relative_positions")
-            attended = attention.attend_decoding(
-                query, memory, block.positions, relative_positions, padded_positions, earlier
-            )
-            if attended is None:  # not finite: the general attention keeps a non-finite memory in place
+            terms, reads = masked
+            output, span_loss_sum = attention.attend_decoding(query, memory, earlier, terms), 0  # (reads: the model's)
+            if output is None:  # not finite: the general attention keeps a non-finite memory in place
                 output, span_loss_sum, reads = attention.attend(
-                    query, memory, memory.spans, block.positions, block.valid, None, True, 0.0, relative_positions
-                )
-            else:
-                (output, reads), span_loss_sum = attended, 0  # (counted by the model's step)
+                    query, memory, memory.spans, block.positions, block.valid, None, True, 0.0,
+                    options.get("relative_positions"),
+                )  # fmt: skip
         output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))
-        if plain:
+        if attention.plain_attention:
             memory.expiry_slack = next_decoding_slack(slack, spans)
         hidden_states = add_sublayer_output(hidden_states, output, self.input_layernorm, self.norm_position)
         mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
@@ -946,16 +929,14 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             options["rotary_embedding"] = self.rotary_emb
         if self.relative_positions is not None:
             options["relative_positions"] = self.relative_positions
-            # Padded once for every layer's one-query attention, in the dtype it computes in.
-            dtype = torch.float64 if inputs_embeds.dtype == torch.float64 else torch.float32
-            options["padded_positions"] = self.relative_positions.padded(dtype)
+        memories, slacks, masked, all_reads = self.prepare_step(cache, block)
         hidden_states = inputs_embeds
         all_hidden_states = [hidden_states] if output_hidden_states else None
         all_spans, span_loss_sum, read_count = [], 0, 0  # Python numbers while no layer needs its forward
         one_query_reads = []  # the layers' one-query attentions, counted together after the last
-        for layer, cache_layer in zip(self.layers, cache.layers):
+        for index, (layer, cache_layer) in enumerate(zip(self.layers, cache.layers)):
             hidden_states, cache_layer.memory, spans, span_loss, read = layer.step(
-                hidden_states, block, rotation, cache_layer.memory, **options
+                hidden_states, block, rotation, memories[index], slacks[index], masked.get(index), **options
             )
             cache_layer.seen_tokens += 1
             if isinstance(read, OneQueryReads):
@@ -966,8 +947,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 all_hidden_states.append(hidden_states)
             if output_spans:
                 all_spans.append(torch.cat(spans, dim=1))
-        if one_query_reads:
-            span_loss, read = OneQueryReads.counted(one_query_reads, config.ramp)
+        if one_query_reads:  # all the layers' at once when every layer given terms attended with them
+            reads = [all_reads] if len(one_query_reads) == len(masked) else one_query_reads
+            span_loss, read = OneQueryReads.counted(reads, config.ramp)
             span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
         hidden_states = self.norm(hidden_states)
         cache.next_positions = positions[:, 0] + 1
@@ -988,6 +970,60 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             / (batch_size * len(self.layers)),
         )
         return output if return_dict else output.to_tuple()
+
+    def prepare_step(self, cache: "ExpireSpanCache", block: Block) -> tuple:
+        """What a decoding step's layers need before the first runs: each layer's memory, pruned lazily
+        (`ExpireSpanMemory.prune`); its slack (`decoding_slack` with the plain attention, −inf with the official
+        options, which always mask; None where the layer's forward must run: no memory yet, an unknown slack, a hook or
+        a kernel that would see the layer run); and, for the layers whose step masks (slack < 0), their keys' terms
+        (`OneQueryTerms`: Eq. 5's mask, the bias, the positions' rows) and reads (`OneQueryReads`), computed for all of
+        them at once over their memories side by side — a dozen operations a step where each layer ran as many — as
+        {layer index: (terms, reads)}, with the reads of all of them together. A layer that attends to its own token
+        appends it before attending: it enters here at distance 0 with span 0 (m = 1, as for any span e_t >= 0)."""
+        config = self.config
+        positions = block.positions
+        memories, slacks, masked = [], [], []
+        for layer, cache_layer in zip(self.layers, cache.layers):
+            memory, attention = cache_layer.memory, layer.attention
+            if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
+                memory = layer.prune(memory, block.first_positions, self.prune_expired_memories)
+            slack = decoding_slack(memory, positions, block.valid) if attention.plain_attention else -math.inf
+            if memory is None or not runs_as_defined(layer, attention):  # (a hook or a kernel sees the forward run)
+                slack = None
+            if slack is not None and slack < 0:
+                masked.append((len(memories), memory))
+                if memory.every_valid is None:  # (known for the step's append too)
+                    memory.every_valid = bool(memory.valid.all())
+            memories.append(memory)
+            slacks.append(slack)
+        if not masked:
+            return memories, slacks, {}, None
+        own = config.attend_to_self  # the token's key is attended to, appended after the earlier memories
+        spans = masked[0][1].spans
+        parts = [((memory.positions, positions) if own else (memory.positions,)) for _, memory in masked]
+        distance = positions - torch.cat([tensor for part in parts for tensor in part], 1)  # t − i
+        zero = torch.zeros(positions.shape, dtype=spans.dtype, device=spans.device) if own else None
+        spans = torch.cat([tensor for _, memory in masked for tensor in ((memory.spans, zero) if own else
+                                                                        (memory.spans,))], 1)  # fmt: skip
+        valid = None
+        if not all(memory.every_valid for _, memory in masked):
+            valid = torch.cat([tensor for _, memory in masked for tensor in ((memory.valid, block.valid) if own else
+                                                                            (memory.valid,))], 1)  # fmt: skip
+        keys = max((memory for _, memory in masked), key=lambda memory: memory.width).keys
+        dtype = torch.float64 if torch.float64 in (keys.dtype, spans.dtype) else torch.float32
+        table = None if self.relative_positions is None else self.relative_positions.padded(dtype)
+        terms = one_query_terms(spans, distance, valid, config.ramp, dtype, config.renormalization_epsilon, table,
+                                folds_positions(keys))  # fmt: skip
+        all_reads = OneQueryReads(terms.mask, spans - distance if config.span_loss_form == "remaining_span" else spans)
+        per_layer, start = {}, 0
+        for index, memory in masked:
+            stop = start + memory.width + own
+            per_layer[index] = (
+                terms.columns(start, stop),
+                OneQueryReads(*(part[:, start:stop] for part in all_reads)),
+            )
+            start = stop
+        return memories, slacks, per_layer, all_reads
 
     def initial_memories(self, inputs_embeds: torch.Tensor, start_positions: torch.Tensor) -> list[ExpireSpanMemory]:
         """The official initial memory (`init_hid_cache`): per layer, `initial_memory_size` zero layer inputs at the

@@ -521,9 +521,13 @@ def test_the_official_decoding_attention_is_the_general_attention_of_one_query(o
     by the query for many (`FOLDED_POSITIONS_LIMIT`: both ways here); the same bits with the table padded by the caller
     (as a decoding step pads it once for its layers) and with no validity for keys all valid; None where a hidden
     key's value is NaN (the general attention keeps it in place) and where no key is visible."""
-    from memlm.kernels.expire_attention import expire_span_attention_official_decoding, official, padded_position_table
+    from memlm.kernels.expire_attention import (
+        expire_span_attention_official_decoding,
+        one_query,
+        padded_position_table,
+    )
 
-    monkeypatch.setattr(official, "FOLDED_POSITIONS_LIMIT", official.FOLDED_POSITIONS_LIMIT if folded else 0)
+    monkeypatch.setattr(one_query, "FOLDED_POSITIONS_LIMIT", one_query.FOLDED_POSITIONS_LIMIT if folded else 0)
 
     tensors, arguments, _ = make_inputs(length=1, memory=25, value_dim=8, dtype=dtype, seed=3)
     query, key, value, spans = (tensors[name].detach() for name in ("query", "key", "value", "spans"))

@@ -482,7 +482,8 @@ OFFICIAL_OPTIONS = {  # the official code's attention and layer (benchmarks/pape
 }
 
 
-@pytest.mark.parametrize("one_query", [True, False], ids=["one_query_attention", "general_attention"])
+@pytest.mark.parametrize("one_query", [True, False, "alternate"],
+                         ids=["one_query_attention", "general_attention", "some_layers_general"])  # fmt: skip
 @pytest.mark.parametrize(
     ("span_bias", "options"),
     [(2.0, {}), (-0.5, {}), (-0.5, {"span_loss_form": "remaining_span"}), (-0.5, OFFICIAL_OPTIONS)],
@@ -498,13 +499,19 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
     step always takes the masked attention.
     float64, so that the two paths' different products (softmax attention against the masked one) show only at
     1e-12. Also with the one-query attention answering None (a non-finite output), where the step takes the general
-    masked attention."""
+    masked attention, at every layer or at every other call (the layers that took the one-query attention are then
+    counted apart from those that did not)."""
     from memlm.modeling import modeling_expire_span
     from memlm.modeling.modeling_expire_span import ExpireSpanDecoderLayer, ExpireSpanModel
 
-    if not one_query:
-        for name in ("expire_span_attention_decoding", "expire_span_attention_official_decoding"):
-            monkeypatch.setattr(modeling_expire_span, name, lambda *arguments: None)
+    for name in ("plain_one_query_attention", "official_one_query_attention") if one_query is not True else ():
+        calls, attention = [], getattr(modeling_expire_span, name)
+
+        def sometimes(*arguments, calls=calls, attention=attention):
+            calls.append(1)
+            return attention(*arguments) if one_query == "alternate" and len(calls) % 2 else None
+
+        monkeypatch.setattr(modeling_expire_span, name, sometimes)
 
     model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4, **options).double()
     model.config.span_loss_coefficient = 1.0

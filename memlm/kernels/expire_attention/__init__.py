@@ -20,11 +20,8 @@ import torch
 
 from memlm.kernels import check_triton_device, resolve_backend, sums_are_finite
 
-from .official import (
-    expire_span_attention_official,
-    expire_span_attention_official_decoding,
-    padded_position_table,
-)
+from .official import expire_span_attention_official
+from .one_query import expire_span_attention_decoding, expire_span_attention_official_decoding, padded_position_table
 from .reference import (
     expire_span_attention_reference,
     expire_span_mask,
@@ -32,7 +29,7 @@ from .reference import (
     relative_position_scores,
     visible_keys,
 )
-from .sdpa import expire_span_attention_decoding, expire_span_attention_sdpa
+from .sdpa import expire_span_attention_sdpa
 
 __all__ = [
     "expire_span_attention",

@@ -9,7 +9,7 @@ keys with m > 0) are
     w_i = m_i e^{s_i} / (Σ_j m_j e^{s_j} + ε Σ_{j: m_j > 0} e^{s_j}) = w¹_i / (1 + ε Σ_j w¹_j / m_j),
     w¹ = softmax(s + log m),  log 0 = −inf (hidden keys too),
 
-or, as the official code computes them (and a decoding step does), w_i = m_i p_i / (Σ_j m_j p_j + ε) with p the
+or, as the official code computes them (and a decoding step does, `one_query.py`), w_i = m_i p_i / (Σ_j m_j p_j + ε) with p the
 softmax of s over the keys with m > 0. So a forward is one product q·kᵀ accumulated onto the bias log m (+ the
 positions' term), one softmax and, with ε, one weighted sum. In training the forward keeps its inputs and output;
 the backward computes w again and, with g_i = dO·v_i, G = Σ_j w_j g_j = dO·o (no pass over the pairs) and
@@ -28,20 +28,11 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-
-from memlm.kernels import in_dtype, sums_are_finite
 
 from .reference import _compute_dtype, expire_span_attention_reference, visible_keys
 from .sdpa import log_clamped
 
-__all__ = ["expire_span_attention_official", "expire_span_attention_official_decoding", "padded_position_table"]
-
-# A decoding step adds the positions' rows to the keys (k_i + p_{t−i}: one gather, one add over the keys) while a
-# row's keys hold at most this many numbers (H · N · d), and multiplies the table by the query beyond (q·[0; table; 0]ᵀ,
-# gathered at each key's row). One call on a 2-core CPU, 4 heads of 64: the first took 16 % less time at 100–150 keys,
-# 5 % less at 600, 6 % more at 1,100 (the limit: 512 such keys).
-FOLDED_POSITIONS_LIMIT = 2**17
+__all__ = ["expire_span_attention_official"]
 
 
 def expire_span_attention_official(query, key, value, spans, query_positions, key_positions, *, ramp, key_valid=None,
@@ -67,64 +58,6 @@ def expire_span_attention_official(query, key, value, spans, query_positions, ke
         return (weights @ cast[2]).to(query.dtype)
     return _OfficialAttention.apply(settings, keep_weights, query_positions, key_positions, query, key, value, spans,
                                     position_scores, relative_positions)  # fmt: skip
-
-
-def padded_position_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[0; table; 0] (P + 2, d) in `dtype` for `expire_span_attention_official_decoding`: row d holds p_d for the
-    distances d = 1..P, and a zero row stands for the token itself (d = 0) and for every key farther than P, so that a
-    key's positions term is row min(t − i, P + 1). The layers share the table: a decoding step pads it once."""
-    zero = table.new_zeros(1, table.shape[1], dtype=dtype)
-    return torch.cat([zero, in_dtype(table, dtype), zero])
-
-
-def expire_span_attention_official_decoding(query, key, value, spans, distance, key_valid, ramp: float, table=None,
-                                            attend_to_self=True, renormalization_epsilon=0.0, padded_table=None):  # fmt: skip
-    """A decoding step's attention with the official options, without gradients: one query t per row, after every key
-    (``distance`` t − i >= 0, (B, N)), the token's own key the only one at distance 0, no distance limit; `key_valid`
-    None when every key is valid; `table` the learned relative positions (P, d) or None, `padded_table` the table as
-    `padded_position_table` pads it (padded here when not given, or not in the compute dtype).
-    `expire_span_attention_official`'s weights (see the module docstring) for that query in fewer passes: no (T, N)
-    pair terms, no band search, no 1/m (with ε, m weighs the softmax after). Returns the output and the soft mask m
-    (B, N) it attended with (Eq. 5; 0 at a hidden key: invalid, or the token's own without `attend_to_self`), for the
-    caller to count the reads; None when the output is not finite (a hidden key's NaN reaches it, or no key is
-    visible): the caller then takes `expire_span_attention`."""
-    dtype, output_dtype = _compute_dtype(query, key, value, spans), query.dtype
-    query, key, value = (in_dtype(tensor, dtype) for tensor in (query, key, value))
-    batch_size, num_heads, _, head_dim = query.shape
-    scale = head_dim**-0.5
-    ramp_position = (in_dtype(spans, dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
-    mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)  # Eq. 5
-    if not attend_to_self:
-        mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
-    # With ε the softmax runs over the visible keys (bias 0, −inf where m = 0: log ⌈m⌉) and m weighs it after, as the
-    # official code computes it; without ε, log m in the bias gives the weights at once.
-    epsilon = renormalization_epsilon
-    bias = (mask.ceil() if epsilon > 0 else mask).log()[:, None, None]  # (B, 1, 1, N), log 0 = −inf
-    shape = (batch_size, num_heads, 1, key.shape[2])
-    scores = None
-    if table is not None:  # q_t · p_{t−i} for t − i in 1..P, 0 for the token itself and farther
-        if padded_table is None or padded_table.dtype != dtype:
-            padded_table = padded_position_table(table, dtype)
-        rows = padded_table.shape[0]
-        if key[0].numel() <= FOLDED_POSITIONS_LIMIT:  # few keys: q·(k_i + p_{t−i}), in the scores' one product
-            key = key + F.embedding(distance.clamp(max=rows - 1), padded_table)[:, None]
-        else:  # q·[0; table; 0]ᵀ gathered at each key's row
-            if distance.device.type == "cpu" and distance.numel():  # where reading a number costs no wait: the rows
-                rows = min(rows, int(distance.max()) + 1)  # up to the farthest key's (not all P + 2)
-            row = distance.clamp(max=rows - 1)[:, None, None].expand(shape)
-            scores = torch.add(bias, (query @ padded_table[:rows].mT).gather(-1, row), alpha=scale)
-    query, key = query.flatten(0, 1), key.flatten(0, 1).mT
-    if scores is None:  # the bias broadcast over the heads as the product's first term
-        scores = torch.baddbmm(bias.expand(shape).reshape(-1, 1, shape[-1]), query, key, alpha=scale)
-    else:
-        scores = scores.view(-1, 1, shape[-1]).baddbmm_(query, key, alpha=scale)
-    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores).view(shape)
-    if epsilon > 0:  # w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys (see the module docstring)
-        weights = weights.mul_(mask[:, None, None])
-        output = (weights @ value).div_(weights.sum(-1, keepdim=True).add_(epsilon))
-    else:  # w = softmax(s + log m)
-        output = weights @ value
-    return (in_dtype(output, output_dtype), mask) if sums_are_finite(output) else None
 
 
 class _PositionBand(NamedTuple):

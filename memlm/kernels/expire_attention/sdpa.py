@@ -25,11 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memlm.kernels import in_dtype, sums_are_finite
-
 from .reference import visible_keys
 
-__all__ = ["expire_span_attention_decoding", "expire_span_attention_sdpa"]
+__all__ = ["expire_span_attention_sdpa"]
 
 
 def log_clamped(ramp_position: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,24 +109,6 @@ def expire_span_attention_sdpa(
             return _RecomputedAttention.apply(*arguments)
         return checkpoint(_attention, *arguments, dropout, use_reentrant=False)  # same dropout mask when replayed
     return _attention(*arguments, dropout)
-
-
-def expire_span_attention_decoding(query, key, value, spans, distance, key_valid, ramp: float):
-    """A decoding step's Expire-Span attention, without gradients: one query t per row, after every key (``distance``
-    t − i >= 0, (B, N)), the token's own key among them, valid, no distance limit; `key_valid` None when every key is
-    valid. The same bias and product as `expire_span_attention_sdpa` for such a query, bit for bit, in fewer passes:
-    the visible keys are the valid ones, and the query sees its own key (m >= 1), so no row needs zeroing. Returns the output and the soft mask m (B, N)
-    (Eq. 5, 0 at an invalid key; float32, or float64 with float64 spans), from which the caller counts the reads and
-    the pairs on the ramp; None when the output is not finite: the caller then takes `expire_span_attention`, which
-    keeps a non-finite key, value or span where it is."""
-    dtype = torch.float64 if spans.dtype == torch.float64 else torch.float32
-    ramp_position = (in_dtype(spans, dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
-    # m = clamp(·, 0, 1), an invalid key as one past its ramp; log 0 = −inf. (`log_clamped` keeps zeros off the
-    # logarithm for the (T, N) pairs of a block; one query's few hundred memories cost less than its two passes.)
-    mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)
-    bias = in_dtype(mask.log(), query.dtype)[:, None, None]
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
-    return (output, mask) if sums_are_finite(output) else None
 
 
 class _RecomputedAttention(torch.autograd.Function):

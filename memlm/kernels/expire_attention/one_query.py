@@ -1,0 +1,161 @@
+"""Expire-Span attention of a decoding step: one query t per row, after every key, without gradients (SPEC §2, §8).
+
+A step's query reads each key i at the distance d_i = t − i ≥ 0 with Eq. 5's mask m_i = clamp(1 + (e_i − d_i) / R,
+0, 1) and, with the official options, the positions' row p_{d_i} and the renormalisation ε (see `official.py` for
+the weights). What a key contributes besides its key and value vectors — m, the softmax's bias and the positions'
+term, `OneQueryTerms` — depends only on its span and distance, not on the layer's input: a decoding step computes
+the terms of every layer's keys in one pass over them side by side (`one_query_terms`, ~10 operations a step where
+each layer took as many), and each layer's attention reads its columns (`plain_one_query_attention`: SDPA with the
+bias log m; `official_one_query_attention`). `expire_span_attention_decoding` and
+`expire_span_attention_official_decoding` do both for one layer. On a CPU a step of a small model is bound by its
+number of operations, not their arithmetic: every operation a step does not run is time.
+Tested against the general attention in tests/kernels/test_expire_attention.py.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from memlm.kernels import in_dtype, sums_are_finite
+
+from .reference import _compute_dtype
+
+__all__ = [
+    "OneQueryTerms",
+    "expire_span_attention_decoding",
+    "expire_span_attention_official_decoding",
+    "folds_positions",
+    "official_one_query_attention",
+    "one_query_terms",
+    "padded_position_table",
+    "plain_one_query_attention",
+]
+
+# The positions' rows are added to the keys (k_i + p_{t−i}: one gather, one add over the keys) while a row's keys hold
+# at most this many numbers (H · N · d), and the table is multiplied by the query beyond (q·[0; table; 0]ᵀ, gathered
+# at each key's row). One call on a 2-core CPU, 4 heads of 64: the first took 16 % less time at 100–150 keys, 5 % less
+# at 600, 6 % more at 1,100 (the limit: 512 such keys).
+FOLDED_POSITIONS_LIMIT = 2**17
+
+
+def folds_positions(key: torch.Tensor) -> bool:
+    """Whether the positions' term of keys (B, H, N, d) (the widest of a step's layers) is added to the keys."""
+    return key[0].numel() <= FOLDED_POSITIONS_LIMIT
+
+
+def padded_position_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[0; table; 0] (P + 2, d) in `dtype`: row d holds p_d for the distances d = 1..P, and a zero row stands for the
+    token itself (d = 0) and for every key farther than P, so that a key's positions' row is min(t − i, P + 1)."""
+    zero = table.new_zeros(1, table.shape[1], dtype=dtype)
+    return torch.cat([zero, in_dtype(table, dtype), zero])
+
+
+class OneQueryTerms(NamedTuple):
+    """What a decoding step's attention reads of its keys besides their vectors, (B, N) each: Eq. 5's mask m (0 at a
+    hidden key), the softmax's bias (log m; with ε log ⌈m⌉, as m weighs the softmax after), and the positions' term:
+    the rows p_{t−i} to add to the keys (`positions`, (B, N, d)), or each key's row (`rows`) of `table`, the first
+    rows of the padded table, which the query multiplies; both None without positions."""
+
+    mask: torch.Tensor
+    bias: torch.Tensor
+    positions: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    table: torch.Tensor | None = None
+
+    def columns(self, start: int, stop: int) -> "OneQueryTerms":
+        """The terms of the keys start..stop − 1 (one layer's, of terms computed for several layers side by side)."""
+
+        def part(tensor):
+            return None if tensor is None else tensor[:, start:stop]
+
+        return OneQueryTerms(part(self.mask), part(self.bias), part(self.positions), part(self.rows), self.table)
+
+
+def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype, epsilon: float = 0.0,
+                    padded_table=None, fold: bool = True, attend_to_self: bool = True) -> OneQueryTerms:  # fmt: skip
+    """The `OneQueryTerms` in `dtype` of keys with `spans` (B, N) at `distance` t − i >= 0 (B, N) from the query,
+    `key_valid` None when every key is valid; with the learned positions' `padded_table` (`padded_position_table`), as
+    rows added to the keys (`fold`) or rows of the table's product; without `attend_to_self`, the key at distance 0
+    hidden."""
+    ramp_position = (in_dtype(spans, dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
+    mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)  # Eq. 5
+    if not attend_to_self:
+        mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
+    bias = (mask.ceil() if epsilon > 0 else mask).log()  # log 0 = −inf
+    if padded_table is None:
+        return OneQueryTerms(mask, bias)
+    rows = padded_table.shape[0]
+    if fold:
+        return OneQueryTerms(mask, bias, positions=F.embedding(distance.clamp(max=rows - 1), padded_table))
+    if distance.device.type == "cpu" and distance.numel():  # where reading a number costs no wait: the rows up to
+        rows = min(rows, int(distance.max()) + 1)  # the farthest key's (after a short prompt, not all P + 2)
+    return OneQueryTerms(mask, bias, rows=distance.clamp(max=rows - 1), table=padded_table[:rows])
+
+
+def plain_one_query_attention(query, key, value, bias):
+    """Softmax attention of one query per row (B, H, 1, d) with the bias log m (B, N) (Eqs. 4–5): the output, or None
+    when it is not finite (a NaN reaches it, or no key is visible)."""
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=in_dtype(bias, query.dtype)[:, None, None])
+    return output if sums_are_finite(output) else None
+
+
+def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilon: float = 0.0):
+    """The official weights (`official.py`) of one query per row (B, H, 1, d) over keys read with `terms` (in their
+    dtype, float32 or float64): w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys; with ε = 0 the
+    softmax of s + log m. The output in the query's dtype, or None when it is not finite."""
+    dtype, output_dtype = terms.mask.dtype, query.dtype
+    query, key, value = (in_dtype(tensor, dtype) for tensor in (query, key, value))
+    batch_size, num_heads, _, head_dim = query.shape
+    scale = head_dim**-0.5
+    shape = (batch_size, num_heads, 1, key.shape[2])
+    bias = terms.bias[:, None, None]  # (B, 1, 1, N)
+    if terms.positions is not None:  # q·(k_i + p_{t−i}), in the scores' one product
+        key = key + terms.positions[:, None]
+    flat_query, flat_key = query.flatten(0, 1), key.flatten(0, 1).mT
+    if terms.rows is not None:  # q·[0; table; 0]ᵀ gathered at each key's row, onto the bias
+        scores = torch.add(bias, (query @ terms.table.mT).gather(-1, terms.rows[:, None, None].expand(shape)),
+                           alpha=scale).view(-1, 1, shape[-1]).baddbmm_(flat_query, flat_key, alpha=scale)  # fmt: skip
+    else:  # the bias broadcast over the heads as the product's first term
+        scores = torch.baddbmm(bias.expand(shape).reshape(-1, 1, shape[-1]), flat_query, flat_key, alpha=scale)
+    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores).view(shape)
+    if epsilon > 0:  # w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys (see official.py)
+        weights = weights.mul_(terms.mask[:, None, None])
+        output = (weights @ value).div_(weights.sum(-1, keepdim=True).add_(epsilon))
+    else:  # w = softmax(s + log m)
+        output = weights @ value
+    return in_dtype(output, output_dtype) if sums_are_finite(output) else None
+
+
+def expire_span_attention_decoding(query, key, value, spans, distance, key_valid, ramp: float):
+    """A decoding step's Expire-Span attention of one layer: one query t per row, after every key (``distance``
+    t − i >= 0, (B, N)), the token's own key among them, valid, no distance limit; `key_valid` None when every key is
+    valid. The same bias and product as `expire_span_attention_sdpa` for such a query, bit for bit, in fewer passes:
+    the visible keys are the valid ones, and the query sees its own key (m >= 1), so no row needs zeroing. Returns the
+    output and the soft mask m (B, N) (Eq. 5, 0 at an invalid key; float32, or float64 with float64 spans), from
+    which the caller counts the reads and the pairs on the ramp; None when the output is not finite: the caller then
+    takes `expire_span_attention`, which keeps a non-finite key, value or span where it is."""
+    dtype = torch.float64 if spans.dtype == torch.float64 else torch.float32
+    terms = one_query_terms(spans, distance, key_valid, ramp, dtype)
+    output = plain_one_query_attention(query, key, value, terms.bias)
+    return None if output is None else (output, terms.mask)
+
+
+def expire_span_attention_official_decoding(query, key, value, spans, distance, key_valid, ramp: float, table=None,
+                                            attend_to_self=True, renormalization_epsilon=0.0, padded_table=None):  # fmt: skip
+    """A decoding step's attention of one layer with the official options: one query t per row, after every key
+    (``distance`` t − i >= 0, (B, N)), the token's own key the only one at distance 0, no distance limit; `key_valid`
+    None when every key is valid; `table` the learned relative positions (P, d) or None, `padded_table` the table as
+    `padded_position_table` pads it (padded here when not given, or not in the compute dtype).
+    `expire_span_attention_official`'s weights (see `official.py`) for that query in fewer passes: no (T, N) pair
+    terms, no band search, no 1/m (with ε, m weighs the softmax after). Returns the output and the soft mask m (B, N)
+    it attended with (Eq. 5; 0 at a hidden key: invalid, or the token's own without `attend_to_self`), for the caller
+    to count the reads; None when the output is not finite (a hidden key's NaN reaches it, or no key is visible): the
+    caller then takes `expire_span_attention`."""
+    dtype = _compute_dtype(query, key, value, spans)
+    if table is not None and (padded_table is None or padded_table.dtype != dtype):
+        padded_table = padded_position_table(table, dtype)
+    terms = one_query_terms(spans, distance, key_valid, ramp, dtype, renormalization_epsilon,
+                            padded_table if table is not None else None, folds_positions(key), attend_to_self)  # fmt: skip
+    output = official_one_query_attention(query, key, value, terms, renormalization_epsilon)
+    return None if output is None else (output, terms.mask)
