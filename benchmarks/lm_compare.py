@@ -913,10 +913,11 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         if getattr(args, option) is None:
             setattr(args, option, SMOKE[option] if args.quick else full)
     if args.plot is None:
-        # A smoke run's curves mean nothing: they go to a temporary folder, not over the measured picture.
+        # A smoke run's curves mean nothing: they go to one file of the temporary folder, each smoke run's over the
+        # last (parsing creates nothing), not over the measured picture.
         args.plot = DEFAULT_PLOT
         if args.quick:
-            args.plot = os.path.join(tempfile.mkdtemp(prefix="lm_compare_smoke_"), "lm_compare.png")
+            args.plot = os.path.join(tempfile.gettempdir(), "memlm_lm_compare_smoke.png")
     for option in ("steps", "eval_every", "hidden_size", "num_layers", "num_heads", "intermediate_size", "length",
                    "batch_size", "eval_tokens", "eval_rows", "max_span", "memory_span", "max_bytes", "decode_steps",
                    "threads"):  # fmt: skip

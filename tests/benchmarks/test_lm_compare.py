@@ -214,9 +214,12 @@ def test_summary_of_a_model_trained_with_the_first_seed_only():
 
 
 def test_a_smoke_run_does_not_draw_over_the_measured_picture(tmp_path):
-    """Without --plot, a smoke run's meaningless curves go to a temporary folder; a full run's to the committed PNG."""
+    """Without --plot, a smoke run's meaningless curves go to the temporary folder, and parsing its arguments creates
+    nothing there; a full run's go to the committed PNG."""
     benchmark = load_benchmark()
+    before = set(os.listdir(tempfile.gettempdir()))
     smoke = benchmark.parse_arguments(["--smoke"]).plot
+    assert set(os.listdir(tempfile.gettempdir())) <= before  # (a folder per parse once piled up there)
     assert smoke != benchmark.DEFAULT_PLOT
     assert os.path.realpath(smoke).startswith(os.path.realpath(tempfile.gettempdir()))
     assert benchmark.parse_arguments([]).plot == benchmark.DEFAULT_PLOT
