@@ -251,6 +251,25 @@ def test_span_gradient_only_on_the_ramp(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("official", [False, True], ids=["default", "official_options"])
+def test_no_keys_at_all_give_zeros_and_zero_gradients(backend, official):
+    """A memory of width 0 (no key slot at all): every query sees no key, so zeros, as for a query before every key;
+    with the official options (learned positions, no attention to self, ε) too, whose fused passes cannot shape an
+    empty product."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 2, 3, 4, generator=generator, requires_grad=True)
+    key, value = torch.zeros(2, 2, 0, 4, requires_grad=True), torch.zeros(2, 2, 0, 6, requires_grad=True)
+    spans = torch.zeros(2, 0, requires_grad=True)
+    options = {"relative_positions": torch.randn(5, 4, generator=generator), "attend_to_self": False,
+               "renormalization_epsilon": 1e-8} if official else {}  # fmt: skip
+    output = expire_span_attention(query, key, value, spans, torch.arange(3).repeat(2, 1),
+                                   torch.zeros(2, 0, dtype=torch.long), ramp=2.0, backend=backend, **options)  # fmt: skip
+    assert output.shape == (2, 2, 3, 6) and not output.any()
+    grads = torch.autograd.grad(output.square().sum(), [query, key, value, spans], allow_unused=True)
+    assert all(grad is None or not grad.any() for grad in grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spans", [True, False])
 def test_queries_that_see_no_key_output_zeros(backend, spans):
     # Row 0: query at 2 comes before every key, query at 6 sees keys 5 and 6.
