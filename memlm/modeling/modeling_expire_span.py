@@ -200,7 +200,6 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         # tens of µs in a decoding step whose caches the weights have just flushed.
         self.max_span, self.span_pre_divisor, self.ramp = config.max_span, config.span_pre_divisor, config.ramp
         self.attend_to_self, self.renormalization_epsilon = config.attend_to_self, config.renormalization_epsilon
-        self.remaining_span_loss = config.span_loss_form == "remaining_span"
         self.recompute_memory = config.recompute_memory
         width = config.num_attention_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, width, bias=False)
@@ -999,16 +998,19 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         if not masked:
             return memories, slacks, {}, None
         own = config.attend_to_self  # the token's key is attended to, appended after the earlier memories
-        spans = masked[0][1].spans
-        parts = [((memory.positions, positions) if own else (memory.positions,)) for _, memory in masked]
-        distance = positions - torch.cat([tensor for part in parts for tensor in part], 1)  # t − i
-        zero = torch.zeros(positions.shape, dtype=spans.dtype, device=spans.device) if own else None
-        spans = torch.cat([tensor for _, memory in masked for tensor in ((memory.spans, zero) if own else
-                                                                        (memory.spans,))], 1)  # fmt: skip
-        valid = None
-        if not all(memory.every_valid for _, memory in masked):
-            valid = torch.cat([tensor for _, memory in masked for tensor in ((memory.valid, block.valid) if own else
-                                                                            (memory.valid,))], 1)  # fmt: skip
+        zero = torch.zeros(positions.shape, dtype=masked[0][1].spans.dtype, device=positions.device) if own else None
+        key_positions, spans, valid = [], [], []
+        for _, memory in masked:
+            key_positions.append(memory.positions)
+            spans.append(memory.spans)
+            valid.append(memory.valid)
+            if own:  # the token itself: distance 0, span 0
+                key_positions.append(positions)
+                spans.append(zero)
+                valid.append(block.valid)
+        distance = positions - torch.cat(key_positions, 1)  # t − i
+        spans = torch.cat(spans, 1)
+        valid = None if all(memory.every_valid for _, memory in masked) else torch.cat(valid, 1)
         keys = max((memory for _, memory in masked), key=lambda memory: memory.width).keys
         dtype = torch.float64 if torch.float64 in (keys.dtype, spans.dtype) else torch.float32
         table = None if self.relative_positions is None else self.relative_positions.padded(dtype)
