@@ -10,7 +10,9 @@ Key ``i`` at absolute position ``i`` has a span ``e_i``; a query at position ``t
 tiles (``triton_attention.py``), ``"reference"`` the explicit softmax-mask-renormalise of ``reference.py``. The
 official code's options (learned relative positions, no attention to self, the renormalisation ε) run inside the
 Triton kernel too; on the ``torch`` backend ``official.py``: the scores written out, differentiated by hand.
-:func:`expire_span_mask` is the mask itself, for the model's span loss and memory bookkeeping.
+:func:`expire_span_mask` is the mask itself, for the model's span loss and memory bookkeeping. A decoding step's
+one query per row takes fewer passes (``one_query.py``: :func:`expire_span_attention_decoding`,
+:func:`expire_span_attention_official_decoding`, and their parts, which a step runs for all its layers at once).
 """
 
 import math
