@@ -13,7 +13,7 @@ vocabulary) after prompts of 64 to 1,024 tokens: tokens/s of the steps after the
 `generate` (`report.generation_step_seconds`), with each model's ratio to Llama and a line judging issue 40's first
 goal (DeltaNet and Expire-Span at least at Llama's speed from 64 tokens up, the Feedback Transformer from 512 up).
 
-    python benchmarks/paper_layouts.py [--json results.json]     # about 10 minutes on 2 quiet cores
+    python benchmarks/paper_layouts.py [--json results.json]     # about 7 minutes on 2 quiet cores
     python benchmarks/paper_layouts.py --quick                   # short sizes: a smoke run
     python benchmarks/paper_layouts.py --write-docs --json benchmarks/results/paper_layouts.json
     python benchmarks/paper_layouts.py --report benchmarks/results/paper_layouts.json

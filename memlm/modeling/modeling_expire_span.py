@@ -54,7 +54,6 @@ from ..kernels.expire_attention.memory import (
 )
 from ..kernels.expire_attention.one_query import (
     OneQueryTerms,
-    folds_positions,
     official_one_query_attention,
     one_query_terms,
     plain_one_query_attention,
@@ -1011,11 +1010,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         distance = positions - torch.cat(key_positions, 1)  # t − i
         spans = torch.cat(spans, 1)
         valid = None if all(memory.every_valid for _, memory in masked) else torch.cat(valid, 1)
-        keys = max((memory for _, memory in masked), key=lambda memory: memory.width).keys
-        dtype = torch.float64 if torch.float64 in (keys.dtype, spans.dtype) else torch.float32
+        dtype = torch.float64 if torch.float64 in (masked[0][1].keys.dtype, spans.dtype) else torch.float32
         table = None if self.relative_positions is None else self.relative_positions.padded(dtype)
-        terms = one_query_terms(spans, distance, valid, config.ramp, dtype, config.renormalization_epsilon, table,
-                                folds_positions(keys))  # fmt: skip
+        terms = one_query_terms(spans, distance, valid, config.ramp, dtype, config.renormalization_epsilon, table)
         all_reads = OneQueryReads(terms.mask, spans - distance if config.span_loss_form == "remaining_span" else spans)
         per_layer, start = {}, 0
         for index, memory in masked:

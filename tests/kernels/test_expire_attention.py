@@ -531,22 +531,14 @@ def test_the_decoding_attention_is_the_general_attention_of_one_query_bit_for_bi
      {"table": 64, "attend_to_self": False, "renormalization_epsilon": 1e-2}],
     ids=["official", "positions", "no_self", "epsilon", "official_long_table"],
 )  # fmt: skip
-@pytest.mark.parametrize("folded", [True, False], ids=["positions_in_keys", "positions_product"])
-def test_the_official_decoding_attention_is_the_general_attention_of_one_query(options, dtype, folded, monkeypatch):
+def test_the_official_decoding_attention_is_the_general_attention_of_one_query(options, dtype):
     """`expire_span_attention_official_decoding` (a decoding step with the official options: learned relative
     positions, no attention to the token itself, ε; each alone and together) gives `expire_span_attention`'s output
     to rounding and the mask it attended with (Eq. 5's, 0 at hidden keys), over memories read whole, on the ramp,
-    expired, invalid and farther than the table reaches, with the positions' rows added to few keys and multiplied
-    by the query for many (`FOLDED_POSITIONS_LIMIT`: both ways here); the same bits with the table padded by the caller
-    (as a decoding step pads it once for its layers) and with no validity for keys all valid; None where a hidden
-    key's value is NaN (the general attention keeps it in place) and where no key is visible."""
-    from memlm.kernels.expire_attention import (
-        expire_span_attention_official_decoding,
-        one_query,
-        padded_position_table,
-    )
-
-    monkeypatch.setattr(one_query, "FOLDED_POSITIONS_LIMIT", one_query.FOLDED_POSITIONS_LIMIT if folded else 0)
+    expired, invalid and farther than the table reaches; the same bits with the table padded by the caller (as a
+    decoding step pads it once for its layers) and with no validity for keys all valid; None where a hidden key's value
+    is NaN (the general attention keeps it in place) and where no key is visible."""
+    from memlm.kernels.expire_attention import expire_span_attention_official_decoding, padded_position_table
 
     tensors, arguments, _ = make_inputs(length=1, memory=25, value_dim=8, dtype=dtype, seed=3)
     query, key, value, spans = (tensors[name].detach() for name in ("query", "key", "value", "spans"))

@@ -3,7 +3,7 @@
 A step's query reads each key i at the distance d_i = t − i ≥ 0 with Eq. 5's mask m_i = clamp(1 + (e_i − d_i) / R,
 0, 1) and, with the official options, the positions' row p_{d_i} and the renormalisation ε (see `official.py` for
 the weights). What a key contributes besides its key and value vectors — m, the softmax's bias and the positions'
-term, `OneQueryTerms` — depends only on its span and distance, not on the layer's input: a decoding step computes
+row, `OneQueryTerms` — depends only on its span and distance, not on the layer's input: a decoding step computes
 the terms of every layer's keys in one pass over them side by side (`one_query_terms`, ~10 operations a step where
 each layer took as many), and each layer's attention reads its columns (`plain_one_query_attention`: SDPA with the
 bias log m; `official_one_query_attention`). `expire_span_attention_decoding` and
@@ -25,23 +25,11 @@ __all__ = [
     "OneQueryTerms",
     "expire_span_attention_decoding",
     "expire_span_attention_official_decoding",
-    "folds_positions",
     "official_one_query_attention",
     "one_query_terms",
     "padded_position_table",
     "plain_one_query_attention",
 ]
-
-# The positions' rows are added to the keys (k_i + p_{t−i}: one gather, one add over the keys) while a row's keys hold
-# at most this many numbers (H · N · d), and the table is multiplied by the query beyond (q·[0; table; 0]ᵀ, gathered
-# at each key's row). One call on a 2-core CPU, 4 heads of 64: the first took 16 % less time at 100–150 keys, 5 % less
-# at 600, 6 % more at 1,100 (the limit: 512 such keys).
-FOLDED_POSITIONS_LIMIT = 2**17
-
-
-def folds_positions(key: torch.Tensor) -> bool:
-    """Whether the positions' term of keys (B, H, N, d) (the widest of a step's layers) is added to the keys."""
-    return key[0].numel() <= FOLDED_POSITIONS_LIMIT
 
 
 def padded_position_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,31 +41,26 @@ def padded_position_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 class OneQueryTerms(NamedTuple):
     """What a decoding step's attention reads of its keys besides their vectors, (B, N) each: Eq. 5's mask m (0 at a
-    hidden key), the softmax's bias (log m; with ε log ⌈m⌉, as m weighs the softmax after), and the positions' term:
-    the rows p_{t−i} to add to the keys (`positions`, (B, N, d)), or each key's row (`rows`) of `table`, the first
-    rows of the padded table, which the query multiplies; both None without positions."""
+    hidden key), the softmax's bias (log m; with ε log ⌈m⌉, as m weighs the softmax after), and with the learned
+    positions each key's row (`rows`) of `table`, the first rows of the padded table, which the query multiplies
+    (both None without positions)."""
 
     mask: torch.Tensor
     bias: torch.Tensor
-    positions: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     table: torch.Tensor | None = None
 
     def columns(self, start: int, stop: int) -> "OneQueryTerms":
         """The terms of the keys start..stop − 1 (one layer's, of terms computed for several layers side by side)."""
-
-        def part(tensor):
-            return None if tensor is None else tensor[:, start:stop]
-
-        return OneQueryTerms(part(self.mask), part(self.bias), part(self.positions), part(self.rows), self.table)
+        rows = None if self.rows is None else self.rows[:, start:stop]
+        return OneQueryTerms(self.mask[:, start:stop], self.bias[:, start:stop], rows, self.table)
 
 
 def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype, epsilon: float = 0.0,
-                    padded_table=None, fold: bool = True, attend_to_self: bool = True) -> OneQueryTerms:  # fmt: skip
+                    padded_table=None, attend_to_self: bool = True) -> OneQueryTerms:  # fmt: skip
     """The `OneQueryTerms` in `dtype` of keys with `spans` (B, N) at `distance` t − i >= 0 (B, N) from the query,
-    `key_valid` None when every key is valid; with the learned positions' `padded_table` (`padded_position_table`), as
-    rows added to the keys (`fold`) or rows of the table's product; without `attend_to_self`, the key at distance 0
-    hidden."""
+    `key_valid` None when every key is valid; with the learned positions' `padded_table` (`padded_position_table`);
+    without `attend_to_self`, the key at distance 0 hidden."""
     ramp_position = (in_dtype(spans, dtype) - distance).div_(ramp).add_(1)  # 1 + (e_i − (t − i)) / R
     mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)  # Eq. 5
     if not attend_to_self:
@@ -86,11 +69,9 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
     if padded_table is None:
         return OneQueryTerms(mask, bias)
     rows = padded_table.shape[0]
-    if fold:
-        return OneQueryTerms(mask, bias, positions=F.embedding(distance.clamp(max=rows - 1), padded_table))
     if distance.device.type == "cpu" and distance.numel():  # where reading a number costs no wait: the rows up to
         rows = min(rows, int(distance.max()) + 1)  # the farthest key's (after a short prompt, not all P + 2)
-    return OneQueryTerms(mask, bias, rows=distance.clamp(max=rows - 1), table=padded_table[:rows])
+    return OneQueryTerms(mask, bias, distance.clamp(max=rows - 1), padded_table[:rows])
 
 
 def plain_one_query_attention(query, key, value, bias):
@@ -110,8 +91,6 @@ def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilo
     scale = head_dim**-0.5
     shape = (batch_size, num_heads, 1, key.shape[2])
     bias = terms.bias[:, None, None]  # (B, 1, 1, N)
-    if terms.positions is not None:  # q·(k_i + p_{t−i}), in the scores' one product
-        key = key + terms.positions[:, None]
     flat_query, flat_key = query.flatten(0, 1), key.flatten(0, 1).mT
     if terms.rows is not None:  # q·[0; table; 0]ᵀ gathered at each key's row, onto the bias
         scores = torch.add(bias, (query @ terms.table.mT).gather(-1, terms.rows[:, None, None].expand(shape)),
@@ -156,6 +135,6 @@ def expire_span_attention_official_decoding(query, key, value, spans, distance, 
     if table is not None and (padded_table is None or padded_table.dtype != dtype):
         padded_table = padded_position_table(table, dtype)
     terms = one_query_terms(spans, distance, key_valid, ramp, dtype, renormalization_epsilon,
-                            padded_table if table is not None else None, folds_positions(key), attend_to_self)  # fmt: skip
+                            padded_table if table is not None else None, attend_to_self)  # fmt: skip
     output = official_one_query_attention(query, key, value, terms, renormalization_epsilon)
     return None if output is None else (output, terms.mask)
