@@ -238,8 +238,8 @@ class LearnedRelativePositions(nn.Module):
     def padded(self, dtype: torch.dtype) -> torch.Tensor:
         """The table as a decoding step reads it (`padded_position_table`: [0; p_1..p_P; 0] in `dtype`), without
         gradient, padded again only when the weight changed (written in place, replaced, moved) or the dtype is
-        another: a copy of the whole table at every step cost more than a layer's positions' term after a short
-        prompt. A weight that is not a plain tensor (sharded, quantized) is padded at every call."""
+        another, not copied whole at every step. A weight that is not a plain tensor (sharded, quantized) is padded
+        at every call."""
         weight = self.weight
         if not plain_weights(self):
             return padded_position_table(weight.detach(), dtype)
