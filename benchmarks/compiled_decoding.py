@@ -81,7 +81,9 @@ def build(family: str, sizes: dict):
     elif family == "expire_span":
         model = ExpireSpanForCausalLM(ExpireSpanConfig(**sizes, max_span=span, ramp=span // 8, block_size=span // 4))
     else:
-        model = LlamaForCausalLM(LlamaConfig(**sizes, max_position_embeddings=4096, attn_implementation="sdpa"))
+        # No end-of-text token, as memlm's configs here: `generate` runs the same processors for every model.
+        model = LlamaForCausalLM(LlamaConfig(**sizes, max_position_embeddings=4096, attn_implementation="sdpa",
+                                             bos_token_id=None, eos_token_id=None))  # fmt: skip
     return model.eval()
 
 

@@ -35,7 +35,7 @@ from ..compat import (
 )
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
-from ..kernels import plain_weights
+from ..kernels import plain_weights, sums_are_finite
 from ..kernels.expire_attention import expire_span_attention
 from ..kernels.expire_attention.blocks import (
     Block,
@@ -165,22 +165,25 @@ def _reusable(projection: nn.Module) -> bool:
 
 
 class OneQueryReads(NamedTuple):
-    """What decoding steps' one-query attentions read (`ExpireSpanModel.prepare_step`, one layer's or several layers'
-    side by side): the soft mask m (B, N) they attended with (paper Eq. 5; 0 at invalid slots) and, per memory, what
-    the span loss sums over the pairs on the ramp (e_i, or with the official loss e_i − (t − i)). `ExpireSpanModel.step`
-    counts every layer's at once."""
+    """What a decoding step's one-query attentions read (`ExpireSpanModel.prepare_step`, the layers' side by side):
+    the soft mask m (B, N) they attended with (paper Eq. 5; 0 at invalid slots) and, per memory, what the span loss
+    sums over the pairs on the ramp (e_i, or with the official loss e_i − (t − i)); `columns`: each layer's
+    {index: (start, stop)}. `ExpireSpanModel.step_layers` counts every layer's at once."""
 
     mask: torch.Tensor
     loss_terms: torch.Tensor
+    columns: dict[int, tuple[int, int]]
 
-    @staticmethod
-    def counted(reads: list["OneQueryReads"], ramp: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The span-loss sum and the number of memories read of `reads` (one per layer), as `count_reads` counts them:
-        read ⇔ m > 0; on the ramp ⇔ 0 < m < 1, where m has a fractional part (paper Eq. 6 and "Loss Computation")."""
-        if len(reads) == 1:
-            mask, loss_terms = reads[0]
-        else:
-            mask, loss_terms = (torch.cat(tensors, dim=1) for tensors in zip(*reads))
+    def counted(self, layers: list[int], ramp: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The span-loss sum and the number of memories read of `layers` (their indices), as `count_reads` counts
+        them: read ⇔ m > 0; on the ramp ⇔ 0 < m < 1, where m has a fractional part (paper Eq. 6 and "Loss
+        Computation")."""
+        mask, loss_terms = self.mask, self.loss_terms
+        if len(layers) < len(self.columns):  # (some layers took the general attention, which counts its own)
+            spans = [self.columns[index] for index in layers]
+            mask, loss_terms = (
+                torch.cat([part[:, start:stop] for start, stop in spans], 1) for part in (mask, loss_terms)
+            )
         span_loss_sum = torch.where(mask.frac().bool(), loss_terms, 0).sum() / ramp
         return span_loss_sum, torch.count_nonzero(mask)
 
@@ -346,16 +349,19 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
 
         return (output, *self.count_reads(memory, spans, positions, token_valid, max_distance, counted_positions))
 
-    def attend_decoding(self, query, memory: ExpireSpanMemory, earlier: ExpireSpanMemory, terms: OneQueryTerms):
+    def attend_decoding(self, query, memory: ExpireSpanMemory, earlier: ExpireSpanMemory, terms: OneQueryTerms,
+                        checked: bool = True):  # fmt: skip
         """The masked attention of a decoding step's query (one per row, after every memory) over `memory` (the token's
         own last), or without `attend_to_self` over `earlier` (the memory before the token's own was appended), with
         the `terms` of those keys (`ExpireSpanModel.prepare_step`): the plain one-query attention, or the official
-        options' (learned relative positions, ε). None when the output is not finite (the caller then takes
-        `attend`)."""
+        options' (learned relative positions, ε). None when `checked` and the output is not finite (the caller then
+        takes `attend`)."""
         read = memory if self.attend_to_self else earlier
         if self.plain_attention:
-            return plain_one_query_attention(query, read.keys, read.values, terms.bias)
-        return official_one_query_attention(query, read.keys, read.values, terms, self.renormalization_epsilon)
+            return plain_one_query_attention(query, read.keys, read.values, terms.bias, checked)
+        return official_one_query_attention(
+            query, read.keys, read.values, terms, self.renormalization_epsilon, checked
+        )
 
     def count_reads(self, memory, spans, positions, token_valid, max_distance, counted_positions):
         """The span-loss sum and the memories read of `attend`: which (query, memory) pairs are read (m > 0), and
@@ -507,7 +513,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, memory, spans, span_loss_sum, read
 
     def step(self, hidden_states, block: Block, rotation: tuple | None, memory: ExpireSpanMemory | None,
-             slack: float | None, masked: tuple | None = None, **options):  # fmt: skip
+             slack: float | None, terms: OneQueryTerms | None = None, checked: bool = True, **options):  # fmt: skip
         """A decoding step (`ExpireSpanModel.steps_one_token`: one real token per row, no gradients, evaluation), as
         `run_layer_over_blocks` over the one block returns it: the layer's forward without its work for blocks, padding
         and training — the token's keys and values written into the memory's buffer, then, with the plain attention
@@ -515,13 +521,15 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         on every valid memory), softmax attention over the valid memories with no span loss and the reads as a Python
         number, else the masked attention (`ExpireSpanAttention.attend_decoding`: the one-query attention, plain or with
         the official options — learned relative positions, no attention to the token itself, ε — with the keys'
-        terms and reads of `masked`, which the model computed for its layers at once and counts; `attend` where its
-        output is not finite). A memory without a buffer (compacted by the last pruning) gets one from the append.
+        `terms`, which the model computed for its layers at once, and whose reads it counts: the reads are then None;
+        `attend` where its output is not finite, which only a `checked` step looks at — an unchecked one leaves it to
+        the model, which looks at the step's output). A memory without a buffer (compacted by the last pruning) gets
+        one from the append.
         Before the first memory, where the slack is unknown (None), or where a hook or a kernel would see the layer
         run, the layer's forward runs (`ExpireSpanModel.prepare_step` decides it, and prunes the memory first).
         `rotation`: the block's cos and `signed_sine` (None without rotary positions)."""
         attention = self.attention
-        if masked is None and not (slack is not None and slack >= 0):  # (see `ExpireSpanModel.prepare_step`)
+        if terms is None and not (slack is not None and slack >= 0):  # (see `ExpireSpanModel.prepare_step`)
             return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
         attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
         batch_size = hidden_states.shape[0]
@@ -531,7 +539,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             query_key = torch.cat(
                 [linear(attention.q_proj, attention_input), linear(attention.k_proj, attention_input)], -1
             ).view(batch_size, 1, 2 * heads, head_dim)
-            query, key = rotate(query_key, *rotation).transpose(1, 2).split(heads, 1)
+            query, key = rotate(query_key, *rotation).transpose(1, 2).chunk(2, 1)
         else:
             query = linear(attention.q_proj, attention_input).view(shape).transpose(1, 2)
             key = linear(attention.k_proj, attention_input).view(shape).transpose(1, 2)
@@ -548,14 +556,15 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
             mask = None if dense else memory.valid[:, None, None, :]
             output = F.scaled_dot_product_attention(query, memory.keys, memory.values, attn_mask=mask)
             span_loss_sum, reads = 0, memory.valid.numel() if dense else memory.valid.sum()
+            if checked and not dense and not sums_are_finite(output):
+                output = None  # (a NaN in an invalid slot reaches SDPA's output: 0 · NaN)
         else:  # memories on the ramp, or the official options: Eq. 4–5's mask, the span loss and the reads
-            terms, reads = masked
-            output, span_loss_sum = attention.attend_decoding(query, memory, earlier, terms), 0  # (reads: the model's)
-            if output is None:  # not finite: the general attention keeps a non-finite memory in place
-                output, span_loss_sum, reads = attention.attend(
-                    query, memory, memory.spans, block.positions, block.valid, None, True, 0.0,
-                    options.get("relative_positions"),
-                )  # fmt: skip
+            output, span_loss_sum, reads = attention.attend_decoding(query, memory, earlier, terms, checked), 0, None
+        if output is None:  # not finite: the general attention keeps a non-finite memory in place
+            output, span_loss_sum, reads = attention.attend(
+                query, memory, memory.spans, block.positions, block.valid, None, True, 0.0,
+                options.get("relative_positions"),
+            )  # fmt: skip
         output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))
         if attention.plain_attention:
             memory.expiry_slack = next_decoding_slack(slack, spans)
@@ -927,28 +936,21 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             options["rotary_embedding"] = self.rotary_emb
         if self.relative_positions is not None:
             options["relative_positions"] = self.relative_positions
-        memories, slacks, masked, all_reads = self.prepare_step(cache, block)
-        hidden_states = inputs_embeds
-        all_hidden_states = [hidden_states] if output_hidden_states else None
-        all_spans, span_loss_sum, read_count = [], 0, 0  # Python numbers while no layer needs its forward
-        one_query_reads = []  # the layers' one-query attentions, counted together after the last
-        for index, (layer, cache_layer) in enumerate(zip(self.layers, cache.layers)):
-            hidden_states, cache_layer.memory, spans, span_loss, read = layer.step(
-                hidden_states, block, rotation, memories[index], slacks[index], masked.get(index), **options
+        memories, slacks, terms, reads = self.prepare_step(cache, block)
+        layers = (self.layers, cache.layers, memories, slacks, terms)
+        hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(
+            inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, False, options
+        )
+        if not sums_are_finite(hidden_states):
+            # A layer's attention over memories the mask hides from the token, unchecked, let a non-finite one reach
+            # the output (0 · NaN), where the general attention keeps it in place: run the layers again from the
+            # memories before the step, each attention checking its output. (A non-finite output stays non-finite
+            # through every later layer, so one look at the last tells.)
+            for cache_layer, memory in zip(cache.layers, memories):
+                cache_layer.memory, cache_layer.seen_tokens = memory, cache_layer.seen_tokens - 1
+            hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(
+                inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, True, options
             )
-            cache_layer.seen_tokens += 1
-            if isinstance(read, OneQueryReads):
-                one_query_reads.append(read)
-            else:
-                span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
-            if output_hidden_states:
-                all_hidden_states.append(hidden_states)
-            if output_spans:
-                all_spans.append(torch.cat(spans, dim=1))
-        if one_query_reads:  # all the layers' at once when every layer given terms attended with them
-            reads = [all_reads] if len(one_query_reads) == len(masked) else one_query_reads
-            span_loss, read = OneQueryReads.counted(reads, config.ramp)
-            span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
         hidden_states = self.norm(hidden_states)
         cache.next_positions = positions[:, 0] + 1
         batch_size, device = positions.shape[0], hidden_states.device
@@ -969,14 +971,41 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         )
         return output if return_dict else output.to_tuple()
 
+    def step_layers(self, hidden_states, block, rotation, layers, cache_layers, memories, slacks, terms, reads,
+                    output_hidden_states, output_spans, checked, options):  # fmt: skip
+        """The layers of a decoding `step` over `cache_layers` from `memories` (`prepare_step`'s, as are `slacks`,
+        `terms` and `reads`), each attention checking its output when `checked`: the last hidden states, the span-loss
+        sum and the number of memories read (Python numbers while no layer needed its forward), and each layer's
+        hidden states and spans when asked."""
+        all_hidden_states = [hidden_states] if output_hidden_states else None
+        all_spans, span_loss_sum, read_count = [], 0, 0
+        counted = []  # the layers that attended with their terms: counted together after the last
+        for index, (layer, cache_layer) in enumerate(zip(layers, cache_layers)):
+            hidden_states, cache_layer.memory, spans, span_loss, read = layer.step(
+                hidden_states, block, rotation, memories[index], slacks[index], terms.get(index), checked, **options
+            )
+            cache_layer.seen_tokens += 1
+            if read is None:
+                counted.append(index)
+            else:
+                span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
+            if output_hidden_states:
+                all_hidden_states.append(hidden_states)
+            if output_spans:
+                all_spans.append(torch.cat(spans, dim=1))
+        if counted:
+            span_loss, read = reads.counted(counted, self.config.ramp)
+            span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
+        return hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans
+
     def prepare_step(self, cache: "ExpireSpanCache", block: Block) -> tuple:
         """What a decoding step's layers need before the first runs: each layer's memory, pruned lazily
         (`ExpireSpanMemory.prune`); its slack (`decoding_slack` with the plain attention, −inf with the official
         options, which always mask; None where the layer's forward must run: no memory yet, an unknown slack, a hook or
         a kernel that would see the layer run); and, for the layers whose step masks (slack < 0), their keys' terms
-        (`OneQueryTerms`: Eq. 5's mask, the bias, the positions' rows) and reads (`OneQueryReads`), computed for all of
-        them at once over their memories side by side — a dozen operations a step where each layer ran as many — as
-        {layer index: (terms, reads)}, with the reads of all of them together. A layer that attends to its own token
+        (`OneQueryTerms`: Eq. 5's mask, the bias, the positions' rows), computed for all of them at once over their
+        memories side by side — a dozen operations a step where each layer ran as many — as {layer index: terms},
+        with what they read (`OneQueryReads`, None when no layer masks). A layer that attends to its own token
         appends it before attending: it enters here at distance 0 with span 0 (m = 1, as for any span e_t >= 0)."""
         config = self.config
         positions = block.positions
@@ -1013,16 +1042,13 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         dtype = torch.float64 if torch.float64 in (masked[0][1].keys.dtype, spans.dtype) else torch.float32
         table = None if self.relative_positions is None else self.relative_positions.padded(dtype)
         terms = one_query_terms(spans, distance, valid, config.ramp, dtype, config.renormalization_epsilon, table)
-        all_reads = OneQueryReads(terms.mask, spans - distance if config.span_loss_form == "remaining_span" else spans)
-        per_layer, start = {}, 0
+        per_layer, columns, start = {}, {}, 0
         for index, memory in masked:
             stop = start + memory.width + own
-            per_layer[index] = (
-                terms.columns(start, stop),
-                OneQueryReads(*(part[:, start:stop] for part in all_reads)),
-            )
+            per_layer[index], columns[index] = terms.columns(start, stop), (start, stop)
             start = stop
-        return memories, slacks, per_layer, all_reads
+        loss_terms = spans - distance if config.span_loss_form == "remaining_span" else spans
+        return memories, slacks, per_layer, OneQueryReads(terms.mask, loss_terms, columns)
 
     def initial_memories(self, inputs_embeds: torch.Tensor, start_positions: torch.Tensor) -> list[ExpireSpanMemory]:
         """The official initial memory (`init_hid_cache`): per layer, `initial_memory_size` zero layer inputs at the

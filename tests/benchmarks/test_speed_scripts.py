@@ -1,6 +1,7 @@
 """The speed scripts' model tables (benchmarks/delta_rule.py, benchmarks/expire_span.py) in a real subprocess with
 their shortest settings: the tables that README's figures come from run, and their options do what they say."""
 
+import copy
 import json
 import os
 import subprocess
@@ -175,6 +176,24 @@ def test_the_generation_goals_are_judged_from_the_contexts_each_family_is_held_t
     assert "Expire-Span, official: missed (lowest 0.90× after 512 tokens)" in line
     assert "DeltaNet, default: met (lowest 1.20× after 64 tokens)" in line
     assert "no context of 512 tokens or more" in paper_layouts.generation_goals(rows[:1])
+
+
+def test_every_model_of_the_generation_table_runs_the_same_generation_processors(monkeypatch):
+    """The generate() table compares the models' steps, not generate's settings: no model has an end-of-text token
+    (🤗 Llama's config has one by default, which with min_new_tokens adds two processors and a check to its steps)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import paper_layouts
+
+    models = paper_layouts.generation_models(quick=True)
+    assert "llama" in models and len(models) == 7
+    for name, model in models.items():
+        generation = copy.deepcopy(model.generation_config)
+        generation.min_new_tokens = 8  # as the table's calls ask
+        assert generation.eos_token_id is None and generation.bos_token_id is None, name
+        processors = model._get_logits_processor(generation_config=generation, input_ids_seq_length=4,
+                                                 encoder_input_ids=None, prefix_allowed_tokens_fn=None,
+                                                 logits_processor=None)  # fmt: skip
+        assert len(processors) == 0, (name, processors)
 
 
 def test_a_generate_step_is_timed_from_the_first_new_token_to_the_last(monkeypatch):

@@ -523,7 +523,7 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
         steps["in_step"] = True
         outputs = layer_step(self, *arguments, **options)
         steps["in_step"] = False
-        masked = not isinstance(outputs[3], int) or isinstance(outputs[4], modeling_expire_span.OneQueryReads)
+        masked = not isinstance(outputs[3], int) or outputs[4] is None
         steps["masked" if masked else "unmasked"] += 1  # (the span loss a sum, or the reads counted by the model)
         steps["new_buffer"] += outputs[1].buffer is not arguments[3].buffer  # (compacted by the pruning)
         return outputs
@@ -574,6 +574,50 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
                 assert torch.equal(positions, expected_positions) and torch.equal(valid, expected_valid)
     dead = [not bool(valid.all()) for _, memories in forward for _, valid in memories]
     assert any(dead)  # memories marked dead in place: the step masked them
+
+
+@pytest.mark.parametrize(
+    ("span_bias", "options"), [(2.0, {}), (-0.5, {}), (-0.5, OFFICIAL_OPTIONS)],
+    ids=["long_spans", "short_spans", "official_layout"],
+)
+def test_a_decoding_step_keeps_a_non_finite_memory_it_does_not_read_in_place(monkeypatch, span_bias, options):
+    """A NaN in memories a decoding step does not read (padding slots) leaves its logits finite and those of the
+    forward, as the general attention keeps it in place (issue 33): the step's attentions do not check their outputs,
+    the step looks at its last hidden states once and, finding them not finite, runs its layers again from the
+    memories before it, each attention checking its output. A finite step runs each layer once."""
+    from memlm.modeling.modeling_expire_span import ExpireSpanDecoderLayer, ExpireSpanModel
+
+    model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4, **options).double()
+    input_ids = torch.randint(0, 256, (2, 7))
+    prompt_mask = torch.ones(2, 6, dtype=torch.long)
+    prompt_mask[0, :3] = 0  # row 0 starts with 3 padding tokens: invalid slots in every layer's memory
+    layer_steps = []
+    layer_step = ExpireSpanDecoderLayer.step
+
+    def counted(self, *arguments, **keywords):
+        layer_steps.append(1)
+        return layer_step(self, *arguments, **keywords)
+
+    monkeypatch.setattr(ExpireSpanDecoderLayer, "step", counted)
+
+    def step(poisoned: bool):
+        with torch.no_grad():
+            cache = model(input_ids[:, :6], attention_mask=prompt_mask, use_cache=True).cache
+            if poisoned:
+                for layer in cache.layers:
+                    layer.memory.keys[0, :, ~layer.memory.valid[0]] = float("nan")
+            layer_steps.clear()
+            mask = torch.cat([prompt_mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            return model(input_ids[:, 6:], attention_mask=mask, cache=cache).logits, len(layer_steps)
+
+    (clean, clean_steps), (stepped, poisoned_steps) = step(False), step(True)
+    layers = model.config.num_hidden_layers
+    assert clean_steps == layers and poisoned_steps == 2 * layers
+    assert torch.isfinite(stepped).all()
+    monkeypatch.setattr(ExpireSpanModel, "steps_one_token", lambda *arguments: False)
+    (expected, _), (expected_clean, _) = step(True), step(False)
+    torch.testing.assert_close(stepped, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(clean, expected_clean, atol=1e-12, rtol=0)
 
 
 def test_hooks_see_every_module_run_in_decoding_steps():

@@ -74,17 +74,20 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
     return OneQueryTerms(mask, bias, distance.clamp(max=rows - 1), padded_table[:rows])
 
 
-def plain_one_query_attention(query, key, value, bias):
+def plain_one_query_attention(query, key, value, bias, checked: bool = True):
     """Softmax attention of one query per row (B, H, 1, d) with the bias log m (B, N) (Eqs. 4–5): the output, or None
-    when it is not finite (a NaN reaches it, or no key is visible)."""
+    when it is not finite (a NaN reaches it, or no key is visible). Unless `checked`, the output as it is (a caller
+    that checks a later sum, which a non-finite output reaches, instead)."""
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=in_dtype(bias, query.dtype)[:, None, None])
-    return output if sums_are_finite(output) else None
+    return output if not checked or sums_are_finite(output) else None
 
 
-def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilon: float = 0.0):
+def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilon: float = 0.0,
+                                 checked: bool = True):  # fmt: skip
     """The official weights (`official.py`) of one query per row (B, H, 1, d) over keys read with `terms` (in their
     dtype, float32 or float64): w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys; with ε = 0 the
-    softmax of s + log m. The output in the query's dtype, or None when it is not finite."""
+    softmax of s + log m. The output in the query's dtype, or None when it is not finite (unless `checked`, as
+    `plain_one_query_attention`)."""
     dtype, output_dtype = terms.mask.dtype, query.dtype
     query, key, value = (in_dtype(tensor, dtype) for tensor in (query, key, value))
     batch_size, num_heads, _, head_dim = query.shape
@@ -103,7 +106,7 @@ def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilo
         output = (weights @ value).div_(weights.sum(-1, keepdim=True).add_(epsilon))
     else:  # w = softmax(s + log m)
         output = weights @ value
-    return in_dtype(output, output_dtype) if sums_are_finite(output) else None
+    return in_dtype(output, output_dtype) if not checked or sums_are_finite(output) else None
 
 
 def expire_span_attention_decoding(query, key, value, spans, distance, key_valid, ramp: float):
