@@ -577,7 +577,8 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
 
 
 @pytest.mark.parametrize(
-    ("span_bias", "options"), [(2.0, {}), (-0.5, {}), (-0.5, OFFICIAL_OPTIONS)],
+    ("span_bias", "options"),
+    [(2.0, {}), (-0.5, {}), (-0.5, OFFICIAL_OPTIONS)],
     ids=["long_spans", "short_spans", "official_layout"],
 )
 def test_a_decoding_step_keeps_a_non_finite_memory_it_does_not_read_in_place(monkeypatch, span_bias, options):
