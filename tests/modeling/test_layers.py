@@ -38,3 +38,36 @@ def test_linear_is_the_modules_call(case):
         assert torch.equal(linear(module, inputs), expected.detach())
     assert calls == ([1] if case == "hooked" else [])
     assert runs_as_defined(module) == (case != "hooked")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size", [256, 200])
+def test_rms_norm_on_a_cpu_is_torch_s_rms_norm(size, dtype):
+    """`RMSNorm` computes ε + Σx²·(1/D) itself on a CPU tensor (five ops where `F.rms_norm` runs about twenty): the
+    values of `F.rms_norm` bit for bit where 1/D is exact (D a power of two), within a few ulps otherwise (1/D
+    rounded once more), and its gradients to the input and the weight; a float16 input is still normed in float32
+    by `F.rms_norm`. The ε tensor follows the module to float64 and to a new ε."""
+    import torch.nn.functional as F
+
+    from memlm.modeling.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(size, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    inputs = (torch.randn(3, 5, size, dtype=dtype) * 4).requires_grad_()
+    output = norm(inputs)
+    expected = F.rms_norm(inputs, (size,), norm.weight, 1e-5)
+    tolerance = {"atol": 0, "rtol": 0} if size & (size - 1) == 0 else {"atol": 0, "rtol": 4 * torch.finfo(dtype).eps}
+    torch.testing.assert_close(output, expected, **tolerance)
+    gradient = torch.randn_like(output)
+    grads = torch.autograd.grad(output, (inputs, norm.weight), gradient)
+    expected_grads = torch.autograd.grad(expected, (inputs, norm.weight), gradient)
+    for grad, expected_grad in zip(grads, expected_grads):  # (the weight's sums 15 terms: rounding, to their scale)
+        scale = 64 * torch.finfo(dtype).eps
+        torch.testing.assert_close(grad, expected_grad, atol=scale * expected_grad.abs().max(), rtol=scale)
+    norm.variance_epsilon = 0.5  # a new ε is read, not the cached one
+    torch.testing.assert_close(norm(inputs), F.rms_norm(inputs, (size,), norm.weight, 0.5), **tolerance)
+    half = torch.randn(2, size, dtype=torch.float16)
+    expected_half = F.rms_norm(half.float(), (size,), norm.weight.float(), 0.5).to(torch.float16)
+    torch.testing.assert_close(norm.float()(half), expected_half, atol=0, rtol=0)
