@@ -180,9 +180,9 @@ class OneQueryReads(NamedTuple):
         Computation")."""
         mask, loss_terms = self.mask, self.loss_terms
         if len(layers) < len(self.columns):  # (some layers took the general attention, which counts its own)
-            spans = [self.columns[index] for index in layers]
+            ranges = [self.columns[index] for index in layers]
             mask, loss_terms = (
-                torch.cat([part[:, start:stop] for start, stop in spans], 1) for part in (mask, loss_terms)
+                torch.cat([part[:, start:stop] for start, stop in ranges], 1) for part in (mask, loss_terms)
             )
         span_loss_sum = torch.where(mask.frac().bool(), loss_terms, 0).sum() / ramp
         return span_loss_sum, torch.count_nonzero(mask)
@@ -941,11 +941,12 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(
             inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, False, options
         )
-        if not sums_are_finite(hidden_states):
-            # A layer's attention over memories the mask hides from the token, unchecked, let a non-finite one reach
-            # the output (0 · NaN), where the general attention keeps it in place: run the layers again from the
-            # memories before the step, each attention checking its output. (A non-finite output stays non-finite
-            # through every later layer, so one look at the last tells.)
+        hiding = terms or not all(cache_layer.memory.every_valid for cache_layer in cache.layers)
+        if hiding and not sums_are_finite(hidden_states):
+            # A layer's attention over memories the mask hides from the token (memories on the ramp or expired, or
+            # invalid slots), unchecked, let a non-finite one reach the output (0 · NaN), where the general attention
+            # keeps it in place: run the layers again from the memories before the step, each attention checking its
+            # output. (A non-finite output stays non-finite through every later layer, so one look at the last tells.)
             for cache_layer, memory in zip(cache.layers, memories):
                 cache_layer.memory, cache_layer.seen_tokens = memory, cache_layer.seen_tokens - 1
             hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(

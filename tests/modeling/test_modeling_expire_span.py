@@ -585,7 +585,9 @@ def test_a_decoding_step_keeps_a_non_finite_memory_it_does_not_read_in_place(mon
     """A NaN in memories a decoding step does not read (padding slots) leaves its logits finite and those of the
     forward, as the general attention keeps it in place (issue 33): the step's attentions do not check their outputs,
     the step looks at its last hidden states once and, finding them not finite, runs its layers again from the
-    memories before it, each attention checking its output. A finite step runs each layer once."""
+    memories before it, each attention checking its output. A finite step runs each layer once; one that hides no
+    memory from the token (no padding, no memory on the ramp: long spans) does not look."""
+    from memlm.modeling import modeling_expire_span
     from memlm.modeling.modeling_expire_span import ExpireSpanDecoderLayer, ExpireSpanModel
 
     model = _model(span_weight=0.05, span_bias=span_bias, max_span=24, ramp=4, block_size=4, **options).double()
@@ -614,6 +616,16 @@ def test_a_decoding_step_keeps_a_non_finite_memory_it_does_not_read_in_place(mon
     (clean, clean_steps), (stepped, poisoned_steps) = step(False), step(True)
     layers = model.config.num_hidden_layers
     assert clean_steps == layers and poisoned_steps == 2 * layers
+    looks, sums_are_finite = [], modeling_expire_span.sums_are_finite
+    monkeypatch.setattr(
+        modeling_expire_span, "sums_are_finite", lambda *tensors: looks.append(1) or sums_are_finite(*tensors)
+    )
+    with torch.no_grad():
+        cache = model(input_ids[:, :6], use_cache=True).cache
+        looks.clear()
+        model(input_ids[:, 6:], cache=cache)
+    if span_bias > 0 or options:  # (short spans: on the ramp only later) no memory hidden, or the official mask
+        assert len(looks) == (1 if options else 0)
     assert torch.isfinite(stepped).all()
     monkeypatch.setattr(ExpireSpanModel, "steps_one_token", lambda *arguments: False)
     (expected, _), (expected_clean, _) = step(True), step(False)
