@@ -212,8 +212,8 @@ def generation_models(quick: bool) -> dict:
             models[f"{SHORT_NAMES[family]}_{layout}"] = AutoModelForCausalLM.from_config(config).eval()
     default = models["expire_span_default"].config
     # No end-of-text token, as memlm's configs here: `generate` then runs the same processors for every model (with
-    # LlamaConfig's default eos_token_id=2 and min_new_tokens, two minimum-length processors and an end-of-text check
-    # took 3.6 % of Llama's time per token after 128 tokens, 1 thread, on the machine of the speed page).
+    # LlamaConfig's default eos_token_id=2 and min_new_tokens, it would run two minimum-length processors and an
+    # end-of-text check on Llama's tokens only).
     llama = LlamaConfig(**model_sizes(quick, BYTE_VOCABULARY), intermediate_size=default.intermediate_size,
                         max_position_embeddings=2**16, attn_implementation="sdpa", bos_token_id=None,
                         eos_token_id=None)  # fmt: skip

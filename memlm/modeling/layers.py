@@ -32,6 +32,10 @@ def compile_region(forward):
     return layer_forward
 
 
+# RMSNorm's ε as a 0-dim CPU tensor per (dtype, ε), shared by every norm (read, never written).
+_CPU_EPSILONS = {}
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 or wider: y = x / sqrt(mean(x²) + eps) · w."""
 
@@ -39,7 +43,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
-        self._epsilons = {}  # ε as a 0-dim tensor per (device, dtype, ε), for the CPU's formula
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -48,10 +51,10 @@ class RMSNorm(nn.Module):
                 # On a CPU F.rms_norm runs as ~20 small ops, a decoding step's norms as many µs: its formula in five
                 # (ε + Σx² · (1/D), its rsqrt, x·r·w; F.rms_norm's numbers where 1/D is exact, a power of two, else
                 # within an ulp). ε as a tensor: a Python number would cost a conversion at every call.
-                key = (hidden_states.device, hidden_states.dtype, self.variance_epsilon)
-                epsilon = self._epsilons.get(key)
+                key = (hidden_states.dtype, self.variance_epsilon)
+                epsilon = _CPU_EPSILONS.get(key)
                 if epsilon is None:
-                    epsilon = self._epsilons[key] = torch.tensor(key[2], dtype=key[1], device=key[0])
+                    epsilon = _CPU_EPSILONS[key] = torch.tensor(key[1], dtype=key[0], device="cpu")
                 squares = hidden_states.square().sum(-1, keepdim=True)
                 scale = torch.add(epsilon, squares, alpha=1 / hidden_states.shape[-1]).rsqrt_()
                 return torch.mul(hidden_states, scale) * weight

@@ -46,7 +46,7 @@ def test_rms_norm_on_a_cpu_is_torch_s_rms_norm(size, dtype):
     """`RMSNorm` computes ε + Σx²·(1/D) itself on a CPU tensor (five ops where `F.rms_norm` runs about twenty): the
     values of `F.rms_norm` bit for bit where 1/D is exact (D a power of two), within a few ulps otherwise (1/D
     rounded once more), and its gradients to the input and the weight; a float16 input is still normed in float32
-    by `F.rms_norm`. The ε tensor follows the module to float64 and to a new ε."""
+    by `F.rms_norm`. A new ε is read, not the cached one."""
     import torch.nn.functional as F
 
     from memlm.modeling.layers import RMSNorm
