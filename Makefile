@@ -27,12 +27,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: main test test-recorded docs test-slow test-releases wheel-check constraints benchmark papers gpu-wheels gpu-check clean
 
+# A download cut short by the network fails a whole run (CI once lost Triton's wheel at 211 of 286 MB, resumed five times
+# from the same byte): every pip below, and those the check scripts start, retries a dropped connection and resumes a
+# cut download, and an install that fails all the same is started again from scratch, up to three times.
+export PIP_RETRIES ?= 10
+export PIP_RESUME_RETRIES ?= 10
+retried = for attempt in 1 2 3; do $(1) && break; [ $$attempt -lt 3 ] || exit 1; \
+	echo "install failed (attempt $$attempt of 3); again in 30 s"; sleep 30; done
+
 $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
 	@$(PYTHON) devtools/check_python.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints/tested.txt -e ".[dev]"
+	$(call retried,$(BIN)/python -m pip install --quiet --upgrade pip)
+	$(call retried,$(BIN)/python -m pip install --quiet torch==2.13.0)
+	$(call retried,$(BIN)/python -m pip install --quiet -c constraints/tested.txt -e ".[dev]")
 	touch $(STAMP)
 
 main: $(STAMP)

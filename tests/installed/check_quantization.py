@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,11 +57,26 @@ def install(python: str, requirements: list[str], folder: Path, public: bool) ->
     shutil.rmtree(folder, ignore_errors=True)
     command = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--target",
                str(folder), *requirements]  # fmt: skip
-    print("$ " + " ".join(command), flush=True)
     # `public`: the registry alone, as a user's machine sees it (this machine's pip configuration caps some packages).
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull} if public else None
-    subprocess.run(command, check=True, env=env, stdin=subprocess.DEVNULL)
+    pip_install(command, env)
     stamp.write_text(marker)
+
+
+def pip_install(
+    command: list, env: dict | None, cwd: Path | None = None, attempts: int = 3, pause: float = 30
+) -> None:
+    """Run the pip install `command`, again from scratch when it fails, up to `attempts` times: a download the network
+    cuts short is resumed by pip (PIP_RESUME_RETRIES, which the Makefile sets), and when resuming fails too (CI once
+    resumed Triton's wheel five times from the same byte) only a new download gets past it."""
+    for attempt in range(1, attempts + 1):
+        print("$ " + " ".join(str(part) for part in command), flush=True)
+        if subprocess.run([str(part) for part in command], cwd=cwd, env=env, stdin=subprocess.DEVNULL).returncode == 0:
+            return
+        if attempt == attempts:
+            raise SystemExit(f"pip install failed {attempts} times: {' '.join(str(part) for part in command)}")
+        print(f"pip install failed (attempt {attempt} of {attempts}); again in {pause:.0f} s", flush=True)
+        time.sleep(pause)
 
 
 def main(argv=None) -> int:

@@ -80,7 +80,8 @@ def pip(python: Path, *arguments, public: bool = False) -> None:
     """pip install into `python`'s environment; `public`: from the public registry alone, ignoring this machine's pip
     configuration (which caps torch at the builds on its disk), as a user's machine installs."""
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull} if public else None
-    run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *arguments], env=env)
+    command = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *arguments]
+    check_quantization.pip_install(command, env, cwd=ROOT)
 
 
 def newest_prerelease(python: Path, package: str) -> str | None:
