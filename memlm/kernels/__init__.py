@@ -45,6 +45,7 @@ __all__ = [
     "flash_linear_attention_available",
     "flash_linear_attention_version",
     "in_dtype",
+    "is_finite_now",
     "plain_weights",
     "resolve_backend",
     "triton_available",
@@ -224,6 +225,17 @@ def sums_are_finite(*tensors) -> bool:
     # .numpy() reads the CPU copy without a dispatched `.item()` (tests count those as device reads); math.isfinite
     # reads it without more torch calls (a decoding step checks at every layer).
     return all(math.isfinite(total.cpu().numpy()) for total in sums)
+
+
+def is_finite_now(tensor) -> bool:
+    """Whether `tensor` sums to a finite number, read back now on every device (one read-back: a GPU's queue waits for
+    it), where `sums_are_finite` looks only where a read-back is free. For a check a step cannot do without: an
+    Expire-Span decoding step's single look at its output (`ExpireSpanModel.step`)."""
+    import torch
+
+    total = tensor.detach().sum(dtype=torch.float32)
+    # .numpy() reads a CPU sum without a dispatched `.item()` (tests count those as device reads).
+    return math.isfinite((total if total.is_cpu else total.cpu()).numpy())
 
 
 def check_triton_device(device, backend: str = "triton") -> None:

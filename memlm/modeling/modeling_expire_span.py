@@ -35,7 +35,7 @@ from ..compat import (
 )
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
-from ..kernels import plain_weights, sums_are_finite
+from ..kernels import checking_every_call, is_finite_now, plain_weights, sums_are_finite
 from ..kernels.expire_attention import expire_span_attention
 from ..kernels.expire_attention.blocks import (
     Block,
@@ -942,16 +942,19 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, False, options
         )
         hiding = terms or not all(cache_layer.memory.every_valid for cache_layer in cache.layers)
-        if hiding and not sums_are_finite(hidden_states):
+        if hiding and not is_finite_now(hidden_states):
             # A layer's attention over memories the mask hides from the token (memories on the ramp or expired, or
             # invalid slots), unchecked, let a non-finite one reach the output (0 · NaN), where the general attention
             # keeps it in place: run the layers again from the memories before the step, each attention checking its
-            # output. (A non-finite output stays non-finite through every later layer, so one look at the last tells.)
+            # output — on every device (a GPU's attentions check only inside `checking_every_call`). A non-finite
+            # output stays non-finite through every later layer, so one look at the last tells; it reads back on
+            # every device, a GPU's too (one wait of its queue per step, while some memory is hidden).
             for cache_layer, memory in zip(cache.layers, memories):
                 cache_layer.memory, cache_layer.seen_tokens = memory, cache_layer.seen_tokens - 1
-            hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(
-                inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, True, options
-            )
+            with checking_every_call():
+                hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(
+                    inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, True, options
+                )
         hidden_states = self.norm(hidden_states)
         cache.next_positions = positions[:, 0] + 1
         batch_size, device = positions.shape[0], hidden_states.device

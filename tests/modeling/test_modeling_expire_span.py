@@ -586,7 +586,9 @@ def test_a_decoding_step_keeps_a_non_finite_memory_it_does_not_read_in_place(mon
     forward, as the general attention keeps it in place (issue 33): the step's attentions do not check their outputs,
     the step looks at its last hidden states once and, finding them not finite, runs its layers again from the
     memories before it, each attention checking its output. A finite step runs each layer once; one that hides no
-    memory from the token (no padding, no memory on the ramp: long spans) does not look."""
+    memory from the token (no padding, no memory on the ramp: long spans) does not look. The same on a device whose
+    operations do not check at every call (a GPU's, emulated on the CPU): the step's look reads back there too."""
+    from memlm import kernels
     from memlm.modeling import modeling_expire_span
     from memlm.modeling.modeling_expire_span import ExpireSpanDecoderLayer, ExpireSpanModel
 
@@ -616,10 +618,13 @@ def test_a_decoding_step_keeps_a_non_finite_memory_it_does_not_read_in_place(mon
     (clean, clean_steps), (stepped, poisoned_steps) = step(False), step(True)
     layers = model.config.num_hidden_layers
     assert clean_steps == layers and poisoned_steps == 2 * layers
-    looks, sums_are_finite = [], modeling_expire_span.sums_are_finite
-    monkeypatch.setattr(
-        modeling_expire_span, "sums_are_finite", lambda *tensors: looks.append(1) or sums_are_finite(*tensors)
-    )
+    with monkeypatch.context() as device:  # a GPU's operations: checked only inside `checking_every_call`
+        device.setattr(kernels, "DEVICES_CHECKED_AT_EVERY_CALL", set())
+        (device_clean, device_clean_steps), (device_stepped, device_poisoned_steps) = step(False), step(True)
+    assert device_clean_steps == layers and device_poisoned_steps == 2 * layers
+    assert torch.equal(device_clean, clean) and torch.equal(device_stepped, stepped)
+    looks, is_finite_now = [], modeling_expire_span.is_finite_now
+    monkeypatch.setattr(modeling_expire_span, "is_finite_now", lambda tensor: looks.append(1) or is_finite_now(tensor))
     with torch.no_grad():
         cache = model(input_ids[:, :6], use_cache=True).cache
         looks.clear()
