@@ -57,10 +57,10 @@ class _Buffer:
     """Preallocated storage shared by the memories that are its prefixes; `used` slots are written. A memory whose
     width equals `used` may append in place; any other (an older prefix) copies, so no slot is written twice."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], used: int):
+    def __init__(self, tensors: dict[str, torch.Tensor], used: int, next_check: int):
         self.tensors = tensors
         self.used = used
-        self.next_check = used  # prune at the first chance
+        self.next_check = next_check  # the width at which `ExpireSpanMemory.prune` looks next
 
     @property
     def capacity(self) -> int:
@@ -160,7 +160,10 @@ class ExpireSpanMemory:
                 shape = (*tensor.shape[:dim], capacity, *tensor.shape[dim + 1 :])
                 tensors[name] = tensor.new_empty(shape, dtype=theirs[name].dtype)
                 tensors[name].narrow(dim, 0, width).copy_(tensor)
-            buffer = _Buffer(tensors, width)
+            # A grown buffer keeps its next check; a first one, for memories just pruned (a forward's, or compacted
+            # by the last check), looks after the interval, as after any check (one that dies meanwhile has m = 0).
+            next_check = width + check_interval(width) if buffer is None else buffer.next_check
+            buffer = _Buffer(tensors, width, next_check)
         views, slots, written = dict.fromkeys(_FIELDS), [], []
         for name in names:
             tensor, dim = buffer.tensors[name], _SLOT_DIMENSION[name]
