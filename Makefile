@@ -32,7 +32,7 @@ STAMP := $(VENV)/.installed
 # cut download, and an install that fails all the same is started again from scratch, up to three times.
 export PIP_RETRIES ?= 10
 export PIP_RESUME_RETRIES ?= 10
-retried = for attempt in 1 2 3; do $(1) && break; [ $$attempt -lt 3 ] || exit 1; \
+retried = @echo '$(1)'; for attempt in 1 2 3; do $(1) && break; [ $$attempt -lt 3 ] || exit 1; \
 	echo "install failed (attempt $$attempt of 3); again in 30 s"; sleep 30; done
 
 $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
