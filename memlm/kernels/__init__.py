@@ -215,7 +215,7 @@ def sums_are_finite(*tensors) -> bool:
         return True
     if len(tensors) == 1 and tensors[0].is_cpu and "cpu" in DEVICES_CHECKED_AT_EVERY_CALL:  # (a decoding step's
         # check, at every layer: half the time of the general case below)
-        return math.isfinite(tensors[0].detach().sum(dtype=torch.float32).numpy())
+        return is_finite_now(tensors[0])
     if not all(checked_at_every_call(tensor.device) for tensor in tensors):
         collected = _COLLECTED_SUMS.get()
         if collected is not None:

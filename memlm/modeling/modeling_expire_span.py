@@ -946,9 +946,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             # A layer's attention over memories the mask hides from the token (memories on the ramp or expired, or
             # invalid slots), unchecked, let a non-finite one reach the output (0 · NaN), where the general attention
             # keeps it in place: run the layers again from the memories before the step, each attention checking its
-            # output — on every device (a GPU's attentions check only inside `checking_every_call`). A non-finite
-            # output stays non-finite through every later layer, so one look at the last tells; it reads back on
-            # every device, a GPU's too (one wait of its queue per step, while some memory is hidden).
+            # output (inside `checking_every_call`, where a GPU's attentions check too). A non-finite output stays
+            # non-finite through every later layer, so one look at the last tells: a read-back on every device (on a
+            # GPU one wait of its queue per step, while some memory is hidden).
             for cache_layer, memory in zip(cache.layers, memories):
                 cache_layer.memory, cache_layer.seen_tokens = memory, cache_layer.seen_tokens - 1
             with checking_every_call():

@@ -134,6 +134,25 @@ def test_lazy_pruning_keeps_every_readable_memory_and_a_bounded_layout(spans):
     assert min(widths[100:]) < max(widths)  # it is compacted from time to time
 
 
+@torch.no_grad()  # decoding
+def test_lazy_pruning_looks_once_per_check_interval_also_after_a_compaction():
+    """A decoding buffer looks for dead memories once every `check_interval` appended memories: a buffer made anew —
+    by the first append after a compaction, or by growing — does not look again at once (nothing new has died)."""
+    memory, looked, compactions = make_memory(0, 1), [], 0
+    for step in range(1, 400):
+        first = torch.full((2,), step)
+
+        def dead(m=memory, f=first, step=step):
+            looked.append(step)
+            return expired_memories(m.positions, m.spans, f, RAMP, max_span=5)
+
+        pruned = memory.prune(dead)
+        compactions += pruned.buffer is None and memory.buffer is not None
+        memory = pruned.append(make_memory(step, 1))
+    gaps = [later - earlier for earlier, later in zip(looked, looked[1:])]
+    assert compactions > 5 and min(gaps) >= check_interval(1), (compactions, gaps)
+
+
 def test_lazy_pruning_marks_dead_memories_invalid_in_place():
     memory, _ = decode(make_memory(0, 1), 40)
     first = torch.full((2,), 40)
