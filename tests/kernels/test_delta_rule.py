@@ -188,6 +188,24 @@ def test_gradients_when_only_one_result_is_used(used):
         assert relative_error(grad, expected) < 1e-5, name
 
 
+@pytest.mark.parametrize("length", [1, 5, 37])
+@pytest.mark.parametrize("backend", ["torch", "reference", "triton"])
+@pytest.mark.parametrize("rule", [delta_rule, sum_rule])
+def test_a_final_state_with_gradients_is_not_a_view(rule, backend, length):
+    """A layer returns the final state as its cache's new one: FSDP2 warns about a view among a wrapped module's outputs
+    (an in-place operation on it would drop FSDP's pre-backward hook), as it did for the chunkwise kernels' (B·H, ·, ·)
+    results reshaped to (B, H, ·, ·)."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CPU tensors only inside Triton's interpreter")
+    tensors, _, _ = make_inputs(length=length)
+    if rule is sum_rule:
+        del tensors["beta"]
+    output, state = rule(**tensors, output_final_state=True, chunk_size=4, backend=backend)
+    assert state.requires_grad and state._base is None
+    expected = (delta_rule_reference if rule is delta_rule else sum_rule_reference)(**tensors, output_final_state=True)
+    torch.testing.assert_close(state, expected[1], rtol=1e-5, atol=1e-5)
+
+
 def time_slice(tensors, rule, start, end):
     """The sequence inputs of ``rule`` (beta only for the delta rule) restricted to tokens [start, end)."""
     names = ["query", "key", "value"] + (["beta"] if rule is delta_rule else [])

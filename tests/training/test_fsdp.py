@@ -54,7 +54,9 @@ def test_fsdp_two_processes_give_the_gradients_of_one(tmp_path):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(ROOT / "tests" / "training" / "fsdp_worker.py"), str(output)], env=environment,
                          capture_output=True, text=True, timeout=420)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-4000:]
+    # A view among a wrapped layer's outputs loses FSDP's pre-backward hook to an in-place operation (DeltaNet's state).
+    assert "returned a view tensor" not in run.stderr, run.stderr[-4000:]
     sharded = torch.load(output)
     batch = fixed_batch()
     for name, model in build_models().items():

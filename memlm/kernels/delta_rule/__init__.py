@@ -143,6 +143,16 @@ def _poisoned_positions(bad: torch.Tensor, offsets: list[int] | None) -> torch.T
     return seen > 0
 
 
+def _own_state(result: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The final state that autograd records as a tensor of its own, not a view of a kernel's (B·H, d_k, d_v)
+    result: a layer that returns it (a cache's new state) under FSDP2 would otherwise warn that an in-place operation
+    on the view drops FSDP's pre-backward hook. One copy of the state per forward, only with gradients."""
+    output, state = result
+    if state is not None and state.requires_grad and state._base is not None:
+        state = state.clone()
+    return output, state
+
+
 def _causal_despite_non_finite(run, query, key, value, beta, initial_state, offsets):
     """`run(query, key, value, beta, initial_state)`, keeping a non-finite input where it is: a chunkwise product
     multiplies the rows of a chunk together, and 0 · NaN = NaN would carry a NaN at position t into the outputs
@@ -246,7 +256,7 @@ def delta_rule(
         return _delta_rule(query, key, value, beta, initial_state, output_final_state, chunk_size, cu_seqlens,
                            offsets, backend, hub_kernel, in_place)  # fmt: skip
 
-    return _causal_despite_non_finite(run, query, key, value, beta, initial_state, offsets)
+    return _own_state(_causal_despite_non_finite(run, query, key, value, beta, initial_state, offsets))
 
 
 def _updatable(initial_state: torch.Tensor | None, *inputs: torch.Tensor | None) -> bool:
@@ -331,7 +341,7 @@ def sum_rule(
         return _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets,
                          backend, in_place)  # fmt: skip
 
-    return _causal_despite_non_finite(run, query, key, value, None, initial_state, offsets)
+    return _own_state(_causal_despite_non_finite(run, query, key, value, None, initial_state, offsets))
 
 
 def _sum_rule(query, key, value, initial_state, output_final_state, chunk_size, cu_seqlens, offsets, backend,
