@@ -43,7 +43,8 @@ def main(output: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1])
     print("left the process group", flush=True)
-    # Out without the interpreter's and libtorch's teardown: a gloo thread still joinable there aborted a rank once
-    # more after the barrier and destroy_process_group ("terminate called without an active exception", CI of stop 62).
+    # Out without the interpreter's and libtorch's teardown, where a thread still joinable aborts a process: a rank
+    # aborted once more despite the barrier and destroy_process_group ("terminate called without an active exception",
+    # CI of stop 62; where it was is not known: the lines above now say how far each rank got).
     sys.stderr.flush()
     os._exit(0)
