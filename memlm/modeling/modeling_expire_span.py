@@ -712,6 +712,11 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         )
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
         self.output_dropout = nn.Dropout(config.output_dropout)
+        # Read at every decoding step, as plain attributes (as `ExpireSpanAttention` keeps them: a config's attribute
+        # read costs ~1.6 µs).
+        self.expire_memories, self.recompute_memory = config.expire_memories, config.recompute_memory
+        self.attend_to_self, self.ramp = config.attend_to_self, config.ramp
+        self.renormalization_epsilon = config.renormalization_epsilon
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -911,10 +916,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             and not torch.compiler.is_compiling()
         ):  # fmt: skip
             return False
-        config = self.config
-        if not config.expire_memories:
+        if not self.expire_memories:
             return False
-        if config.recompute_memory and cache.weights_version != weights_version(self):
+        if self.recompute_memory and cache.weights_version != weights_version(self):
             return False
         return token_valid is None or bool(token_valid.all())
 
@@ -932,7 +936,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         block = Block(slice(0, 1), positions, valid, cos, sin, positions[:, 0])
         rotation = (cos, signed_sine(sin)) if rotary else None  # for every layer's `rotate`
         options = {"max_distance": None, "delete_expired": self.prune_expired_memories, "counted_positions": True}
-        if config.recompute_memory and rotary:
+        if self.recompute_memory and rotary:
             options["rotary_embedding"] = self.rotary_emb
         if self.relative_positions is not None:
             options["relative_positions"] = self.relative_positions
@@ -998,7 +1002,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             if output_spans:
                 all_spans.append(torch.cat(spans, dim=1))
         if counted:
-            span_loss, read = reads.counted(counted, self.config.ramp)
+            span_loss, read = reads.counted(counted, self.ramp)
             span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
         return hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans
 
@@ -1022,17 +1026,17 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             if memory is None or not runs_as_defined(layer, attention):  # (a hook or a kernel sees the forward run)
                 slack = None
             if slack is not None and slack < 0:
-                masked.append((len(memories), memory))
+                masked.append((len(memories), memory, attention.plain_attention))
                 if memory.every_valid is None:  # (known for the step's append too)
                     memory.every_valid = bool(memory.valid.all())
             memories.append(memory)
             slacks.append(slack)
         if not masked:
             return memories, slacks, {}, None
-        own = config.attend_to_self  # the token's key is attended to, appended after the earlier memories
+        own = self.attend_to_self  # the token's key is attended to, appended after the earlier memories
         zero = torch.zeros(positions.shape, dtype=masked[0][1].spans.dtype, device=positions.device) if own else None
         key_positions, spans, valid = [], [], []
-        for _, memory in masked:
+        for _, memory, _ in masked:
             key_positions.append(memory.positions)
             spans.append(memory.spans)
             valid.append(memory.valid)
@@ -1042,14 +1046,15 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 valid.append(block.valid)
         distance = positions - torch.cat(key_positions, 1)  # t − i
         spans = torch.cat(spans, 1)
-        valid = None if all(memory.every_valid for _, memory in masked) else torch.cat(valid, 1)
+        valid = None if all(memory.every_valid for _, memory, _ in masked) else torch.cat(valid, 1)
         dtype = torch.float64 if torch.float64 in (masked[0][1].keys.dtype, spans.dtype) else torch.float32
         table = None if self.relative_positions is None else self.relative_positions.padded(dtype)
-        terms = one_query_terms(spans, distance, valid, config.ramp, dtype, config.renormalization_epsilon, table)
+        terms = one_query_terms(spans, distance, valid, self.ramp, dtype, self.renormalization_epsilon, table)
         per_layer, columns, start = {}, {}, 0
-        for index, memory in masked:
+        for index, memory, plain in masked:
             stop = start + memory.width + own
-            per_layer[index], columns[index] = terms.columns(start, stop), (start, stop)
+            # (the plain attention reads only the bias)
+            per_layer[index], columns[index] = terms.columns(start, stop, mask=not plain), (start, stop)
             start = stop
         loss_terms = spans - distance if config.span_loss_form == "remaining_span" else spans
         return memories, slacks, per_layer, OneQueryReads(terms.mask, loss_terms, columns)

@@ -40,20 +40,23 @@ def padded_position_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 class OneQueryTerms(NamedTuple):
-    """What a decoding step's attention reads of its keys besides their vectors, (B, N) each: Eq. 5's mask m (0 at a
-    hidden key), the softmax's bias (log m; with ε log ⌈m⌉, as m weighs the softmax after), and with the learned
-    positions each key's row (`rows`) of `table`, the first rows of the padded table, which the query multiplies
-    (both None without positions)."""
+    """What a decoding step's attention reads of its keys besides their vectors: Eq. 5's mask m (B, N) (0 at a hidden
+    key), the softmax's bias (log m; with ε log ⌈m⌉, as m weighs the softmax after) shaped as the scores of one query
+    (B, 1, 1, N), which SDPA and the heads broadcast, and with the learned positions each key's row (`rows`, (B, N))
+    of `table`, the first rows of the padded table, which the query multiplies (both None without positions)."""
 
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     bias: torch.Tensor
     rows: torch.Tensor | None = None
     table: torch.Tensor | None = None
 
-    def columns(self, start: int, stop: int) -> "OneQueryTerms":
-        """The terms of the keys start..stop − 1 (one layer's, of terms computed for several layers side by side)."""
-        rows = None if self.rows is None else self.rows[:, start:stop]
-        return OneQueryTerms(self.mask[:, start:stop], self.bias[:, start:stop], rows, self.table)
+    def columns(self, start: int, stop: int, mask: bool = True) -> "OneQueryTerms":
+        """The terms of the keys start..stop − 1 (one layer's, of terms computed for several layers side by side), as
+        views; without the `mask` (None) for an attention that reads only the bias (one view less a layer)."""
+        count = stop - start
+        rows = None if self.rows is None else self.rows.narrow(1, start, count)
+        mask = self.mask.narrow(1, start, count) if mask else None
+        return OneQueryTerms(mask, self.bias.narrow(3, start, count), rows, self.table)
 
 
 def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype, epsilon: float = 0.0,
@@ -65,7 +68,7 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
     mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)  # Eq. 5
     if not attend_to_self:
         mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
-    bias = (mask.ceil() if epsilon > 0 else mask).log()  # log 0 = −inf
+    bias = (mask.ceil() if epsilon > 0 else mask).log().view(mask.shape[0], 1, 1, mask.shape[1])  # log 0 = −inf
     if padded_table is None:
         return OneQueryTerms(mask, bias)
     rows = padded_table.shape[0]
@@ -75,10 +78,10 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
 
 
 def plain_one_query_attention(query, key, value, bias, checked: bool = True):
-    """Softmax attention of one query per row (B, H, 1, d) with the bias log m (B, N) (Eqs. 4–5): the output, or None
-    when it is not finite (a NaN reaches it, or no key is visible). Unless `checked`, the output as it is (a caller
-    that checks a later sum, which a non-finite output reaches, instead)."""
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=in_dtype(bias, query.dtype)[:, None, None])
+    """Softmax attention of one query per row (B, H, 1, d) with the bias log m (B, 1, 1, N) (Eqs. 4–5): the output,
+    or None when it is not finite (a NaN reaches it, or no key is visible). Unless `checked`, the output as it is (a
+    caller that checks a later sum, which a non-finite output reaches, instead)."""
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=in_dtype(bias, query.dtype))
     return output if not checked or sums_are_finite(output) else None
 
 
@@ -88,12 +91,12 @@ def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilo
     dtype, float32 or float64): w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys; with ε = 0 the
     softmax of s + log m. The output in the query's dtype, or None when it is not finite (unless `checked`, as
     `plain_one_query_attention`)."""
-    dtype, output_dtype = terms.mask.dtype, query.dtype
+    dtype, output_dtype = terms.bias.dtype, query.dtype
     query, key, value = (in_dtype(tensor, dtype) for tensor in (query, key, value))
     batch_size, num_heads, _, head_dim = query.shape
     scale = head_dim**-0.5
     shape = (batch_size, num_heads, 1, key.shape[2])
-    bias = terms.bias[:, None, None]  # (B, 1, 1, N)
+    bias = terms.bias  # (B, 1, 1, N)
     flat_query, flat_key = query.flatten(0, 1), key.flatten(0, 1).mT
     if terms.rows is not None:  # q·[0; table; 0]ᵀ gathered at each key's row, onto the bias
         scores = torch.add(bias, (query @ terms.table.mT).gather(-1, terms.rows[:, None, None].expand(shape)),
