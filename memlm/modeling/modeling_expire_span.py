@@ -1026,7 +1026,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             if memory is None or not runs_as_defined(layer, attention):  # (a hook or a kernel sees the forward run)
                 slack = None
             if slack is not None and slack < 0:
-                masked.append((len(memories), memory, attention.plain_attention))
+                masked.append((len(memories), memory))
                 if memory.every_valid is None:  # (known for the step's append too)
                     memory.every_valid = bool(memory.valid.all())
             memories.append(memory)
@@ -1036,7 +1036,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         own = self.attend_to_self  # the token's key is attended to, appended after the earlier memories
         zero = torch.zeros(positions.shape, dtype=masked[0][1].spans.dtype, device=positions.device) if own else None
         key_positions, spans, valid = [], [], []
-        for _, memory, _ in masked:
+        for _, memory in masked:
             key_positions.append(memory.positions)
             spans.append(memory.spans)
             valid.append(memory.valid)
@@ -1046,15 +1046,14 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 valid.append(block.valid)
         distance = positions - torch.cat(key_positions, 1)  # t − i
         spans = torch.cat(spans, 1)
-        valid = None if all(memory.every_valid for _, memory, _ in masked) else torch.cat(valid, 1)
+        valid = None if all(memory.every_valid for _, memory in masked) else torch.cat(valid, 1)
         dtype = torch.float64 if torch.float64 in (masked[0][1].keys.dtype, spans.dtype) else torch.float32
         table = None if self.relative_positions is None else self.relative_positions.padded(dtype)
         terms = one_query_terms(spans, distance, valid, self.ramp, dtype, self.renormalization_epsilon, table)
         per_layer, columns, start = {}, {}, 0
-        for index, memory, plain in masked:
+        for index, memory in masked:
             stop = start + memory.width + own
-            # (the plain attention reads only the bias)
-            per_layer[index], columns[index] = terms.columns(start, stop, mask=not plain), (start, stop)
+            per_layer[index], columns[index] = terms.columns(start, stop), (start, stop)
             start = stop
         loss_terms = spans - distance if config.span_loss_form == "remaining_span" else spans
         return memories, slacks, per_layer, OneQueryReads(terms.mask, loss_terms, columns)

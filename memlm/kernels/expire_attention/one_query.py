@@ -41,22 +41,24 @@ def padded_position_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 class OneQueryTerms(NamedTuple):
     """What a decoding step's attention reads of its keys besides their vectors: Eq. 5's mask m (B, N) (0 at a hidden
-    key), the softmax's bias (log m; with ε log ⌈m⌉, as m weighs the softmax after) shaped as the scores of one query
-    (B, 1, 1, N), which SDPA and the heads broadcast, and with the learned positions each key's row (`rows`, (B, N))
-    of `table`, the first rows of the padded table, which the query multiplies (both None without positions)."""
+    key); shaped as the scores of one query (B, 1, 1, N), which SDPA and the heads broadcast, the softmax's bias
+    (log m; with ε log ⌈m⌉) and, with ε, the mask again (`weighing`: m weighs the softmax after); and with the learned
+    positions each key's row (`rows`, (B, 1, 1, N)) of `table`, the padded table's first rows transposed (d, R), which
+    the query multiplies (both None without positions)."""
 
     mask: torch.Tensor | None
     bias: torch.Tensor
     rows: torch.Tensor | None = None
     table: torch.Tensor | None = None
+    weighing: torch.Tensor | None = None
 
-    def columns(self, start: int, stop: int, mask: bool = True) -> "OneQueryTerms":
-        """The terms of the keys start..stop − 1 (one layer's, of terms computed for several layers side by side), as
-        views; without the `mask` (None) for an attention that reads only the bias (one view less a layer)."""
+    def columns(self, start: int, stop: int) -> "OneQueryTerms":
+        """What one layer's attention reads of the keys start..stop − 1 (of terms computed for several layers side by
+        side), as views: all but the (B, N) mask, which only the counts read."""
         count = stop - start
-        rows = None if self.rows is None else self.rows.narrow(1, start, count)
-        mask = self.mask.narrow(1, start, count) if mask else None
-        return OneQueryTerms(mask, self.bias.narrow(3, start, count), rows, self.table)
+        rows = None if self.rows is None else self.rows.narrow(3, start, count)
+        weighing = None if self.weighing is None else self.weighing.narrow(3, start, count)
+        return OneQueryTerms(None, self.bias.narrow(3, start, count), rows, self.table, weighing)
 
 
 def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype, epsilon: float = 0.0,
@@ -68,13 +70,15 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
     mask = (ramp_position if key_valid is None else torch.where(key_valid, ramp_position, 0)).clamp_(0, 1)  # Eq. 5
     if not attend_to_self:
         mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
-    bias = (mask.ceil() if epsilon > 0 else mask).log().view(mask.shape[0], 1, 1, mask.shape[1])  # log 0 = −inf
+    shape = (mask.shape[0], 1, 1, mask.shape[1])
+    bias = (mask.ceil() if epsilon > 0 else mask).log().view(shape)  # log 0 = −inf
+    weighing = mask.view(shape) if epsilon > 0 else None
     if padded_table is None:
-        return OneQueryTerms(mask, bias)
+        return OneQueryTerms(mask, bias, weighing=weighing)
     rows = padded_table.shape[0]
     if distance.device.type == "cpu" and distance.numel():  # where reading a number costs no wait: the rows up to
         rows = min(rows, int(distance.max()) + 1)  # the farthest key's (after a short prompt, not all P + 2)
-    return OneQueryTerms(mask, bias, distance.clamp(max=rows - 1), padded_table[:rows])
+    return OneQueryTerms(mask, bias, distance.clamp(max=rows - 1).view(shape), padded_table[:rows].mT, weighing)
 
 
 def plain_one_query_attention(query, key, value, bias, checked: bool = True):
@@ -97,15 +101,16 @@ def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilo
     scale = head_dim**-0.5
     shape = (batch_size, num_heads, 1, key.shape[2])
     bias = terms.bias  # (B, 1, 1, N)
-    flat_query, flat_key = query.flatten(0, 1), key.flatten(0, 1).mT
-    if terms.rows is not None:  # q·[0; table; 0]ᵀ gathered at each key's row, onto the bias
-        scores = torch.add(bias, (query @ terms.table.mT).gather(-1, terms.rows[:, None, None].expand(shape)),
-                           alpha=scale).view(-1, 1, shape[-1]).baddbmm_(flat_query, flat_key, alpha=scale)  # fmt: skip
+    if terms.rows is not None:  # q·[0; table; 0]ᵀ gathered at each key's row, plus q·kᵀ, scaled onto the bias
+        scores = (query @ terms.table).gather(-1, terms.rows.expand(shape)).add_(query @ key.mT)
+        scores = torch.add(bias, scores, alpha=scale)
     else:  # the bias broadcast over the heads as the product's first term
+        flat_query, flat_key = query.flatten(0, 1), key.flatten(0, 1).mT
         scores = torch.baddbmm(bias.expand(shape).reshape(-1, 1, shape[-1]), flat_query, flat_key, alpha=scale)
-    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores).view(shape)
+        scores = scores.view(shape)
+    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     if epsilon > 0:  # w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys (see official.py)
-        weights = weights.mul_(terms.mask[:, None, None])
+        weights = weights.mul_(terms.weighing)
         output = (weights @ value).div_(weights.sum(-1, keepdim=True).add_(epsilon))
     else:  # w = softmax(s + log m)
         output = weights @ value
