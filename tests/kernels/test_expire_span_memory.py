@@ -93,6 +93,29 @@ def test_select_compacts_each_row_in_order():
     torch.testing.assert_close(selected.keys[0, :, 1], memory.keys[0, :, 2], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_select_of_one_row_equals_the_same_row_among_others(requires_grad):
+    """One row takes its kept slots by index (decoding a single sequence), several rows gather: the same memory, and
+    the same gradient to the keys."""
+    keep = torch.tensor([[True, False, False, True, True, False, True]])
+    alone = make_memory(0, 7, batch_size=1, requires_grad=requires_grad)
+    batched = make_memory(0, 7, batch_size=1, requires_grad=requires_grad)
+    # the batched path: the same row next to a second row that keeps everything
+    pair = ExpireSpanMemory(**{name: None if tensor is None else torch.cat([tensor, tensor]) for name, tensor
+                               in batched.tensors().items()})  # fmt: skip
+    selected, both = alone.select(keep), pair.select(torch.cat([keep, torch.ones_like(keep)]))
+    assert selected.width == 4 and both.width == 7
+    for name, tensor in selected.tensors().items():
+        if tensor is not None:
+            other = getattr(both, name)[:1].narrow(1 if tensor.dim() == 2 else 2, 0, 4)
+            assert torch.equal(tensor, other), name
+    assert selected.positions.tolist() == [[0, 3, 4, 6]] and bool(selected.valid.all())
+    if requires_grad:
+        (selected.keys * torch.arange(4.0)[:, None]).sum().backward()
+        (both.keys[:1, :, :4] * torch.arange(4.0)[:, None]).sum().backward()
+        assert torch.equal(alone.keys.grad, batched.keys.grad)
+
+
 @pytest.mark.parametrize("spans", [True, False])
 def test_expired_memories_are_those_no_later_query_reads(spans):
     memory = make_memory(0, 30, spans=spans)

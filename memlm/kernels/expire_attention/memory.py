@@ -118,6 +118,16 @@ class ExpireSpanMemory:
             width = int(keep.sum(1).max()) if keep.numel() else 0
             if width == keep.shape[1] and bool(keep.all()):
                 return self
+        if keep.shape[0] == 1 and not torch.compiler.is_compiling():  # one row (a single sequence): its kept slots,
+            # read by index (a third of the operations of the gathers below; compiled, no data-dependent shape)
+            slots = keep.nonzero()[:, 1]
+
+            def take(tensor, dim):
+                return None if tensor is None else tensor.index_select(dim, slots)
+
+            tensors = {name: take(tensor, _SLOT_DIMENSION[name]) for name, tensor in self.tensors().items()}
+            tensors["valid"] = take(keep, 1)
+            return ExpireSpanMemory(**tensors)
         order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # live entries first
 
         def take(tensor, dim):
