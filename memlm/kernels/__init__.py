@@ -233,7 +233,7 @@ def is_finite_now(tensor) -> bool:
     Expire-Span decoding step's single look at its output (`ExpireSpanModel.step`)."""
     import torch
 
-    total = tensor.detach().sum(dtype=torch.float32)
+    total = (tensor.detach() if tensor.requires_grad else tensor).sum(dtype=torch.float32)
     # .numpy() reads a CPU sum without a dispatched `.item()` (tests count those as device reads).
     return math.isfinite((total if total.is_cpu else total.cpu()).numpy())
 

@@ -35,7 +35,7 @@ from ..compat import (
 )
 from ..configuration.configuration_expire_span import ExpireSpanConfig
 from ..export import RemoteCodeMixin
-from ..kernels import checking_every_call, is_finite_now, plain_weights, sums_are_finite
+from ..kernels import checking_every_call, in_dtype, is_finite_now, plain_weights, sums_are_finite
 from ..kernels.expire_attention import expire_span_attention
 from ..kernels.expire_attention.blocks import (
     Block,
@@ -965,8 +965,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         wide = torch.promote_types(hidden_states.dtype, torch.float32)  # as the forward sums the layers' losses
         if isinstance(span_loss_sum, int):  # no layer had memories on the ramp: a zero loss, in one op
             span_loss = torch.zeros((), dtype=wide, device=device)
-        else:
-            span_loss = config.span_loss_coefficient * torch.as_tensor(span_loss_sum, dtype=wide) / batch_size
+        else:  # (one product: the coefficient and the batch size as one number)
+            span_loss = in_dtype(span_loss_sum, wide) * (config.span_loss_coefficient / batch_size)
         output = ExpireSpanModelOutput(
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
@@ -1003,7 +1003,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 all_spans.append(torch.cat(spans, dim=1))
         if counted:
             span_loss, read = reads.counted(counted, self.ramp)
-            span_loss_sum, read_count = span_loss_sum + span_loss, read_count + read
+            if len(counted) < len(layers):  # (else the sums are still 0: nothing to add)
+                span_loss, read = span_loss_sum + span_loss, read_count + read
+            span_loss_sum, read_count = span_loss, read
         return hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans
 
     def prepare_step(self, cache: "ExpireSpanCache", block: Block) -> tuple:
