@@ -926,14 +926,14 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         """The forward of a decoding step (`steps_one_token`): each row's token at the position after the cache's,
         through each layer's `step`; the forward's outputs, without its work for blocks, padding and training."""
         config = self.config
-        positions = cache.next_positions
-        if positions.device != inputs_embeds.device:
-            positions = positions.to(inputs_embeds.device)
-        positions = positions[:, None]  # (B, 1)
+        first_positions = cache.next_positions  # (B,)
+        if first_positions.device != inputs_embeds.device:
+            first_positions = first_positions.to(inputs_embeds.device)
+        positions = first_positions.unsqueeze(1)  # (B, 1)
         valid = torch.ones_like(positions, dtype=torch.bool) if token_valid is None else token_valid
         rotary = self.rotary_emb is not None
         cos, sin = self.rotary_emb(positions) if rotary else (None, None)
-        block = Block(slice(0, 1), positions, valid, cos, sin, positions[:, 0])
+        block = Block(slice(0, 1), positions, valid, cos, sin, first_positions)
         rotation = (cos, signed_sine(sin)) if rotary else None  # for every layer's `rotate`
         options = {"max_distance": None, "delete_expired": self.prune_expired_memories, "counted_positions": True}
         if self.recompute_memory and rotary:
@@ -960,7 +960,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                     inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, True, options
                 )
         hidden_states = self.norm(hidden_states)
-        cache.next_positions = positions[:, 0] + 1
+        cache.next_positions = first_positions + 1
         batch_size, device = positions.shape[0], hidden_states.device
         wide = torch.promote_types(hidden_states.dtype, torch.float32)  # as the forward sums the layers' losses
         if isinstance(span_loss_sum, int):  # no layer had memories on the ramp: a zero loss, in one op
