@@ -13,6 +13,13 @@ to the system when freed, so each one faults again).
 
 With `--decode` a "step" is `feedback.py`'s decoding: 64 greedy tokens at batch 1 after a prefill of 2048 tokens.
 
+    python benchmarks/step_profile.py --generate-ops [--context 128]
+
+With `--generate-ops` it counts instead the operations of one token of greedy `generate()` at batch 1 after the
+context, for the seven models of `paper_layouts.py`'s generate() table (both layouts of each family and 🤗 Llama): the
+operations no other operation ran, by name. On a CPU a decoding step of these sizes is bound by its number of
+operations more than by their arithmetic, and unlike a time the count does not move from run to run.
+
 The shares are what the speed page's text refers to; the times themselves are inflated by the profiler.
 """
 
@@ -24,9 +31,10 @@ from torch.profiler import profile
 try:  # run as a script (python benchmarks/step_profile.py) or imported as benchmarks.step_profile
     import delta_rule
     import feedback
+    import paper_layouts
     import report
 except ImportError:
-    from benchmarks import delta_rule, feedback, report
+    from benchmarks import delta_rule, feedback, paper_layouts, report
 
 # Ops whose time (and their children's) belongs to a region, by the name the profiler gives them.
 REGIONS = {
@@ -95,13 +103,66 @@ def print_profile(name: str, totals: dict, seconds: float, faults: int) -> None:
             print(f"  {region:20}{kind:10}{time_spent / profiled:8.1%}{time_spent * 1e3:10.1f}")
 
 
+def top_level_operations(function) -> dict[str, int]:
+    """{name: calls} of the operations `function()` runs that no other operation ran (an op's own inner ops, such
+    as linear's addmm, are not counted again)."""
+    with profile() as profiler:
+        function()
+    counts = {}
+    for event in profiler.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if parent is None:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+def operations_per_token(model, context: int, tokens: int) -> dict[str, float]:
+    """{name: calls per token} of greedy `generate()` at batch 1 after `context` random tokens (seed 0): the top-level
+    operations of a call for `tokens` new tokens less those of a call for one, over `tokens` − 1 (the prompt's forward
+    and the first token cancel out). The model must have no end-of-text token (all `tokens` are made)."""
+    import torch
+
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    model.generate(prompt, max_new_tokens=tokens, do_sample=False)  # (warm: first calls take other paths)
+    one = top_level_operations(lambda: model.generate(prompt, max_new_tokens=1, do_sample=False))
+    many = top_level_operations(lambda: model.generate(prompt, max_new_tokens=tokens, do_sample=False))
+    per_token = {name: (count - one.get(name, 0)) / (tokens - 1) for name, count in many.items()}
+    return {name: count for name, count in per_token.items() if count}
+
+
+def print_operations(counts: dict[str, dict[str, float]], context: int) -> None:
+    print(f"\nOperations per token of generate() at batch 1 after {context} tokens")
+    llama = sum(counts["llama"].values())
+    for name, per_token in counts.items():
+        most = sorted(per_token.items(), key=lambda item: -item[1])[:5]
+        listed = ", ".join(f"{operation.removeprefix('aten::')} {count:.1f}" for operation, count in most)
+        total = sum(per_token.values())
+        print(f"  {name:22}{total:8.1f}{total / llama:8.2f}× Llama's   ({listed}, …)")
+
+
 def main(argv=None):
     parser = report.arguments(__doc__)
     parser.add_argument("--steps", type=int, default=2, help="profiled training steps per model")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None, help="default: all four (training), "
                         "feedback and feedback_llama (--decode)")  # fmt: skip
     parser.add_argument("--decode", action="store_true", help="profile decoding instead of a training step")
-    args = report.parse(parser, argv, quick={"steps": 1})
+    parser.add_argument("--generate-ops", action="store_true",
+                        help="count the operations of a generate() token instead (paper_layouts.py's models)")  # fmt: skip
+    parser.add_argument("--context", type=int, default=128, help="--generate-ops: the prompt's tokens")
+    parser.add_argument("--tokens", type=int, default=33, help="--generate-ops: new tokens of the counted call")
+    args = report.parse(parser, argv, quick={"steps": 1, "context": 16, "tokens": 3})
+    if args.generate_ops:
+        if args.tokens < 2 or args.context < 1:
+            parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")
+        report.start(args)
+        counts = {name: operations_per_token(model, args.context, args.tokens)
+                  for name, model in paper_layouts.generation_models(args.quick).items()}  # fmt: skip
+        print_operations(counts, args.context)
+        return report.finish({"settings": report.own_settings(args), "operations_per_token": counts}, args)
     models = args.models or (["feedback", "feedback_llama"] if args.decode else list(MODELS))
     report.start(args)
     profiles = {}

@@ -110,6 +110,32 @@ def test_step_profile_decode_splits_feedback_decoding_into_attention_and_product
     assert ("step loop", "products") not in totals  # no training: the hand-written backward's region stays empty
 
 
+def test_step_profile_generate_ops_counts_every_model_of_the_generate_table(tmp_path):
+    results = run_script("step_profile.py", "--generate-ops", "--quick", output=tmp_path / "results.json")
+    counts = results["operations_per_token"]
+    assert set(counts) == {f"{family}_{layout}" for family in ("deltanet", "expire_span", "feedback")
+                           for layout in ("default", "official")} | {"llama"}  # fmt: skip
+    assert all(per_token["aten::linear"] > 0 for per_token in counts.values())
+    assert results["settings"]["context"] == 16 and results["settings"]["tokens"] == 3
+
+
+def test_step_profile_counts_the_operations_of_one_generated_token():
+    """`step_profile.py --generate-ops`: the operations of one token of generate(), the prompt's forward cancelled out
+    (the same count after a short and a longer prompt for 🤗 Llama, whose step does not depend on it), and all of a
+    step's products counted: seven a layer and the head's, each once (linear's inner addmm not again)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import paper_layouts
+        import step_profile
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    llama = paper_layouts.generation_models(quick=True)["llama"]
+    short, longer = (step_profile.operations_per_token(llama, context, 3) for context in (8, 24))
+    assert short == longer
+    assert short["aten::linear"] == 7 * llama.config.num_hidden_layers + 1 and "aten::addmm" not in short
+    assert short["aten::scaled_dot_product_attention"] == llama.config.num_hidden_layers
+
+
 def test_expire_span_training_table_measures_the_max_spans_asked(monkeypatch):
     """`--max-spans` sets the training table's rows (each measurement is a subprocess, replaced here by a recorder:
     a real one takes about 20 s even at the smallest sizes)."""
