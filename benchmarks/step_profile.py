@@ -152,9 +152,11 @@ def main(argv=None):
     parser.add_argument("--decode", action="store_true", help="profile decoding instead of a training step")
     parser.add_argument("--generate-ops", action="store_true",
                         help="count the operations of a generate() token instead (paper_layouts.py's models)")  # fmt: skip
-    parser.add_argument("--context", type=int, default=128, help="--generate-ops: the prompt's tokens")
-    parser.add_argument("--tokens", type=int, default=33, help="--generate-ops: new tokens of the counted call")
-    args = report.parse(parser, argv, quick={"steps": 1, "context": 16, "tokens": 3})
+    parser.add_argument("--context", type=int, default=None, help="--generate-ops: the prompt's tokens (default 128, "
+                        "16 with --quick)")  # fmt: skip
+    parser.add_argument("--tokens", type=int, default=None, help="--generate-ops: new tokens of the counted call "
+                        "(default 33, 3 with --quick)")  # fmt: skip
+    args = report.parse(parser, argv, quick={"steps": 1}, unset={"context": (128, 16), "tokens": (33, 3)})
     if args.generate_ops:
         if args.tokens < 2 or args.context < 1:
             parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")

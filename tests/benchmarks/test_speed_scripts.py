@@ -117,6 +117,15 @@ def test_step_profile_generate_ops_counts_every_model_of_the_generate_table(tmp_
                            for layout in ("default", "official")} | {"llama"}  # fmt: skip
     assert all(per_token["aten::linear"] > 0 for per_token in counts.values())
     assert results["settings"]["context"] == 16 and results["settings"]["tokens"] == 3
+    # --context: after 80 tokens the quick Expire-Span's memories (spans up to 64, ramp 8) are on the ramp and its
+    # step builds the soft mask (more operations); 🤗 Llama's step stays the same
+    later = run_script(
+        "step_profile.py", "--generate-ops", "--quick", "--context", "80", output=tmp_path / "later.json"
+    )
+    assert later["settings"]["context"] == 80
+    later_counts = later["operations_per_token"]
+    assert later_counts["llama"] == counts["llama"]
+    assert sum(later_counts["expire_span_default"].values()) > sum(counts["expire_span_default"].values())
 
 
 def test_step_profile_counts_the_operations_of_one_generated_token():
