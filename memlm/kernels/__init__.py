@@ -46,6 +46,7 @@ __all__ = [
     "flash_linear_attention_version",
     "in_dtype",
     "is_finite_now",
+    "mark_static",
     "plain_weights",
     "resolve_backend",
     "triton_available",
@@ -187,6 +188,14 @@ def in_dtype(tensor, dtype):
     """`tensor` in `dtype`, without a call when it already is: `Tensor.to` costs a dispatch even then, and a decoding
     step, bound by its number of calls on a CPU, converts at every layer."""
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def mark_static(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """Mark `tensor` as one that keeps its address from one compiled call to the next (CUDA graphs read it there,
+    without a copy), as 🤗's static caches do; not while tracing, where torch does not allow it."""
+    if tensor is not None and not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
 
 
 def plain_weights(*modules) -> bool:

@@ -14,7 +14,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 
 from ..compat import CACHE_NAME, CacheNameGeneration, is_exporting, output_cache
-from ..kernels import checked_at_every_call, checking_every_call, collecting_unchecked_sums
+from ..kernels import checked_at_every_call, checking_every_call, collecting_unchecked_sums, mark_static
 
 logger = logging.get_logger(__name__)
 
@@ -450,14 +450,6 @@ def writes_in_place(current: torch.Tensor | None, new: torch.Tensor) -> bool:
         and current.device == new.device
         and (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not current.is_inference())
     )
-
-
-def mark_static(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """Mark `tensor` as one that keeps its address from one compiled call to the next (CUDA graphs read it there,
-    without a copy), as 🤗's static caches do; not while tracing, where torch does not allow it."""
-    if tensor is not None and not torch.compiler.is_compiling():
-        torch._dynamo.mark_static_address(tensor)
-    return tensor
 
 
 class StaticMemoryCacheLayer(MemoryCacheLayer):

@@ -44,7 +44,7 @@ from ..kernels.feedback.compiled import (
 )
 from ..kernels.feedback.compiled import compiled as compiled_function
 from ..kernels.feedback.scores import adaptive_span_window, read_memory, step_terms
-from ..kernels.feedback.tape import ProjectedMemories, undo_ring_writes
+from ..kernels.feedback.tape import ProjectedMemories, allocate_ring, grow_ring, roll_back_layer
 from ..kernels.feedback.through_time import Recording, StepGradients
 from ..kernels.hub import HubKernelsMixin, HubLayerMixin, use_kernel_forward_from_hub
 from ..kernels.rotary import rotate, signed_sine
@@ -192,7 +192,9 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
     position and whether it holds a memory. The ring grows with the context (doubling, capped at τ): while it holds
     fewer than τ slots no position has reached its end, so slot = position mod τ = position and growing keeps every
     slot where it is. With `full_ring` (compiled decoding, `FeedbackCache.prepare_compiled_decoding`) it holds τ slots
-    from the start, so its shapes never change; its size is bounded either way (`StaticMemoryCacheLayer`).
+    from the start, so its shapes never change; its size is bounded either way (`StaticMemoryCacheLayer`). The ring
+    is allocated, grown, written and undone in `memlm.kernels.feedback.tape` (`allocate_ring`, `grow_ring`,
+    `_RingStore`, `roll_back_layer`).
 
     While the cache records its past (`FeedbackRecord`), a forward that writes the ring in place keeps, per step, what
     the step overwrote (`undo_steps`, filled by the ring), and a rollback writes it back, newest first; a forward that
@@ -216,59 +218,8 @@ class FeedbackCacheLayer(StaticMemoryCacheLayer):
         # A list while a recording forward runs: what each step's write into the ring overwrote.
         self.undo_steps = None
 
-    def allocate_ring(
-        self, batch_size: int, config: FeedbackTransformerConfig, dtype, device, slots: int | None = None
-    ):
-        """An empty ring of `slots` slots per row (default τ; fewer while the context is shorter than τ)."""
-        self.ring = True
-        slots = config.memory_span if slots is None else slots
-        shape = (batch_size, config.num_attention_heads, slots, config.head_dim)
-        self.keys = mark_static(torch.zeros(shape, dtype=dtype, device=device))
-        self.values = mark_static(torch.zeros(shape, dtype=dtype, device=device))
-        self.positions = mark_static(torch.zeros(batch_size, slots, dtype=torch.long, device=device))
-        self.valid = mark_static(torch.zeros(batch_size, slots, dtype=torch.bool, device=device))
-        self.hidden = None
-        if config.memory_carry == "hidden_states":  # the memories' hidden states, in the same slots
-            self.hidden = mark_static(torch.zeros(batch_size, slots, config.hidden_size, dtype=dtype, device=device))
-        if self.token_count.device != self.keys.device:
-            self.token_count = mark_static(self.token_count.to(device))
-
-    def grow_ring(self, slots: int):
-        """Widen the ring to `slots` slots per row, its memories in the same slots (see the class docstring)."""
-        size = self.keys.shape[2]
-        for name in ("keys", "values", "positions", "valid", "hidden"):
-            # keys, values (B, H, slots, d); positions, valid (B, slots); hidden (B, slots, D)
-            old = getattr(self, name)
-            if old is None:  # no hidden states (`memory_carry="keys_values"`)
-                continue
-            dim = 2 if old.dim() == 4 else 1
-            shape = list(old.shape)
-            shape[dim] = slots
-            new = old.new_zeros(shape)
-            new.narrow(dim, 0, size).copy_(old)
-            setattr(self, name, mark_static(new))
-
     def roll_back(self, rollback: Rollback):
-        if not rollback.removes_tokens:
-            return
-        record = self.recorded[rollback.forward]
-        if record.window is None:
-            undo_ring_writes(self, rollback)
-        elif rollback.kept == 0:
-            self.keys, self.values, self.positions, self.valid, self.hidden, self.ring = record.before
-        else:
-            self._keep_window(record.window, rollback.next_positions, record.reach)
-
-    def _keep_window(self, window: tuple, following: torch.Tensor, reach: int):
-        """From the memories a forward's first token saw (`window`), those the next tokens (`following`, per row) see
-        within `reach` steps back, as a forward over the kept tokens would have carried them."""
-        keys, values, positions, valid, hidden = window
-        distance = following[:, None] - positions
-        valid = valid & (distance >= 1) & (distance <= reach)
-        kept = valid.any(0).nonzero()[:, 0]
-        self.keys, self.values = keys[:, :, kept], values[:, :, kept]
-        self.positions, self.valid = positions[:, kept], valid[:, kept]
-        self.hidden = None if hidden is None else hidden[:, kept]
+        roll_back_layer(self, rollback)
 
 
 class FeedbackCache(MemoryCache):
@@ -295,7 +246,7 @@ class FeedbackCache(MemoryCache):
         for layer in self.layers:
             layer.full_ring = True
             if layer.ring and layer.keys.shape[2] < self.memory_span:
-                layer.grow_ring(self.memory_span)
+                grow_ring(layer, self.memory_span)
 
     @classmethod
     def given_or_new(cls, cache, config, batch_size: int) -> "FeedbackCache":
@@ -833,10 +784,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         config, first = self.config, cache.layers[0]
         batch_size = like.shape[0]
         if fresh and config.initial_memory == "zeros":
-            span = config.memory_span
-            hidden = like.new_zeros(batch_size, span, config.hidden_size)
-            positions = torch.arange(-span, 0, device=like.device).expand(batch_size, span)
-            valid = torch.ones(batch_size, span, dtype=torch.bool, device=like.device)
+            hidden, positions = self.zero_memory(batch_size, like)
+            valid = torch.ones(positions.shape, dtype=torch.bool, device=like.device)
         elif self.carries_hidden_states and first.hidden is not None:
             hidden, positions, valid = first.hidden.to(like.dtype), first.positions, first.valid
             if (
@@ -861,6 +810,13 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             layer.positions, layer.valid, layer.ring = positions, valid, ring
             layer.hidden = carried if group == 0 else None  # one set of hidden states, kept by the first
         return cache.layers
+
+    def zero_memory(self, batch_size: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The official initial memory (`initial_memory="zeros"`, `init_hid_cache`): τ zero hidden states (B, τ, D),
+        like `like`, at positions −τ … −1 (B, τ)."""
+        span = self.memory_span
+        positions = torch.arange(-span, 0, device=like.device).expand(batch_size, span)
+        return like.new_zeros(batch_size, span, self.config.hidden_size), positions
 
     def _project_hidden(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (G, B, H, W, d) of memories' hidden states (B, W, D) at `positions` (B, W)."""
@@ -958,14 +914,12 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
         cache = FeedbackCache(config)
         cache.prepare_compiled_decoding()
         for group, layer in enumerate(cache.layers):
-            layer.allocate_ring(batch_size, config, weight.dtype, weight.device)
+            allocate_ring(layer, batch_size, config, weight.dtype, weight.device)
             if group:  # one set of hidden states for every key/value set, kept by the first
                 layer.hidden = None
         cache.next_positions = mark_static(torch.zeros(batch_size, dtype=torch.long, device=weight.device))
         if config.initial_memory == "zeros":
-            span = config.memory_span
-            positions = torch.arange(-span, 0, device=weight.device).expand(batch_size, span)
-            hidden = weight.new_zeros(batch_size, span, config.hidden_size)
+            hidden, positions = model.zero_memory(batch_size, weight)
             with torch.no_grad():
                 keys, values = model._project_hidden(hidden, positions)
             for group, layer in enumerate(cache.layers):

@@ -12,7 +12,7 @@ import torch
 from memlm import FeedbackTransformerConfig, FeedbackTransformerForCausalLM
 from memlm.compat import activation_checkpointing_enable
 from memlm.kernels.feedback import feedback_recurrence, through_time
-from memlm.kernels.feedback.tape import _RingStore
+from memlm.kernels.feedback.tape import _RingStore, allocate_ring
 from memlm.kernels.feedback.through_time import compiled_step_applies
 from memlm.modeling.modeling_feedback_transformer import FeedbackCacheLayer
 from tests.modeling.padding import padding_mask
@@ -232,7 +232,7 @@ def test_ring_read_is_softmax_attention_and_zero_where_nothing_is_visible():
     everywhere reads a zero attention term (the paper's "no attention term"), whatever the fused op gives."""
     config = FeedbackTransformerConfig(**{**TINY, "memory_span": 5})
     layer = FeedbackCacheLayer()
-    layer.allocate_ring(2, config, torch.float64, "cpu")
+    allocate_ring(layer, 2, config, torch.float64, "cpu")
     layer.keys.normal_()
     layer.values.normal_()
     store = _RingStore([layer], torch.full((2,), 5), config, layer.keys)

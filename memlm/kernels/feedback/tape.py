@@ -9,8 +9,9 @@
 A store answers the step function's three calls: `window` (positions and validity of the slots a step may read),
 `read` (attention of the step's queries over them) and `write` (the step's new memory).
 
+The ring lives in a cache layer's tensors (`FeedbackCacheLayer`): `allocate_ring` gives it one, `grow_ring` widens it.
 A cache layer whose `undo_steps` is a list (a cache recording its past, for speculative decoding) gets from the ring,
-per step, what the step's write overwrote, from which the cache rolls the ring back.
+per step, what the step's write overwrote, from which `roll_back_layer` rolls the ring back.
 """
 
 import types
@@ -19,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from memlm.kernels import mark_static
 
 # A growing ring gets at least this many slots (decoding from a short prompt would otherwise double it often).
 LEAST_RING_SLOTS = 16
@@ -43,6 +46,62 @@ def attention_weights(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tenso
     scores = torch.bmm(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1)
     weights = torch.softmax(torch.add(bias, scores, alpha=query.shape[-1] ** -0.5), dim=-1)
     return weights.masked_fill_(bias.amax(-1, keepdim=True) == float("-inf"), 0.0)  # its softmax was 0/0
+
+
+def allocate_ring(layer, batch_size: int, config, dtype, device, slots: int | None = None) -> None:
+    """Give a cache layer (`FeedbackCacheLayer`) an empty ring of `slots` slots per row (default τ; fewer while the
+    context is shorter than τ): keys and values (B, H, slots, d), positions and validity (B, slots), and with
+    `memory_carry="hidden_states"` the memories' hidden states (B, slots, D), each at an address a compiled step
+    keeps."""
+    layer.ring = True
+    slots = config.memory_span if slots is None else slots
+    shape = (batch_size, config.num_attention_heads, slots, config.head_dim)
+    layer.keys = mark_static(torch.zeros(shape, dtype=dtype, device=device))
+    layer.values = mark_static(torch.zeros(shape, dtype=dtype, device=device))
+    layer.positions = mark_static(torch.zeros(batch_size, slots, dtype=torch.long, device=device))
+    layer.valid = mark_static(torch.zeros(batch_size, slots, dtype=torch.bool, device=device))
+    layer.hidden = None
+    if config.memory_carry == "hidden_states":  # the memories' hidden states, in the same slots
+        layer.hidden = mark_static(torch.zeros(batch_size, slots, config.hidden_size, dtype=dtype, device=device))
+    if layer.token_count.device != layer.keys.device:
+        layer.token_count = mark_static(layer.token_count.to(device))
+
+
+def grow_ring(layer, slots: int) -> None:
+    """Widen a cache layer's ring to `slots` slots per row, its memories in the same slots: while a ring holds fewer
+    than τ slots no position has reached its end, so slot = position mod τ = position."""
+    size = layer.keys.shape[2]
+    for name in ("keys", "values", "positions", "valid", "hidden"):
+        old = getattr(layer, name)
+        if old is None:  # no hidden states (`memory_carry="keys_values"`)
+            continue
+        dim = 2 if old.dim() == 4 else 1  # the slots of keys and values (B, H, W, d), the others' (B, W, ...)
+        new = old.new_zeros(*old.shape[:dim], slots, *old.shape[dim + 1 :])
+        new.narrow(dim, 0, size).copy_(old)
+        setattr(layer, name, mark_static(new))
+
+
+def roll_back_layer(layer, rollback) -> None:
+    """Roll a cache layer back to what a forward over the kept tokens alone would have left (`rollback` a
+    `memory.Rollback`, the layer's `recorded` a `FeedbackRecord` per forward): a forward that wrote the ring in place
+    is undone write by write (`undo_ring_writes`); one that left a window (the official layouts' step loop) gives back
+    the layer as it was before it, or, when some of its tokens are kept, the memories of its first token's window that
+    the token after the cut sees (within the record's reach)."""
+    if not rollback.removes_tokens:
+        return
+    record = layer.recorded[rollback.forward]
+    if record.window is None:
+        undo_ring_writes(layer, rollback)
+    elif rollback.kept == 0:
+        layer.keys, layer.values, layer.positions, layer.valid, layer.hidden, layer.ring = record.before
+    else:
+        keys, values, positions, valid, hidden = record.window
+        distance = rollback.next_positions[:, None] - positions
+        valid = valid & (distance >= 1) & (distance <= record.reach)
+        kept = valid.any(0).nonzero()[:, 0]
+        layer.keys, layer.values = keys[:, :, kept], values[:, :, kept]
+        layer.positions, layer.valid = positions[:, kept], valid[:, kept]
+        layer.hidden = None if hidden is None else hidden[:, kept]
 
 
 def undo_ring_writes(layer, rollback) -> None:
@@ -78,7 +137,7 @@ def undo_ring_writes(layer, rollback) -> None:
 class _RingStore:
     """The memory when no gradient is needed: up to τ slots per row, slot = position mod τ, written in place. The
     cache's own buffers, so decoding a token costs O(τ) whatever the context length, with no copying; the ring holds
-    the slots the context needs and doubles (capped at τ) when a call needs more (`FeedbackCacheLayer.grow_ring`)."""
+    the slots the context needs and doubles (capped at τ) when a call needs more (`grow_ring`)."""
 
     def __init__(self, cache_layers: list, next_positions: torch.Tensor, config, like, positions=None):
         """`positions` (B, T): the positions this call writes (−1 for padding); the ring grows to hold them."""
@@ -107,14 +166,14 @@ class _RingStore:
                 window_positions, window_valid = cache_layers[0].positions, cache_layers[0].valid
                 window_hidden = getattr(cache_layers[0], "hidden", None)
             for layer in cache_layers:
-                layer.allocate_ring(next_positions.shape[0], config, like.dtype, like.device,
-                                    ring_slots(None, needed, config.memory_span))  # fmt: skip
+                allocate_ring(layer, next_positions.shape[0], config, like.dtype, like.device,
+                              ring_slots(None, needed, config.memory_span))  # fmt: skip
             for layer in cache_layers[1:]:  # one set of hidden states for every key/value set, kept by the first
                 layer.hidden = None
         elif cache_layers[0].keys.shape[2] < needed:  # a longer context: double the ring (at most τ slots)
             slots = ring_slots(cache_layers[0].keys.shape[2], needed, config.memory_span)
             for layer in cache_layers:
-                layer.grow_ring(slots)
+                grow_ring(layer, slots)
         if window is not None:
             keys = torch.stack([pair[0] for pair in window])
             values = torch.stack([pair[1] for pair in window])
