@@ -1,6 +1,7 @@
 """What memlm's models share around their memories: checking the inputs, the padding mask, and the base of the
 cache classes that carry each model's memory (`cache`, SPEC §4)."""
 
+import contextvars
 import functools
 import inspect
 import os
@@ -29,6 +30,16 @@ LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 # `pipeline(...)(prompt, stop_sequence=...)`): 🤗's own models ignore it in their `**kwargs`; memlm's do not take it, so
 # it is left out of their inputs here, and `forward(tokenizer=...)` is still refused.
 GENERATE_OWN_KWARGS = ("tokenizer",)
+
+# False inside `generate` (`CountsOwnPositions.generate`), which reads of its forwards only the logits, the cache and
+# the hidden states it is asked for.
+_AUXILIARY_OUTPUTS_READ = contextvars.ContextVar("memlm_auxiliary_outputs_read", default=True)
+
+
+def auxiliary_outputs_read() -> bool:
+    """Whether the caller of a forward may read its auxiliary outputs (an auxiliary loss, statistics such as
+    Expire-Span's `memory_size`): always but inside `generate`, where a decoding step may leave them out (None)."""
+    return _AUXILIARY_OUTPUTS_READ.get()
 
 
 # Set to 1 to build a model that looks larger than the memory this machine has left (e.g. with swap in mind).
@@ -817,7 +828,8 @@ class CountsOwnPositions(DeclinesContinuousBatching, CacheNameGeneration):
     Speculative decoding (`assistant_model=`, `prompt_lookup_num_tokens=`): 🤗 verifies the drafted tokens in one
     forward and crops the cache back to the last accepted one, so it needs the cache before the first forward, where
     memlm's models otherwise make their own (`cache_class`). No recording outlives `generate`. Compiled decoding
-    (`compile_config=`) needs it before the first forward too: `generate` decides whether to compile from the cache."""
+    (`compile_config=`) needs it before the first forward too: `generate` decides whether to compile from the cache.
+    Its forwards may leave out the auxiliary outputs, which it does not read (`auxiliary_outputs_read`)."""
 
     # The model's cache (a `MemoryCache`); set by each model.
     cache_class: type[MemoryCache] = MemoryCache
@@ -849,7 +861,11 @@ class CountsOwnPositions(DeclinesContinuousBatching, CacheNameGeneration):
 
     @functools.wraps(GenerationMixin.generate)
     def generate(self, *args, **kwargs):
-        output = super().generate(*args, **kwargs)
+        unread = _AUXILIARY_OUTPUTS_READ.set(False)  # (see `auxiliary_outputs_read`)
+        try:
+            output = super().generate(*args, **kwargs)
+        finally:
+            _AUXILIARY_OUTPUTS_READ.reset(unread)
         generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
         if not getattr(generation_config, "is_assistant", False):  # an assistant's cache lives on between its calls
             for cache in (kwargs.get("cache"), kwargs.get("past_key_values"), output_cache(output)):

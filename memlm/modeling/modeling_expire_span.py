@@ -80,6 +80,7 @@ from .memory import (
     MemoryCache,
     MemoryCacheLayer,
     Rollback,
+    auxiliary_outputs_read,
     causal_lm_loss,
     check_extra_kwargs,
     check_fits_in_memory,
@@ -109,6 +110,7 @@ class ExpireSpanModelOutput(BaseModelOutputWithPast):
     aux_loss: the auxiliary loss training adds to the language-modelling loss: the span loss (the name the three
         models share).
     memory_size: mean number of memories each query attended to (m > 0), over queries and layers.
+    The last three are None in the decoding steps of `generate`, which does not read them (`auxiliary_outputs_read`).
     """
 
     spans: tuple[torch.FloatTensor, ...] | None = None
@@ -924,7 +926,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
 
     def step(self, inputs_embeds, cache, token_valid, use_cache, output_hidden_states, output_spans, return_dict):
         """The forward of a decoding step (`steps_one_token`): each row's token at the position after the cache's,
-        through each layer's `step`; the forward's outputs, without its work for blocks, padding and training."""
+        through each layer's `step`; the forward's outputs, without its work for blocks, padding and training, and
+        inside `generate` without the span loss and the memories read, which it does not read."""
         config = self.config
         first_positions = cache.next_positions  # (B,)
         if first_positions.device != inputs_embeds.device:
@@ -940,7 +943,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             options["rotary_embedding"] = self.rotary_emb
         if self.relative_positions is not None:
             options["relative_positions"] = self.relative_positions
-        memories, slacks, terms, reads = self.prepare_step(cache, block)
+        counts = auxiliary_outputs_read()  # (inside `generate` nobody reads the span loss and the memories read)
+        memories, slacks, terms, reads = self.prepare_step(cache, block, counts)
         layers = (self.layers, cache.layers, memories, slacks, terms)
         hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(
             inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, False, options
@@ -963,10 +967,15 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         cache.next_positions = first_positions + 1
         batch_size, device = positions.shape[0], hidden_states.device
         wide = torch.promote_types(hidden_states.dtype, torch.float32)  # as the forward sums the layers' losses
-        if isinstance(span_loss_sum, int):  # no layer had memories on the ramp: a zero loss, in one op
+        span_loss = memory_size = None
+        if counts and isinstance(span_loss_sum, int):  # no layer had memories on the ramp: a zero loss, in one op
             span_loss = torch.zeros((), dtype=wide, device=device)
-        else:  # (one product: the coefficient and the batch size as one number)
+        elif counts:  # (one product: the coefficient and the batch size as one number)
             span_loss = in_dtype(span_loss_sum, wide) * (config.span_loss_coefficient / batch_size)
+        if counts:
+            memory_size = torch.as_tensor(read_count, dtype=torch.float32, device=device) / (
+                batch_size * len(self.layers)
+            )
         output = ExpireSpanModelOutput(
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
@@ -974,8 +983,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             spans=tuple(all_spans) if output_spans else None,
             span_loss=span_loss,
             aux_loss=span_loss,
-            memory_size=torch.as_tensor(read_count, dtype=torch.float32, device=device)
-            / (batch_size * len(self.layers)),
+            memory_size=memory_size,
         )
         return output if return_dict else output.to_tuple()
 
@@ -1001,14 +1009,14 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 all_hidden_states.append(hidden_states)
             if output_spans:
                 all_spans.append(torch.cat(spans, dim=1))
-        if counted:
+        if counted and reads is not None:  # (None: nothing masked, or nobody reads the counts)
             span_loss, read = reads.counted(counted, self.ramp)
             if len(counted) < len(layers):  # (else the sums are still 0: nothing to add)
                 span_loss, read = span_loss_sum + span_loss, read_count + read
             span_loss_sum, read_count = span_loss, read
         return hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans
 
-    def prepare_step(self, cache: "ExpireSpanCache", block: Block) -> tuple:
+    def prepare_step(self, cache: "ExpireSpanCache", block: Block, counts: bool = True) -> tuple:
         """What a decoding step's layers need before the first runs: each layer's memory, pruned lazily
         (`ExpireSpanMemory.prune`); its slack (`decoding_slack` with the plain attention, −inf with the official
         options, which always mask; None where the layer's forward must run: no memory yet, an unknown slack, a hook or
@@ -1057,6 +1065,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             stop = start + memory.width + own
             per_layer[index], columns[index] = terms.columns(start, stop), (start, stop)
             start = stop
+        if not counts:
+            return memories, slacks, per_layer, None
         loss_terms = spans - distance if config.span_loss_form == "remaining_span" else spans
         return memories, slacks, per_layer, OneQueryReads(terms.mask, loss_terms, columns)
 

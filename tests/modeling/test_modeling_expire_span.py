@@ -576,6 +576,38 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
     assert any(dead)  # memories marked dead in place: the step masked them
 
 
+@pytest.mark.parametrize("options", [{}, OFFICIAL_OPTIONS], ids=["default_layout", "official_layout"])
+def test_generate_decodes_without_the_counts_it_does_not_read(options):
+    """Inside `generate`, which reads of its forwards only the logits, the cache and the hidden states it is asked
+    for, the decoding steps leave the span loss and the memories read out (None: counting them is a dozen operations
+    a step); the logits are those of steps that count, called one by one outside `generate`. After `generate`, also
+    after one that failed, steps count again."""
+    from memlm.modeling.memory import auxiliary_outputs_read
+
+    model = _model(span_weight=0.05, span_bias=-0.5, max_span=24, ramp=4, block_size=4, **options)
+    prompt = torch.randint(0, 256, (2, 9))
+    outputs = []
+    handle = model.model.register_forward_hook(lambda module, arguments, output: outputs.append(output))
+    generated = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)  # fmt: skip
+    handle.remove()
+    assert len(outputs) == 12 and outputs[0].memory_size is not None  # (the prompt's forward is no step: it counts)
+    assert all(output.span_loss is None and output.aux_loss is None and output.memory_size is None
+               for output in outputs[1:])  # fmt: skip
+    assert auxiliary_outputs_read()
+    with torch.no_grad():
+        output = model(prompt, use_cache=True, logits_to_keep=1)  # (as generate reads the prompt)
+        for index, logits in enumerate(generated.logits):
+            assert torch.equal(output.logits[:, -1], logits)
+            if index:  # a step outside generate counts (memories on the ramp: a span loss)
+                assert output.memory_size is not None and float(output.span_loss) != 0
+            token = generated.sequences[:, prompt.shape[1] + index, None]
+            output = model(token, cache=output.cache, use_cache=True)
+    with pytest.raises(ValueError):
+        model.generate(prompt, max_new_tokens=-1)
+    assert auxiliary_outputs_read()
+
+
 @pytest.mark.parametrize(
     ("span_bias", "options"),
     [(2.0, {}), (-0.5, {}), (-0.5, OFFICIAL_OPTIONS)],
