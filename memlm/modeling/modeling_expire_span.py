@@ -1060,13 +1060,13 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         dtype = torch.float64 if torch.float64 in (masked[0][1].keys.dtype, spans.dtype) else torch.float32
         table = None if self.relative_positions is None else self.relative_positions.padded(dtype)
         terms = one_query_terms(spans, distance, valid, self.ramp, dtype, self.renormalization_epsilon, table)
-        per_layer, columns, start = {}, {}, 0
-        for index, memory in masked:
-            stop = start + memory.width + own
-            per_layer[index], columns[index] = terms.columns(start, stop), (start, stop)
-            start = stop
+        widths = [memory.width + own for _, memory in masked]
+        per_layer = dict(zip((index for index, _ in masked), terms.split(widths)))
         if not counts:
             return memories, slacks, per_layer, None
+        columns, start = {}, 0
+        for (index, _), width in zip(masked, widths):
+            columns[index], start = (start, start + width), start + width
         loss_terms = spans - distance if config.span_loss_form == "remaining_span" else spans
         return memories, slacks, per_layer, OneQueryReads(terms.mask, loss_terms, columns)
 

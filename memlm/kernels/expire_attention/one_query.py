@@ -52,13 +52,18 @@ class OneQueryTerms(NamedTuple):
     table: torch.Tensor | None = None
     weighing: torch.Tensor | None = None
 
-    def columns(self, start: int, stop: int) -> "OneQueryTerms":
-        """What one layer's attention reads of the keys start..stop − 1 (of terms computed for several layers side by
-        side), as views: all but the (B, N) mask, which only the counts read."""
-        count = stop - start
-        rows = None if self.rows is None else self.rows.narrow(3, start, count)
-        weighing = None if self.weighing is None else self.weighing.narrow(3, start, count)
-        return OneQueryTerms(None, self.bias.narrow(3, start, count), rows, self.table, weighing)
+    def split(self, widths: list[int]) -> list["OneQueryTerms"]:
+        """What each of several layers' attentions reads of terms computed for their keys side by side, `widths[l]`
+        keys each, in order: views (one `split` per tensor, not a `narrow` per layer), without the (B, N) mask, which
+        only the counts read."""
+        count = len(widths)
+        bias = self.bias.split(widths, 3)
+        rows = [None] * count if self.rows is None else self.rows.split(widths, 3)
+        weighing = [None] * count if self.weighing is None else self.weighing.split(widths, 3)
+        return [
+            OneQueryTerms(None, layer_bias, layer_rows, self.table, layer_weighing)
+            for layer_bias, layer_rows, layer_weighing in zip(bias, rows, weighing)
+        ]
 
 
 def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype, epsilon: float = 0.0,
