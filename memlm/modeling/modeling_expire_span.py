@@ -965,17 +965,16 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 )
         hidden_states = self.norm(hidden_states)
         cache.next_positions = first_positions + 1
-        batch_size, device = positions.shape[0], hidden_states.device
-        wide = torch.promote_types(hidden_states.dtype, torch.float32)  # as the forward sums the layers' losses
         span_loss = memory_size = None
-        if counts and isinstance(span_loss_sum, int):  # no layer had memories on the ramp: a zero loss, in one op
-            span_loss = torch.zeros((), dtype=wide, device=device)
-        elif counts:  # (one product: the coefficient and the batch size as one number)
-            span_loss = in_dtype(span_loss_sum, wide) * (config.span_loss_coefficient / batch_size)
         if counts:
-            memory_size = torch.as_tensor(read_count, dtype=torch.float32, device=device) / (
-                batch_size * len(self.layers)
-            )
+            batch_size, device = positions.shape[0], hidden_states.device
+            wide = torch.promote_types(hidden_states.dtype, torch.float32)  # as the forward sums the layers' losses
+            if isinstance(span_loss_sum, int):  # no layer had memories on the ramp: a zero loss, in one op
+                span_loss = torch.zeros((), dtype=wide, device=device)
+            else:  # (one product: the coefficient and the batch size as one number)
+                span_loss = in_dtype(span_loss_sum, wide) * (config.span_loss_coefficient / batch_size)
+            memory_size = torch.as_tensor(read_count, dtype=torch.float32, device=device)
+            memory_size = memory_size / (batch_size * len(self.layers))
         output = ExpireSpanModelOutput(
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
