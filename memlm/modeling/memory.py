@@ -38,8 +38,9 @@ _AUXILIARY_OUTPUTS_READ = contextvars.ContextVar("memlm_auxiliary_outputs_read",
 
 def auxiliary_outputs_read() -> bool:
     """Whether the caller of a forward may read its auxiliary outputs (an auxiliary loss, statistics such as
-    Expire-Span's `memory_size`): always but inside `generate`, where a decoding step may leave them out (None)."""
-    return _AUXILIARY_OUTPUTS_READ.get()
+    Expire-Span's `memory_size`): always but inside `generate`, where a forward may leave them out (None), and always
+    under torch.compile (which cannot read a context variable; a compiled step may be called outside `generate`)."""
+    return torch.compiler.is_compiling() or _AUXILIARY_OUTPUTS_READ.get()
 
 
 # Set to 1 to build a model that looks larger than the memory this machine has left (e.g. with swap in mind).

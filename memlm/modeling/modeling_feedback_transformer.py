@@ -35,6 +35,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
+from ..kernels import mark_static
 from ..kernels.feedback import feedback_recurrence
 from ..kernels.feedback.compiled import (
     ACTIVATIONS,
@@ -63,12 +64,12 @@ from .memory import (
     MemoryCache,
     Rollback,
     StaticMemoryCacheLayer,
+    auxiliary_outputs_read,
     causal_lm_loss,
     check_extra_kwargs,
     check_fits_in_memory,
     current_padding_mask,
     embed_inputs,
-    mark_static,
     padding_first,
     past_length_to_check,
     prompt_loop,
@@ -88,7 +89,8 @@ class FeedbackModelOutput(BaseModelOutputWithPast):
         reads it too).
     hidden_states: embeddings and each layer's output, when `output_hidden_states`.
     aux_loss: with `adaptive_span`, the span loss Σ_layers coefficient · τ · mean_heads(z_l) (Sukhbaatar et al.,
-        2019: the ℓ1 penalty on the spans, with the official code's scale); None otherwise.
+        2019: the ℓ1 penalty on the spans, with the official code's scale); None otherwise, and inside `generate`,
+        which does not read it (`auxiliary_outputs_read`).
     """
 
     aux_loss: torch.FloatTensor | None = None
@@ -746,7 +748,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
             hidden_states=hidden_states_out,
-            aux_loss=self._adaptive_span_loss(),
+            aux_loss=self._adaptive_span_loss() if auxiliary_outputs_read() else None,  # (None inside `generate`)
         )
         return output if return_dict else output.to_tuple()
 

@@ -335,6 +335,23 @@ def test_prefill_then_decoding_equals_the_full_forward(layout):
     assert generated.shape == (2, 8)
 
 
+def test_generate_leaves_out_the_adaptive_span_loss_it_does_not_read():
+    """Inside `generate`, which reads of its forwards only the logits and the cache, the adaptive span's loss is left
+    out (None: a few operations per layer and token); a forward called outside it has it, also after `generate`."""
+    from memlm.modeling.memory import auxiliary_outputs_read
+
+    model = _model("shared_projections_layer_norms", adaptive_span_loss_coefficient=1e-2)
+    input_ids = torch.randint(0, 40, (2, 4))
+    outputs = []
+    handle = model.model.register_forward_hook(lambda module, arguments, output: outputs.append(output))
+    with torch.no_grad():
+        model.generate(input_ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        handle.remove()
+        after = model(input_ids)
+    assert len(outputs) == 3 and all(output.aux_loss is None for output in outputs)
+    assert auxiliary_outputs_read() and after.aux_loss is not None and float(after.aux_loss) > 0
+
+
 def test_carrying_memories_after_the_first_layer_norm_changes_them_at_each_call():
     """The official pre-norm model stores its memories after layer 0's norm and normalises them again in the next
     block: a model with `carry_first_layer_norm` depends on where the calls split the sequence (documented)."""
