@@ -551,7 +551,7 @@ def test_the_official_decoding_attention_is_the_general_attention_of_one_query(o
     self_attention, epsilon = options.get("attend_to_self", True), options.get("renormalization_epsilon", 0.0)
     if rows == 6:  # keys within and beyond the table's reach
         assert (valid & (distance > 6)).any() and (valid & (distance >= 1) & (distance <= 6)).any()
-    else:  # a table longer than every distance: only the rows the keys reach are multiplied, the farthest one's too
+    else:  # a table longer than every distance: the rows the keys reach are read, the farthest one's too
         assert distance.max() + 1 < rows
         farthest = (torch.arange(len(distance)), distance.argmax(-1))
         spans[farthest], valid[farthest] = float(distance.max() + RAMP), True  # read whole

@@ -43,13 +43,12 @@ class OneQueryTerms(NamedTuple):
     """What a decoding step's attention reads of its keys besides their vectors: Eq. 5's mask m (B, N) (0 at a hidden
     key); shaped as the scores of one query (B, 1, 1, N), which SDPA and the heads broadcast, the softmax's bias
     (log m; with ε log ⌈m⌉) and, with ε, the mask again (`weighing`: m weighs the softmax after); and with the learned
-    positions each key's row (`rows`, (B, 1, 1, N)) of `table`, the padded table's first rows transposed (d, R), which
-    the query multiplies (both None without positions)."""
+    positions each key's row p_{t−i} of the padded table (`positions`, (B, 1, N, d), broadcast over the heads), which
+    the attention adds to the key: q·k_i + q·p_{t−i} = q·(k_i + p_{t−i}), one product (None without positions)."""
 
     mask: torch.Tensor | None
     bias: torch.Tensor
-    rows: torch.Tensor | None = None
-    table: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
     weighing: torch.Tensor | None = None
 
     def split(self, widths: list[int]) -> list["OneQueryTerms"]:
@@ -58,11 +57,11 @@ class OneQueryTerms(NamedTuple):
         only the counts read."""
         count = len(widths)
         bias = self.bias.split(widths, 3)
-        rows = [None] * count if self.rows is None else self.rows.split(widths, 3)
+        positions = [None] * count if self.positions is None else self.positions.split(widths, 2)
         weighing = [None] * count if self.weighing is None else self.weighing.split(widths, 3)
         return [
-            OneQueryTerms(None, layer_bias, layer_rows, self.table, layer_weighing)
-            for layer_bias, layer_rows, layer_weighing in zip(bias, rows, weighing)
+            OneQueryTerms(None, layer_bias, layer_positions, layer_weighing)
+            for layer_bias, layer_positions, layer_weighing in zip(bias, positions, weighing)
         ]
 
 
@@ -80,10 +79,9 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
     weighing = mask.view(shape) if epsilon > 0 else None
     if padded_table is None:
         return OneQueryTerms(mask, bias, weighing=weighing)
-    rows = padded_table.shape[0]
-    if distance.device.type == "cpu" and distance.numel():  # where reading a number costs no wait: the rows up to
-        rows = min(rows, int(distance.max()) + 1)  # the farthest key's (after a short prompt, not all P + 2)
-    return OneQueryTerms(mask, bias, distance.clamp(max=rows - 1).view(shape), padded_table[:rows].mT, weighing)
+    rows = distance.clamp(max=padded_table.shape[0] - 1)  # p_{t−i}: row t − i, the zero row past P
+    positions = padded_table.index_select(0, rows.flatten()).view(shape[0], 1, shape[3], padded_table.shape[1])
+    return OneQueryTerms(mask, bias, positions, weighing)
 
 
 def plain_one_query_attention(query, key, value, bias, checked: bool = True):
@@ -105,14 +103,11 @@ def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilo
     batch_size, num_heads, _, head_dim = query.shape
     scale = head_dim**-0.5
     shape = (batch_size, num_heads, 1, key.shape[2])
-    bias = terms.bias  # (B, 1, 1, N)
-    if terms.rows is not None:  # q·[0; table; 0]ᵀ gathered at each key's row, plus q·kᵀ, scaled onto the bias
-        scores = (query @ terms.table).gather(-1, terms.rows.expand(shape)).add_(query @ key.mT)
-        scores = torch.add(bias, scores, alpha=scale)
-    else:  # the bias broadcast over the heads as the product's first term
-        flat_query, flat_key = query.flatten(0, 1), key.flatten(0, 1).mT
-        scores = torch.baddbmm(bias.expand(shape).reshape(-1, 1, shape[-1]), flat_query, flat_key, alpha=scale)
-        scores = scores.view(shape)
+    if terms.positions is not None:  # each key's positions' row added to it: q·k_i + q·p_{t−i} in one product
+        key = key + terms.positions
+    # The scores, scaled onto the bias (B, 1, 1, N) broadcast over the heads as the product's first term.
+    bias = terms.bias.expand(shape).reshape(-1, 1, shape[-1])
+    scores = torch.baddbmm(bias, query.flatten(0, 1), key.flatten(0, 1).mT, alpha=scale).view(shape)
     weights = scores.softmax(-1)  # (a method call: `torch.ops.aten` costs its Python dispatch, ~8 µs in a step)
     if epsilon > 0:  # w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys (see official.py)
         weights = weights.mul_(terms.weighing)
