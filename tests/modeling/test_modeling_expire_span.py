@@ -579,23 +579,47 @@ def test_a_decoding_step_equals_the_forward_of_one_token(monkeypatch, span_bias,
 @pytest.mark.parametrize("options", [{}, OFFICIAL_OPTIONS], ids=["default_layout", "official_layout"])
 def test_generate_decodes_without_the_counts_it_does_not_read(options):
     """Inside `generate`, which reads of its forwards only the logits, the cache and the hidden states it is asked
-    for, the decoding steps leave the span loss and the memories read out (None: counting them is a dozen operations
-    a step); the logits are those of steps that count, called one by one outside `generate`. After `generate`, also
-    after one that failed, steps count again."""
+    for, the decoding steps leave the span loss and the memories read out (None), and so run fewer operations than the
+    same steps that count (the counting work is skipped, not only its result dropped); the logits are those of steps
+    that count, called one by one outside `generate`. After `generate`, also after one that failed, steps count
+    again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from memlm.modeling.memory import auxiliary_outputs_read
+
+    class CountOperations(TorchDispatchMode):
+        """The ATen operations each forward of the base model dispatches, one count per forward."""
+
+        def __init__(self):
+            super().__init__()
+            self.counts, self.counting = [], False
+
+        def __torch_dispatch__(self, function, types, arguments=(), keywords=None):
+            if self.counting:
+                self.counts[-1] += 1
+            return function(*arguments, **(keywords or {}))
+
+    def start(module, arguments):
+        operations.counts.append(0)
+        operations.counting = True
+
+    def stop(module, arguments, output):
+        operations.counting = False
+        outputs.append(output)
 
     model = _model(span_weight=0.05, span_bias=-0.5, max_span=24, ramp=4, block_size=4, **options)
     prompt = torch.randint(0, 256, (2, 9))
-    outputs = []
-    handle = model.model.register_forward_hook(lambda module, arguments, output: outputs.append(output))
-    generated = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True)  # fmt: skip
-    handle.remove()
+    outputs, operations = [], CountOperations()
+    handles = [model.model.register_forward_pre_hook(start), model.model.register_forward_hook(stop)]
+    with operations:
+        generated = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)  # fmt: skip
     assert len(outputs) == 12 and outputs[0].memory_size is not None  # (the prompt's forward is no step: it counts)
     assert all(output.span_loss is None and output.aux_loss is None and output.memory_size is None
                for output in outputs[1:])  # fmt: skip
     assert auxiliary_outputs_read()
-    with torch.no_grad():
+    inside, outputs[:], operations.counts = operations.counts, [], []
+    with torch.no_grad(), operations:
         output = model(prompt, use_cache=True, logits_to_keep=1)  # (as generate reads the prompt)
         for index, logits in enumerate(generated.logits):
             assert torch.equal(output.logits[:, -1], logits)
@@ -603,6 +627,10 @@ def test_generate_decodes_without_the_counts_it_does_not_read(options):
                 assert output.memory_size is not None and float(output.span_loss) != 0
             token = generated.sequences[:, prompt.shape[1] + index, None]
             output = model(token, cache=output.cache, use_cache=True)
+    for handle in handles:
+        handle.remove()
+    # The same steps over the same memories, counting and not: the counts' operations (a dozen and more) left out.
+    assert all(counting - skipping >= 8 for skipping, counting in zip(inside[2:], operations.counts[2:12]))
     with pytest.raises(ValueError):
         model.generate(prompt, max_new_tokens=-1)
     assert auxiliary_outputs_read()
