@@ -1084,7 +1084,6 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
 class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, GenerationMixin):
     cache_class = ExpireSpanCache
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    cache_class = ExpireSpanCache
 
     def __init__(self, config: ExpireSpanConfig):
         super().__init__(config)
