@@ -696,16 +696,26 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
         self.output_dropout = nn.Dropout(config.output_dropout)
         self.gradient_checkpointing = False
+        self._last_positions = None  # (length, dtype, device, inference mode) and its `sinusoidal_positions`
         self.post_init()
 
     def sinusoidal_positions(self, length: int, like: torch.Tensor) -> torch.Tensor:
         """Transformer-XL's encoding of positions T-1, …, 0 (counting down to the call's last token): (T, D) with
-        [sin(p·f), cos(p·f)], f = 1 / 10000^(2i/D), computed in float64 and cast to the embeddings' dtype."""
+        [sin(p·f), cos(p·f)], f = 1 / 10000^(2i/D), computed in float64 and cast to the embeddings' dtype. The last
+        table is kept (eagerly): decoding steps all ask for T = 1, ten operations each time otherwise, whose sine
+        and cosine go through a CPU's threaded kernels."""
+        key = (length, like.dtype, like.device, torch.is_inference_mode_enabled())  # (inference mode: its own table)
+        last = self._last_positions
+        if last is not None and last[0] == key and not torch.compiler.is_compiling():
+            return last[1]
         width = self.config.hidden_size
         inverse_frequencies = 1 / (10000 ** (torch.arange(0.0, width, 2.0, dtype=torch.float64) / width))
         positions = torch.arange(length - 1, -1, -1.0, dtype=torch.float64)
         angles = torch.outer(positions, inverse_frequencies)
-        return torch.cat([angles.sin(), angles.cos()], dim=-1).to(device=like.device, dtype=like.dtype)
+        table = torch.cat([angles.sin(), angles.cos()], dim=-1).to(device=like.device, dtype=like.dtype)
+        if not torch.compiler.is_compiling():
+            self._last_positions = (key, table)
+        return table
 
     def recorded_writes(self, attention: DeltaNetAttention, writes: tuple, padding) -> DeltaNetWrites:
         """A layer's writes (`DeltaNetAttention.forward(return_writes=True)`) as a recording cache keeps them."""

@@ -608,3 +608,14 @@ def test_sinusoidal_positions_count_down_within_each_call():
     # The embeddings of a call get them added: only the last token of a call sees position 0.
     hidden = model(torch.tensor([[5, 6, 7]]), output_hidden_states=True).hidden_states[0]
     torch.testing.assert_close(hidden[0], model.embed_tokens.weight[[5, 6, 7]] + table.float())
+    # The last table is kept (every decoding step asks for one position): the same tensor again for the same length,
+    # dtype, device and inference mode, a new one otherwise, with the same numbers as made afresh.
+    step = model.sinusoidal_positions(1, hidden)
+    assert model.sinusoidal_positions(1, hidden) is step
+    torch.testing.assert_close(step, torch.cat([torch.zeros(4), torch.ones(4)])[None], atol=0, rtol=0)
+    for length, like in ((3, hidden), (1, hidden.double())):
+        assert model.sinusoidal_positions(length, like) is not step
+        assert model.sinusoidal_positions(length, like).dtype == like.dtype
+    with torch.inference_mode():
+        assert model.sinusoidal_positions(1, hidden) is not step
+    torch.testing.assert_close(model.sinusoidal_positions(3, hidden), table.float(), atol=0, rtol=0)

@@ -12,6 +12,7 @@ number of operations, not their arithmetic: every operation a step does not run 
 Tested against the general attention in tests/kernels/test_expire_attention.py.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -75,7 +76,10 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
     if not attend_to_self:
         mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
     shape = (mask.shape[0], 1, 1, mask.shape[1])
-    bias = (mask.ceil() if epsilon > 0 else mask).log().view(shape)  # log 0 = −inf
+    if epsilon > 0:  # log ⌈m⌉: 0 where m > 0, −inf where m = 0 (a comparison, not a logarithm, which on a CPU goes
+        bias = in_dtype(torch.where(mask > 0, 0.0, -math.inf), mask.dtype).view(shape)  # through MKL's threads)
+    else:
+        bias = mask.log().view(shape)  # log 0 = −inf
     weighing = mask.view(shape) if epsilon > 0 else None
     if padded_table is None:
         return OneQueryTerms(mask, bias, weighing=weighing)
