@@ -629,7 +629,7 @@ def test_generate_decodes_without_the_counts_it_does_not_read(options):
             output = model(token, cache=output.cache, use_cache=True)
     for handle in handles:
         handle.remove()
-    # The same steps over the same memories, counting and not: the counts' operations (a dozen and more) left out.
+    # The same steps over the same memories, counting and not: the counts' operations (9 to 11 here) left out.
     assert all(counting - skipping >= 8 for skipping, counting in zip(inside[2:], operations.counts[2:12]))
     with pytest.raises(ValueError):
         model.generate(prompt, max_new_tokens=-1)

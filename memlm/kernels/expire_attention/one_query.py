@@ -76,8 +76,8 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
     if not attend_to_self:
         mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
     shape = (mask.shape[0], 1, 1, mask.shape[1])
-    if epsilon > 0:  # log ⌈m⌉: 0 where m > 0, −inf where m = 0 (a comparison, not a logarithm, which on a CPU goes
-        bias = in_dtype(torch.where(mask > 0, 0.0, -math.inf), mask.dtype).view(shape)  # through MKL's threads)
+    if epsilon > 0:  # log ⌈m⌉ as a comparison, 0 or −inf (a CPU's `log` runs MKL's threads, even for a few keys)
+        bias = in_dtype(torch.where(mask > 0, 0.0, -math.inf), mask.dtype).view(shape)
     else:
         bias = mask.log().view(shape)  # log 0 = −inf
     weighing = mask.view(shape) if epsilon > 0 else None
