@@ -79,6 +79,18 @@ def _parse_only():
         argparse.ArgumentParser.parse_args, click.Command.invoke = original, original_invoke
 
 
+def _run_module(module: str) -> None:
+    """`python -m MODULE` in this process, as a fresh interpreter would run it: a module that earlier tests imported is
+    set aside while it runs (runpy warns about running a module found in `sys.modules`, which `python -m` never
+    meets), and put back after."""
+    imported = sys.modules.pop(module, None)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        if imported is not None:
+            sys.modules[module] = imported
+
+
 def _parse(command: str, run, argv: list[str]) -> None:
     """Run `run()` with `sys.argv = argv` until it has parsed its arguments; fail on a usage error."""
     errors = io.StringIO()
@@ -140,9 +152,7 @@ def check_command(command: str) -> None:
         _parse(command, lambda: app(arguments, prog_name="transformers"), ["transformers", *arguments])
     elif program == "python" and arguments[:1] == ["-m"]:
         module = arguments[1]
-        _parse(
-            command, lambda: runpy.run_module(module, run_name="__main__", alter_sys=True), [module, *arguments[2:]]
-        )
+        _parse(command, lambda: _run_module(module), [module, *arguments[2:]])
     elif program == "python":
         script = _script(command, arguments[0])
         _parse(command, lambda: runpy.run_path(str(script), run_name="__main__"), [str(script), *arguments[1:]])
