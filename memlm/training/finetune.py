@@ -51,6 +51,7 @@ def check_output_folder(model: Path, output_dir: Path):
 
 
 def finetune(arguments: argparse.Namespace) -> dict:
+    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
@@ -90,6 +91,7 @@ def finetune(arguments: argparse.Namespace) -> dict:
         lr_scheduler_type="cosine", warmup_steps=arguments.warmup_steps, max_steps=arguments.steps,
         logging_steps=max(1, arguments.steps // 10), save_strategy="no", report_to=[], seed=arguments.seed,
         dataloader_num_workers=0, include_num_input_tokens_seen=True,
+        dataloader_pin_memory=torch.accelerator.is_available(),  # (pinned memory is for copies to an accelerator)
         disable_tqdm=not sys.stderr.isatty(),  # no progress bar in logs
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_arguments, train_dataset=split["train"], eval_dataset=split["test"],

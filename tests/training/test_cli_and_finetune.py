@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -95,14 +96,16 @@ def test_finetune_warmup_and_batch_size_take_effect(trained, tmp_path):
     data.write_text("fast weights remember; expired memories do not. " * 60)
     common = ["--model", str(trained["deltanet"]), "--data", str(data), "--length", "16", "--steps", "10",
               "--learning-rate", "0.01", "--eval-blocks", "2"]  # fmt: skip
-    runs = {
-        name: finetune.main([*common, "--output-dir", str(tmp_path / name), *options])
-        for name, options in {
-            "plain": ["--batch-size", "2", "--warmup-steps", "0"],
-            "warm": ["--batch-size", "2", "--warmup-steps", "8"],
-            "wide": ["--batch-size", "4", "--warmup-steps", "0"],
-        }.items()
-    }
+    with warnings.catch_warnings():  # on a CPU the Trainer's data loader pins no memory (torch would warn)
+        warnings.filterwarnings("error", message=".*pin_memory.*")
+        runs = {
+            name: finetune.main([*common, "--output-dir", str(tmp_path / name), *options])
+            for name, options in {
+                "plain": ["--batch-size", "2", "--warmup-steps", "0"],
+                "warm": ["--batch-size", "2", "--warmup-steps", "8"],
+                "wide": ["--batch-size", "4", "--warmup-steps", "0"],
+            }.items()
+        }
     # every step feeds batch × length tokens
     assert runs["plain"]["tokens_seen"] == 10 * 2 * 16 and runs["wide"]["tokens_seen"] == 10 * 4 * 16
     # warm-up: the learning rate is still climbing at step 1, where the cosine schedule without warm-up is near 0.01
