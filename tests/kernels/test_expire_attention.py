@@ -676,6 +676,26 @@ def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(me
     assert (inference - expected).abs().max() < 1e-13
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8, 9])
+def test_the_position_products_of_a_few_query_rows_are_the_matrix_product(rows):
+    """The learned positions' products q · p_d taken row by row (`by_row`, as a Feedback step asks for its heads: one
+    matrix-vector product each on a CPU, up to 8 rows; a matrix product above) equal the matrix product, with the
+    query's leading shape, and their gradients too."""
+    from memlm.kernels.expire_attention.reference import _position_products
+
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(1, rows, 1, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    table = torch.randn(7, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    ours, expected = _position_products(query, table, by_row=True), query @ table.mT
+    assert ours.shape == expected.shape == (1, rows, 1, 7)
+    torch.testing.assert_close(ours, expected, atol=1e-14, rtol=0)
+    grad = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    ours_grads = torch.autograd.grad(ours, (query, table), grad)
+    expected_grads = torch.autograd.grad(expected, (query, table), grad)
+    for mine, theirs in zip(ours_grads, expected_grads):
+        torch.testing.assert_close(mine, theirs, atol=1e-13, rtol=0)
+
+
 def test_the_official_options_in_float32_stay_close_to_the_float64_reference():
     """The official path computes in float32 for float32 inputs (scores accumulated onto log m, the ε sum): its
     output and gradients stay within float32 rounding of the float64 reference, with spans long and short."""

@@ -138,16 +138,33 @@ def relative_position_index(distance: torch.Tensor, num_positions: int) -> Relat
     return RelativeIndex((distance - 1).clamp(0, num_positions - 1), (distance >= 1) & (distance <= num_positions))
 
 
-def relative_position_scores(table: torch.Tensor, query: torch.Tensor, distance) -> torch.Tensor:
+# Up to this many query rows (a decoding step's heads), `_position_products(..., by_row=True)` multiplies them one by
+# one on a CPU.
+_FEW_ROWS = 8
+
+
+def _position_products(query: torch.Tensor, table: torch.Tensor, by_row: bool = False) -> torch.Tensor:
+    """query (..., d) · table (P, d)ᵀ → (..., P). With `by_row`, a few query rows on a CPU as one matrix-vector product
+    each: MKL runs a product of two or more rows on its thread pool, and waking its threads costs more than such a
+    product (two pool regions a layer and step in the Feedback Transformer's official decoding, against none). Not
+    the default: a row's bits would then depend on how many rows are multiplied together."""
+    rows = query.numel() // query.shape[-1]
+    if by_row and query.device.type == "cpu" and 0 < rows <= _FEW_ROWS and not torch.compiler.is_compiling():
+        products = [torch.mv(table, row) for row in query.reshape(rows, query.shape[-1]).unbind()]
+        return torch.stack(products).view(*query.shape[:-1], table.shape[0])
+    return query @ table.mT
+
+
+def relative_position_scores(table: torch.Tensor, query: torch.Tensor, distance, by_row: bool = False) -> torch.Tensor:
     """The official code's learned relative positions (`key_pe`; Sukhbaatar et al., 2019, Sec. 3) scored:
     table (P, d) with row d − 1 holding p_d, query (..., d) and, per query, the distances d = t − i of the keys it
     scores (..., W), integer (or their `RelativeIndex`), their leading dimensions broadcast to the query's → q · p_d,
     (..., W); 0 outside 1..P. The Feedback Transformer keeps its table as a bare parameter
     (`model.relative_positions`, the key its checkpoints hold), Expire-Span in
-    `memlm.modeling.layers.LearnedRelativePositions`."""
+    `memlm.modeling.layers.LearnedRelativePositions`. `by_row`: see `_position_products`."""
     if not isinstance(distance, RelativeIndex):
         distance = relative_position_index(distance, table.shape[0])
-    by_distance = query @ table.to(query.dtype).mT  # (..., P): q · p_d for d = 1..P
+    by_distance = _position_products(query, table.to(query.dtype), by_row)  # (..., P): q · p_d for d = 1..P
     index = distance.index.expand(*by_distance.shape[:-1], distance.index.shape[-1])
     return torch.where(distance.inside, by_distance.gather(-1, index), 0.0)
 
