@@ -676,10 +676,10 @@ def test_the_official_options_give_the_outputs_and_gradients_of_the_reference(me
     assert (inference - expected).abs().max() < 1e-13
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8, 9])
+@pytest.mark.parametrize("rows", [1, 4, 5])
 def test_the_position_products_of_a_few_query_rows_are_the_matrix_product(rows):
     """The learned positions' products q · p_d taken row by row (`by_row`, as a Feedback step asks for its heads: one
-    matrix-vector product each on a CPU, up to 8 rows; a matrix product above) equal the matrix product, with the
+    matrix-vector product each on a CPU, up to 4 rows; a matrix product above) equal the matrix product, with the
     query's leading shape, and their gradients too."""
     from memlm.kernels.expire_attention.reference import _position_products
 
