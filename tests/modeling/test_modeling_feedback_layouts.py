@@ -335,6 +335,35 @@ def test_prefill_then_decoding_equals_the_full_forward(layout):
     assert generated.shape == (2, 8)
 
 
+def test_a_decoding_step_takes_the_position_scores_row_by_row():
+    """In evaluation at batch 1 a step of a layout with learned relative positions takes q · p_d one matrix-vector
+    product per head on a CPU (`relative_position_scores(..., by_row=True)`: MKL would wake its thread pool for a
+    product of several rows), in training one matrix product; the logits are the full forward's either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountProducts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.vectors = 0
+
+        def __torch_dispatch__(self, function, types, arguments=(), keywords=None):
+            self.vectors += function is torch.ops.aten.mv.default
+            return function(*arguments, **(keywords or {}))
+
+    model = _model("official_post_norm_shared")
+    input_ids = torch.randint(0, 40, (1, 6))
+    with torch.no_grad():
+        full = model(input_ids).logits[:, -1]
+        for training in (False, True):
+            cache = model.eval()(input_ids[:, :5], use_cache=True).cache
+            model.train(training)
+            with CountProducts() as products:
+                step = model(input_ids[:, 5:], cache=cache).logits[:, -1]
+            assert (products.vectors > 0) != training, products.vectors
+            assert (step - full).abs().max() < 1e-12
+    model.eval()
+
+
 def test_generate_leaves_out_the_adaptive_span_loss_it_does_not_read():
     """Inside `generate`, which reads of its forwards only the logits and the cache, the adaptive span's loss is left
     out (None: a few operations per layer and token); a forward called outside it has it, also after `generate`."""
