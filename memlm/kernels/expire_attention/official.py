@@ -9,8 +9,8 @@ keys with m > 0) are
     w_i = m_i e^{s_i} / (Σ_j m_j e^{s_j} + ε Σ_{j: m_j > 0} e^{s_j}) = w¹_i / (1 + ε Σ_j w¹_j / m_j),
     w¹ = softmax(s + log m),  log 0 = −inf (hidden keys too),
 
-or, as the official code computes them (and a decoding step does, `one_query.py`), w_i = m_i p_i / (Σ_j m_j p_j + ε)
-with p the softmax of s over the keys with m > 0. So a forward is one product q·kᵀ accumulated onto the bias log m
+or, as the official code computes them, w_i = m_i p_i / (Σ_j m_j p_j + ε) with p the softmax of s over the keys with
+m > 0 (a decoding step's one query takes a third form, one fused call: `one_query.py`). So a forward is one product q·kᵀ accumulated onto the bias log m
 (+ the positions' term), one softmax and, with ε, one weighted sum. In training the forward keeps its inputs and
 output; the backward computes w again and, with g_i = dO·v_i, G = Σ_j w_j g_j = dO·o (no pass over the pairs) and
 u_i = w_i / m_i,

@@ -6,8 +6,8 @@ the weights). What a key contributes besides its key and value vectors — m, th
 row, `OneQueryTerms` — depends only on its span and distance, not on the layer's input: a decoding step computes
 the terms of every layer's keys in one pass over them side by side (`one_query_terms`, ~10 operations a step where
 each layer took as many), and each layer's attention reads its columns (`plain_one_query_attention`: SDPA with the
-bias log m; `official_one_query_attention`). `expire_span_attention_decoding` and
-`expire_span_attention_official_decoding` do both for one layer. On a CPU a step of a small model is bound by its
+bias log m; `official_one_query_attention`: SDPA too, with ε in the bias and the values' weights).
+`expire_span_attention_decoding` and `expire_span_attention_official_decoding` do both for one layer. On a CPU a step of a small model is bound by its
 number of operations, not their arithmetic: every operation a step does not run is time.
 Tested against the general attention in tests/kernels/test_expire_attention.py.
 """
@@ -43,9 +43,10 @@ def padded_position_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 class OneQueryTerms(NamedTuple):
     """What a decoding step's attention reads of its keys besides their vectors: Eq. 5's mask m (B, N) (0 at a hidden
     key); shaped as the scores of one query (B, 1, 1, N), which SDPA and the heads broadcast, the softmax's bias
-    (log m; with ε log ⌈m⌉) and, with ε, the mask again (`weighing`: m weighs the softmax after); and with the learned
-    positions each key's row p_{t−i} of the padded table (`positions`, (B, 1, N, d), broadcast over the heads), which
-    the attention adds to the key: q·k_i + q·p_{t−i} = q·(k_i + p_{t−i}), one product (None without positions)."""
+    (log m; with ε log(m + ε), −inf at a hidden key) and, with ε, the values' weights m / (m + ε) (`weighing`; see
+    `official_one_query_attention`); and with the learned positions each key's row p_{t−i} of the padded table
+    (`positions`, (B, 1, N, d), broadcast over the heads), which the attention adds to the key: q·k_i + q·p_{t−i} =
+    q·(k_i + p_{t−i}), one product (None without positions)."""
 
     mask: torch.Tensor | None
     bias: torch.Tensor
@@ -76,11 +77,13 @@ def one_query_terms(spans, distance, key_valid, ramp: float, dtype: torch.dtype,
     if not attend_to_self:
         mask.masked_fill_(distance == 0, 0)  # the token's own key, hidden
     shape = (mask.shape[0], 1, 1, mask.shape[1])
-    if epsilon > 0:  # log ⌈m⌉ as a comparison, 0 or −inf (a CPU's `log` runs MKL's threads, even for a few keys)
-        bias = in_dtype(torch.where(mask > 0, 0.0, -math.inf), mask.dtype).view(shape)
+    weighing = None
+    if epsilon > 0:  # the bias log(m + ε) and the values' weights m / (m + ε) (see `official_one_query_attention`)
+        shifted = mask + epsilon
+        bias = torch.where(mask > 0, shifted.log(), -math.inf).view(shape)
+        weighing = (mask / shifted).view(shape)
     else:
         bias = mask.log().view(shape)  # log 0 = −inf
-    weighing = mask.view(shape) if epsilon > 0 else None
     if padded_table is None:
         return OneQueryTerms(mask, bias, weighing=weighing)
     rows = distance.clamp(max=padded_table.shape[0] - 1)  # p_{t−i}: row t − i, the zero row past P
@@ -99,25 +102,19 @@ def plain_one_query_attention(query, key, value, bias, checked: bool = True):
 def official_one_query_attention(query, key, value, terms: OneQueryTerms, epsilon: float = 0.0,
                                  checked: bool = True):  # fmt: skip
     """The official weights (`official.py`) of one query per row (B, H, 1, d) over keys read with `terms` (in their
-    dtype, float32 or float64): w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys; with ε = 0 the
-    softmax of s + log m. The output in the query's dtype, or None when it is not finite (unless `checked`, as
-    `plain_one_query_attention`)."""
+    dtype, float32 or float64), w_i = m_i p_i / (Σ_j m_j p_j + ε) with p the softmax over the visible keys (m > 0), as
+    one SDPA call: with Z = Σ_visible e^{s_j},
+        w_i = m_i e^{s_i} / (Σ_j m_j e^{s_j} + ε Z) = (m_i + ε) e^{s_i} / Σ_visible (m_j + ε) e^{s_j} · m_i / (m_i + ε),
+    the softmax of s + log(m + ε) over values weighed by m / (m + ε); with ε = 0 the softmax of s + log m. The scores
+    s_i = q·(k_i + p_{t−i}) / √d take each key's positions' row added to it. The output in the query's dtype, or None
+    when it is not finite (unless `checked`, as `plain_one_query_attention`)."""
     dtype, output_dtype = terms.bias.dtype, query.dtype
     query, key, value = (in_dtype(tensor, dtype) for tensor in (query, key, value))
-    batch_size, num_heads, _, head_dim = query.shape
-    scale = head_dim**-0.5
-    shape = (batch_size, num_heads, 1, key.shape[2])
-    if terms.positions is not None:  # each key's positions' row added to it: q·k_i + q·p_{t−i} in one product
+    if terms.positions is not None:  # q·k_i + q·p_{t−i} = q·(k_i + p_{t−i}), one product
         key = key + terms.positions
-    # The scores, scaled onto the bias (B, 1, 1, N) broadcast over the heads as the product's first term.
-    bias = terms.bias.expand(shape).reshape(-1, 1, shape[-1])
-    scores = torch.baddbmm(bias, query.flatten(0, 1), key.flatten(0, 1).mT, alpha=scale).view(shape)
-    weights = scores.softmax(-1)  # (a method call: `torch.ops.aten` costs its Python dispatch, ~8 µs in a step)
-    if epsilon > 0:  # w = m·p / (Σ_j m_j p_j + ε), p the softmax over the visible keys (see official.py)
-        weights = weights.mul_(terms.weighing)
-        output = (weights @ value).div_(weights.sum(-1, keepdim=True).add_(epsilon))
-    else:  # w = softmax(s + log m)
-        output = weights @ value
+    if epsilon > 0:
+        value = value * terms.weighing.mT  # (B, 1, N, 1), broadcast over the heads and the features
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=terms.bias)
     return in_dtype(output, output_dtype) if not checked or sums_are_finite(output) else None
 
 
