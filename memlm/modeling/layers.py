@@ -109,13 +109,43 @@ def linear(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     forward (an adapter or a quantized layer defines its own; hooks, see `runs_as_defined`): a decoding step makes
     about eight such calls per layer, and on a CPU the call's machinery costs microseconds each. The weight and bias
     are read from the module's parameters (a module attribute read costs about as much again); a parametrized weight,
-    which lives elsewhere, goes through the module's call, and a parametrized bias is read as the call reads it."""
+    which lives elsewhere, goes through the module's call, and a parametrized bias is read as the call reads it. One
+    row of inputs (a decoding step at batch 1) takes `row_product`."""
     if type(module).forward is nn.Linear.forward and runs_as_defined(module):
         parameters = module._parameters
         weight = parameters.get("weight")
         if weight is not None:
-            return F.linear(inputs, weight, parameters["bias"] if "bias" in parameters else module.bias)
+            bias = parameters["bias"] if "bias" in parameters else module.bias
+            if inputs.numel() == weight.shape[-1]:
+                return row_product(inputs, weight, bias)
+            return F.linear(inputs, weight, bias)
     return module(inputs)
+
+
+# The largest weight (elements) whose one-row product `row_product` spreads over the CPU's threads: its temporary
+# (as large as the weight) then stays in the caches; past it MKL's own product, which streams the weight once, wins.
+THREADED_ROW_PRODUCT_LIMIT = 1 << 20
+
+
+def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(inputs, weight, bias) for inputs holding one row (..., in_features). On a CPU with two or more threads,
+    in float32 or float64, without gradients and for a weight of at most `THREADED_ROW_PRODUCT_LIMIT` elements, as
+    one dot product per output over the thread pool (`torch.linalg.vecdot`): MKL runs a matrix-vector product on one
+    thread, so a decoding step at batch 1, whose time goes to reading its weights, would leave the other cores idle
+    (benchmarks/paper_layouts.py times the steps). The sums are taken in another order than MKL's: the same numbers
+    to rounding, not bit for bit."""
+    if (
+        weight.numel() <= THREADED_ROW_PRODUCT_LIMIT
+        and weight.device.type == "cpu"
+        and weight.dtype in WIDE
+        and inputs.dtype == weight.dtype
+        and not (torch.is_grad_enabled() and (weight.requires_grad or inputs.requires_grad))
+        and torch.get_num_threads() > 1
+        and not torch.compiler.is_compiling()
+    ):
+        output = torch.linalg.vecdot(weight, inputs.reshape(-1)).view(*inputs.shape[:-1], weight.shape[0])
+        return output if bias is None else output + bias
+    return F.linear(inputs, weight, bias)
 
 
 def dropout(module: nn.Dropout, states: torch.Tensor) -> torch.Tensor:

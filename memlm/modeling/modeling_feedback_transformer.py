@@ -56,6 +56,7 @@ from .layers import (
     RMSNorm,
     RotaryEmbedding,
     dropout,
+    linear,
     make_mlp,
     make_norm,
 )
@@ -475,8 +476,9 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         return states * mask
 
     def _linear(self, module: nn.Linear, states: torch.Tensor) -> torch.Tensor:
-        """`module(states)`, its weight gradient deferred while a step loop runs with autograd (`self.deferred`)."""
-        return module(states) if self.deferred is None else self.deferred.linear(module, states)
+        """`module(states)` (`linear`), its weight gradient deferred while a step loop runs with autograd
+        (`self.deferred`)."""
+        return linear(module, states) if self.deferred is None else self.deferred.linear(module, states)
 
     def _feed_forward(self, layer: FeedbackDecoderLayer, residual: torch.Tensor, record=None, key=()):
         """The MLP block's output (before the residual sum); `record` keeps its gate and up projections."""
