@@ -116,7 +116,8 @@ def test_a_one_row_product_is_spread_over_the_threads(two_threads, bias, dtype, 
     output, ops = _row_product_ops(module, inputs)
     assert {"mul", "sum"} <= ops and not ops & {"addmm", "mm", "linear"}, ops
     assert output.shape == expected.shape and output.dtype == dtype
-    scale = 64 * torch.finfo(dtype).eps * (module.weight.detach().abs() @ inputs.abs()[0, 0]).max()  # (256 terms summed)
+    # Rounding of a sum of 256 terms, to the scale of their magnitudes.
+    scale = 64 * torch.finfo(dtype).eps * (module.weight.detach().abs() @ inputs.abs()[0, 0]).max()
     torch.testing.assert_close(output, expected, atol=float(scale), rtol=0)
 
     def takes_f_linear(module, inputs, gradients=False):
