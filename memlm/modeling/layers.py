@@ -129,7 +129,8 @@ THREADED_ROW_PRODUCT_LIMIT = 1 << 20
 
 def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(inputs, weight, bias) for inputs holding one row (..., in_features). On a CPU with two or more threads,
-    in float32 or float64, without gradients and for a weight of at most `THREADED_ROW_PRODUCT_LIMIT` elements, as
+    in float32 or float64, without gradients and for an ordinary weight (`plain_weights`: not a quantized tensor
+    subclass, which implements its own product) of at most `THREADED_ROW_PRODUCT_LIMIT` elements, as
     one dot product per output over the thread pool (`torch.linalg.vecdot`): MKL runs a matrix-vector product on one
     thread, so a decoding step at batch 1, whose time goes to reading its weights, would leave the other cores idle
     (benchmarks/paper_layouts.py times the steps). The sums are taken in another order than MKL's: the same numbers
@@ -141,6 +142,8 @@ def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and inputs.dtype == weight.dtype
         and not (torch.is_grad_enabled() and (weight.requires_grad or inputs.requires_grad))
         and torch.get_num_threads() > 1
+        and type(weight) in (nn.Parameter, torch.Tensor)
+        and type(weight.data) is torch.Tensor
         and not torch.compiler.is_compiling()
     ):
         output = torch.linalg.vecdot(weight, inputs.reshape(-1)).view(*inputs.shape[:-1], weight.shape[0])

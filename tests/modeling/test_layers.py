@@ -106,7 +106,8 @@ def test_a_one_row_product_is_spread_over_the_threads(two_threads, bias, dtype, 
     per output (`torch.linalg.vecdot`: an element-wise product and a sum, which the thread pool shares, where MKL's
     matrix-vector product runs on one thread): F.linear's values to rounding, with and without a bias, in float32 and
     float64. F.linear itself where the dot products do not pay or do not apply: one thread, gradients, half
-    precision, several rows, a weight over `THREADED_ROW_PRODUCT_LIMIT` elements."""
+    precision, several rows, a weight over `THREADED_ROW_PRODUCT_LIMIT` elements, a weight of a tensor subclass (a
+    quantized one implements its own product)."""
     from memlm.modeling import layers
 
     torch.manual_seed(0)
@@ -135,3 +136,9 @@ def test_a_one_row_product_is_spread_over_the_threads(two_threads, bias, dtype, 
     monkeypatch.undo()
     assert not takes_f_linear(module, inputs)
     assert takes_f_linear(module, inputs.requires_grad_(), gradients=True)  # a product autograd records
+
+    class Subclass(torch.Tensor):
+        pass
+
+    module.weight = nn.Parameter(module.weight.detach().as_subclass(Subclass))
+    assert takes_f_linear(module, inputs.detach())
