@@ -122,21 +122,23 @@ def linear(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     return module(inputs)
 
 
-# The largest weight (elements) whose one-row product `row_product` spreads over the CPU's threads: its temporary
-# (as large as the weight) then stays in the caches; past it MKL's own product, which streams the weight once, wins.
+# The weights (elements) whose one-row product `row_product` spreads over the CPU's threads: from the smallest, under
+# which MKL's one-thread product takes less than waking the thread pool, to the largest, whose temporary (as large as
+# the weight) still stays in the caches (past it MKL's own product, which streams the weight once, wins).
+THREADED_ROW_PRODUCT_MINIMUM = 1 << 16
 THREADED_ROW_PRODUCT_LIMIT = 1 << 20
 
 
 def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(inputs, weight, bias) for inputs holding one row (..., in_features). On a CPU with two or more threads,
     in float32 or float64, without gradients and for an ordinary weight (`plain_weights`: not a quantized tensor
-    subclass, which implements its own product) of at most `THREADED_ROW_PRODUCT_LIMIT` elements, as
-    one dot product per output over the thread pool (`torch.linalg.vecdot`): MKL runs a matrix-vector product on one
-    thread, so a decoding step at batch 1, whose time goes to reading its weights, would leave the other cores idle
-    (benchmarks/paper_layouts.py times the steps). The sums are taken in another order than MKL's: the same numbers
-    to rounding, not bit for bit."""
+    subclass, which implements its own product) of `THREADED_ROW_PRODUCT_MINIMUM` to `THREADED_ROW_PRODUCT_LIMIT`
+    elements, as one dot product per output over the thread pool (`torch.linalg.vecdot`): MKL runs a matrix-vector
+    product on one thread, so a decoding step at batch 1, which reads all its weights, would leave the other cores
+    idle (`benchmarks/step_profile.py --row-products` times both). The sums are taken in another order than MKL's: the
+    same numbers to rounding, not bit for bit."""
     if (
-        weight.numel() <= THREADED_ROW_PRODUCT_LIMIT
+        THREADED_ROW_PRODUCT_MINIMUM <= weight.numel() <= THREADED_ROW_PRODUCT_LIMIT
         and weight.device.type == "cpu"
         and weight.dtype in WIDE
         and inputs.dtype == weight.dtype
