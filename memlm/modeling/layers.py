@@ -138,7 +138,8 @@ def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     idle (`benchmarks/step_profile.py --row-products` times both). The sums are taken in another order than MKL's: the
     same numbers to rounding, not bit for bit."""
     if (
-        THREADED_ROW_PRODUCT_MINIMUM <= weight.numel() <= THREADED_ROW_PRODUCT_LIMIT
+        not torch.compiler.is_compiling()  # (compiled, the product is the compiler's; it cannot trace the threads)
+        and THREADED_ROW_PRODUCT_MINIMUM <= weight.numel() <= THREADED_ROW_PRODUCT_LIMIT
         and weight.device.type == "cpu"
         and weight.dtype in WIDE
         and inputs.dtype == weight.dtype
@@ -146,7 +147,6 @@ def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and torch.get_num_threads() > 1
         and type(weight) in (nn.Parameter, torch.Tensor)
         and type(weight.data) is torch.Tensor
-        and not torch.compiler.is_compiling()
     ):
         output = torch.linalg.vecdot(weight, inputs.reshape(-1)).view(*inputs.shape[:-1], weight.shape[0])
         return output if bias is None else output + bias

@@ -121,6 +121,9 @@ def test_a_one_row_product_is_spread_over_the_threads(two_threads, bias, dtype, 
     # Rounding of a sum of 256 terms, to the scale of their magnitudes.
     scale = 64 * torch.finfo(dtype).eps * (module.weight.detach().abs() @ inputs.abs()[0, 0]).max()
     torch.testing.assert_close(output, expected, atol=float(scale), rtol=0)
+    compiled = torch.compile(lambda inputs: linear(module, inputs), fullgraph=True, backend="eager")
+    with torch.no_grad():  # compiled, the compiler's product (Dynamo cannot trace the thread count)
+        torch.testing.assert_close(compiled(inputs), expected, atol=float(scale), rtol=0)
 
     def takes_f_linear(module, inputs, gradients=False):
         output, ops = _row_product_ops(module, inputs, gradients)
