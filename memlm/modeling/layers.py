@@ -131,9 +131,9 @@ THREADED_ROW_PRODUCT_LIMIT = 1 << 20
 
 def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(inputs, weight, bias) for inputs holding one row (..., in_features). On a CPU with two or more threads,
-    in float32 or float64, without gradients and for an ordinary weight (`plain_weights`: not a quantized tensor
-    subclass, which implements its own product) of `THREADED_ROW_PRODUCT_MINIMUM` to `THREADED_ROW_PRODUCT_LIMIT`
-    elements, as one dot product per output over the thread pool (`torch.linalg.vecdot`): MKL runs a matrix-vector
+    in float32 or float64 outside autocast, without gradients and for an ordinary weight (`plain_weights`: not a
+    quantized tensor subclass, which implements its own product) of `THREADED_ROW_PRODUCT_MINIMUM` to
+    `THREADED_ROW_PRODUCT_LIMIT` elements, as one dot product per output over the thread pool (`torch.linalg.vecdot`): MKL runs a matrix-vector
     product on one thread, so a decoding step at batch 1, which reads all its weights, would leave the other cores
     idle (`benchmarks/step_profile.py --row-products` times both). The sums are taken in another order than MKL's: the
     same numbers to rounding, not bit for bit."""
@@ -145,6 +145,7 @@ def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and inputs.dtype == weight.dtype
         and not (torch.is_grad_enabled() and (weight.requires_grad or inputs.requires_grad))
         and torch.get_num_threads() > 1
+        and not torch.is_autocast_enabled("cpu")  # (autocast runs F.linear in its own dtype)
         and type(weight) in (nn.Parameter, torch.Tensor)
         and type(weight.data) is torch.Tensor
     ):

@@ -106,7 +106,7 @@ def test_a_one_row_product_is_spread_over_the_threads(two_threads, bias, dtype, 
     per output (`torch.linalg.vecdot`: an element-wise product and a sum, which the thread pool shares, where MKL's
     matrix-vector product runs on one thread): F.linear's values to rounding, with and without a bias, in float32 and
     float64. F.linear itself where the dot products do not pay or do not apply: one thread, gradients, half
-    precision, several rows, a weight of fewer than `THREADED_ROW_PRODUCT_MINIMUM` or more than
+    precision, autocast, several rows, a weight of fewer than `THREADED_ROW_PRODUCT_MINIMUM` or more than
     `THREADED_ROW_PRODUCT_LIMIT` elements, a weight of a tensor subclass (a quantized one implements its own
     product)."""
     from memlm.modeling import layers
@@ -134,6 +134,9 @@ def test_a_one_row_product_is_spread_over_the_threads(two_threads, bias, dtype, 
     torch.set_num_threads(2)
     assert takes_f_linear(module, torch.randn(1, 2, 256, dtype=dtype))  # two rows
     assert takes_f_linear(module.to(torch.bfloat16), inputs.to(torch.bfloat16))
+    module.to(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's product, in its dtype
+        assert takes_f_linear(module, inputs)
     module.to(dtype)
     assert layers.THREADED_ROW_PRODUCT_MINIMUM == 256 * 256  # (the weight here: the smallest threaded)
     assert takes_f_linear(nn.Linear(256, 255).to(dtype), inputs)

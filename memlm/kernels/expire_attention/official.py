@@ -10,8 +10,8 @@ keys with m > 0) are
     w¹ = softmax(s + log m),  log 0 = −inf (hidden keys too),
 
 or, as the official code computes them, w_i = m_i p_i / (Σ_j m_j p_j + ε) with p the softmax of s over the keys with
-m > 0 (a decoding step's one query takes a third form, one fused call: `one_query.py`). So a forward is one product q·kᵀ accumulated onto the bias log m
-(+ the positions' term), one softmax and, with ε, one weighted sum. In training the forward keeps its inputs and
+m > 0 (a decoding step's one query takes a third form, one fused call: `one_query.py`). So a forward is one product
+q·kᵀ accumulated onto the bias log m (+ the positions' term), one softmax and, with ε, one weighted sum. In training the forward keeps its inputs and
 output; the backward computes w again and, with g_i = dO·v_i, G = Σ_j w_j g_j = dO·o (no pass over the pairs) and
 u_i = w_i / m_i,
 

@@ -7,8 +7,9 @@ row, `OneQueryTerms` — depends only on its span and distance, not on the layer
 the terms of every layer's keys in one pass over them side by side (`one_query_terms`, ~10 operations a step where
 each layer took as many), and each layer's attention reads its columns (`plain_one_query_attention`: SDPA with the
 bias log m; `official_one_query_attention`: SDPA too, with ε in the bias and the values' weights).
-`expire_span_attention_decoding` and `expire_span_attention_official_decoding` do both for one layer. On a CPU a step of a small model is bound by its
-number of operations, not their arithmetic: every operation a step does not run is time.
+`expire_span_attention_decoding` and `expire_span_attention_official_decoding` do both for one layer. On a CPU a step
+of a small model is bound by its number of operations, not their arithmetic: every operation a step does not run is
+time.
 Tested against the general attention in tests/kernels/test_expire_attention.py.
 """
 
