@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 from memlm.modeling.layers import linear, runs_as_defined
+from tests.operations import CountOperations
 
 
 class _Doubled(nn.Module):
@@ -76,18 +77,9 @@ def test_rms_norm_on_a_cpu_is_torch_s_rms_norm(size, dtype):
 
 def _row_product_ops(module, inputs, gradients: bool = False) -> tuple[torch.Tensor, set]:
     """`linear(module, inputs)` (recorded by autograd with `gradients`), and the ATen operations it ran."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ops = set()
-
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with torch.set_grad_enabled(gradients), Recorder():
+    with torch.set_grad_enabled(gradients), CountOperations() as operations:
         output = linear(module, inputs)
-    return output, ops
+    return output, set(operations.by_name)
 
 
 @pytest.fixture

@@ -583,33 +583,22 @@ def test_generate_decodes_without_the_counts_it_does_not_read(options):
     same steps that count (the counting work is skipped, not only its result dropped); the logits are those of steps
     that count, called one by one outside `generate`. After `generate`, also after one that failed, steps count
     again."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from memlm.modeling.memory import auxiliary_outputs_read
+    from tests.operations import CountOperations
 
-    class CountOperations(TorchDispatchMode):
-        """The ATen operations each forward of the base model dispatches, one count per forward."""
-
-        def __init__(self):
-            super().__init__()
-            self.counts, self.counting = [], False
-
-        def __torch_dispatch__(self, function, types, arguments=(), keywords=None):
-            if self.counting:
-                self.counts[-1] += 1
-            return function(*arguments, **(keywords or {}))
-
-    def start(module, arguments):
-        operations.counts.append(0)
+    def start(module, arguments):  # the ATen operations of each forward of the base model, one count per forward
+        starts.append(operations.total)
         operations.counting = True
 
     def stop(module, arguments, output):
         operations.counting = False
+        counts.append(operations.total - starts[-1])
         outputs.append(output)
 
     model = _model(span_weight=0.05, span_bias=-0.5, max_span=24, ramp=4, block_size=4, **options)
     prompt = torch.randint(0, 256, (2, 9))
-    outputs, operations = [], CountOperations()
+    outputs, starts, counts, operations = [], [], [], CountOperations()
+    operations.counting = False
     handles = [model.model.register_forward_pre_hook(start), model.model.register_forward_hook(stop)]
     with operations:
         generated = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
@@ -618,7 +607,7 @@ def test_generate_decodes_without_the_counts_it_does_not_read(options):
     assert all(output.span_loss is None and output.aux_loss is None and output.memory_size is None
                for output in outputs[1:])  # fmt: skip
     assert auxiliary_outputs_read()
-    inside, outputs[:], operations.counts = operations.counts, [], []
+    inside, outputs[:], counts = counts, [], []
     with torch.no_grad(), operations:
         output = model(prompt, use_cache=True, logits_to_keep=1)  # (as generate reads the prompt)
         for index, logits in enumerate(generated.logits):
@@ -630,7 +619,7 @@ def test_generate_decodes_without_the_counts_it_does_not_read(options):
     for handle in handles:
         handle.remove()
     # The same steps over the same memories, counting and not: the counts' operations (9 to 11 here) left out.
-    assert all(counting - skipping >= 8 for skipping, counting in zip(inside[2:], operations.counts[2:12]))
+    assert all(counting - skipping >= 8 for skipping, counting in zip(inside[2:], counts[2:12]))
     with pytest.raises(ValueError):
         model.generate(prompt, max_new_tokens=-1)
     assert auxiliary_outputs_read()

@@ -339,16 +339,7 @@ def test_a_decoding_step_takes_the_position_scores_row_by_row():
     """In evaluation at batch 1 a step of a layout with learned relative positions takes q · p_d one matrix-vector
     product per head on a CPU (`relative_position_scores(..., by_row=True)`: MKL would wake its thread pool for a
     product of several rows), in training one matrix product; the logits are the full forward's either way."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountProducts(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.vectors = 0
-
-        def __torch_dispatch__(self, function, types, arguments=(), keywords=None):
-            self.vectors += function is torch.ops.aten.mv.default
-            return function(*arguments, **(keywords or {}))
+    from tests.operations import CountOperations
 
     model = _model("official_post_norm_shared")
     input_ids = torch.randint(0, 40, (1, 6))
@@ -357,9 +348,9 @@ def test_a_decoding_step_takes_the_position_scores_row_by_row():
         for training in (False, True):
             cache = model.eval()(input_ids[:, :5], use_cache=True).cache
             model.train(training)
-            with CountProducts() as products:
+            with CountOperations() as operations:
                 step = model(input_ids[:, 5:], cache=cache).logits[:, -1]
-            assert (products.vectors > 0) != training, products.vectors
+            assert (operations.by_name["mv"] > 0) != training, operations.by_name["mv"]
             assert (step - full).abs().max() < 1e-12
     model.eval()
 
