@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..kernels import plain_weights
 from ..kernels.expire_attention.one_query import padded_position_table
 from ..kernels.expire_attention.reference import relative_position_scores
 
@@ -286,19 +285,29 @@ class LearnedRelativePositions(nn.Module):
         return relative_position_scores(self.weight, query, distance)
 
     def padded(self, dtype: torch.dtype) -> torch.Tensor:
-        """The table as a decoding step reads it (`padded_position_table`: [0; p_1..p_P; 0] in `dtype`), without
-        gradient, padded again only when the weight changed (written in place, replaced, moved) or the dtype is
-        another, not copied whole at every step. A weight that is not a plain tensor (sharded, quantized) is padded
-        at every call."""
-        weight = self.weight
-        if not plain_weights(self):
-            return padded_position_table(weight.detach(), dtype)
-        state = (weight._version, weight.data_ptr(), weight.device, dtype)
-        if self._padded_from is None or self._padded_from[0] is not weight or self._padded_from[1:] != state:
-            self._padded = padded_position_table(weight.detach(), dtype)
-            self._padded_from = (weight, *state)  # (the weight held: its identity cannot pass to another)
-        return self._padded
+        """The table as a decoding step reads it (`padded_positions`)."""
+        return padded_positions(self, self.weight, dtype)
 
     def __getstate__(self) -> dict:
         """What a copy or a pickle keeps: the module without the padded table (padded again at the next step)."""
         return {**super().__getstate__(), "_padded": None, "_padded_from": None}
+
+
+def padded_positions(holder, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A learned relative positions' table (P, d) as a decoding step reads it (`padded_position_table`:
+    [0; p_1..p_P; 0] in `dtype`), without gradient, kept on `holder` (its `_padded` and `_padded_from`) and padded
+    again only when the weight changed (written in place, replaced, moved) or the dtype is another, not copied whole
+    at every step. A weight that is not a plain tensor (sharded, quantized), or one read while compiling, is padded at
+    every call."""
+    if (
+        torch.compiler.is_compiling()
+        or type(weight) not in (nn.Parameter, torch.Tensor)
+        or (type(weight.data) is not torch.Tensor)
+    ):
+        return padded_position_table(weight.detach(), dtype)
+    state = (weight._version, weight.data_ptr(), weight.device, dtype)
+    kept = getattr(holder, "_padded_from", None)
+    if kept is None or kept[0] is not weight or kept[1:] != state:
+        holder._padded = padded_position_table(weight.detach(), dtype)
+        holder._padded_from = (weight, *state)  # (the weight held: its identity cannot pass to another)
+    return holder._padded

@@ -59,6 +59,7 @@ from .layers import (
     linear,
     make_mlp,
     make_norm,
+    padded_positions,
 )
 from .memory import (
     CountsOwnPositions,
@@ -633,6 +634,10 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             keys.append(self._linear(projections.k_proj, source))
             values.append(self._linear(projections.v_proj, source))
         return torch.stack(keys), torch.stack(values)
+
+    def padded_positions(self, dtype: torch.dtype) -> torch.Tensor:
+        """The learned relative positions as a decoding step adds them to its keys (`layers.padded_positions`)."""
+        return padded_positions(self, self.relative_positions, dtype)
 
     def _projections(self) -> tuple:
         """(W_k, W_v) of each key/value set: one pair shared by the layers, or one per layer."""

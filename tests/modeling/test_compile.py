@@ -182,15 +182,18 @@ def _layout_model(name: str):
 
 
 @pytest.mark.parametrize(
-    "name", ["deltanet", "feedback", "feedback/official_pre_norm", "feedback/adaptive_span_trimmed"]
-)
+    "name",
+    ["deltanet", "feedback", "feedback/official_pre_norm", "feedback/adaptive_span_trimmed",
+     "feedback/official_post_norm_shared"],
+)  # fmt: skip
 def test_generate_compiles_the_decoding_step_once_and_decodes_as_eager(name, monkeypatch):
     """The decoding step compiles to one graph (fullgraph) the first time and runs that graph at every later step
     (no recompilation: the memory keeps its shapes and addresses, its token count is a tensor), with no read of a
     tensor's value on the host (Dynamo told to capture `.item()` and data-dependent shapes, none is in the graph),
     and gives the eager logits and tokens. The papers' Feedback layouts too: memories carried as hidden states (a
     compiled step takes the cache's keys and values as made with the weights of now), the adaptive span with its
-    window trimmed (on the ring, masked, where eager decoding keeps only the trimmed window)."""
+    window trimmed (on the ring, masked, where eager decoding keeps only the trimmed window), the learned positions
+    added to the keys (without the adaptive span)."""
     monkeypatch.setenv("MEMLM_KERNELS", "torch")
     model = _layout_model(name)
     prompt = torch.randint(3, model.config.vocab_size, PROMPT_MASK.shape, generator=torch.Generator().manual_seed(0))

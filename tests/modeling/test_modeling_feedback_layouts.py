@@ -335,13 +335,19 @@ def test_prefill_then_decoding_equals_the_full_forward(layout):
     assert generated.shape == (2, 8)
 
 
-def test_a_decoding_step_takes_the_position_scores_row_by_row():
-    """In evaluation at batch 1 a step of a layout with learned relative positions takes q · p_d one matrix-vector
-    product per head on a CPU (`relative_position_scores(..., by_row=True)`: MKL would wake its thread pool for a
-    product of several rows), in training one matrix product; the logits are the full forward's either way."""
+@pytest.mark.parametrize("layout", ["official_post_norm_shared", "shared_projections_layer_norms"])
+def test_a_decoding_step_adds_the_positions_to_its_keys(layout):
+    """A decoding step (the ring, no gradients) of a layout with learned relative positions and nothing done to its
+    softmax weights adds each memory's row p_{t−i} to its key, q·k_i + q·p_{t−i} = q·(k_i + p_{t−i}), and reads the
+    memory with one fused attention per layer (`scores.keys_take_positions`), writing out no position scores: no
+    product with the table (`mv`), no gather, in evaluation and in training without dropout alike. With the adaptive
+    span (a mask on the weights) it scores the positions as a forward does (in evaluation one matrix-vector product
+    per head at batch 1). The logits are the full forward's either way."""
     from tests.operations import CountOperations
 
-    model = _model("official_post_norm_shared")
+    model = _model(layout)
+    adds = layout == "official_post_norm_shared"
+    layers = model.config.num_hidden_layers
     input_ids = torch.randint(0, 40, (1, 6))
     with torch.no_grad():
         full = model(input_ids).logits[:, -1]
@@ -350,7 +356,10 @@ def test_a_decoding_step_takes_the_position_scores_row_by_row():
             model.train(training)
             with CountOperations() as operations:
                 step = model(input_ids[:, 5:], cache=cache).logits[:, -1]
-            assert (operations.by_name["mv"] > 0) != training, operations.by_name["mv"]
+            counts = operations.by_name
+            heads = 0 if adds or training else model.config.num_attention_heads * layers  # (a training step: one mm)
+            assert (counts["mv"], counts["gather"]) == (heads, 0 if adds else layers), counts
+            assert (counts["_scaled_dot_product_flash_attention_for_cpu"] == layers) == adds, counts
             assert (step - full).abs().max() < 1e-12
     model.eval()
 

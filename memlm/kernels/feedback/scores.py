@@ -132,16 +132,32 @@ def weights_dropout_seed(model, layer_idx: int, step: int, base: int | None = No
 
 def step_terms(model, store, step: int, positions: torch.Tensor) -> tuple:
     """What every layer of a step adds alike to its scores (the slots of every key/value set hold the same
-    positions): without a relative bias per layer the visibility bias (B·H, W), and with the learned relative
-    positions the index of the distances t − i (B, 1, W); each None when not shared."""
-    bias = relative = None
+    positions): without a relative bias per layer the visibility bias (B·H, W); with the learned relative positions
+    either the index of the distances t − i (B, 1, W) or, where a read adds them to its keys (`keys_take_positions`),
+    each slot's row p_{t−i} (B, 1, W, d); each None when not shared. Returns (bias, index, rows)."""
+    bias = relative = rows = None
     if model.shared_bias:
         bias = memory_bias(model, None, store.window(0, step), positions)
         bias = bias.expand(positions.shape[0], model.num_heads, -1).flatten(0, 1)
     if not model.default_step and model.relative_positions is not None:
-        distance = (positions[:, None] - store.window(0, step)[2])[:, None]
-        relative = relative_position_index(distance, model.memory_span)
-    return bias, relative
+        distance = positions[:, None] - store.window(0, step)[2]  # (B, W)
+        if keys_take_positions(model, store):
+            table = model.padded_positions(store.layers[0].keys.dtype)
+            # Row t − i of [0; p_1..p_P; 0]: the zero row for the token itself and beyond P (the bias hides them).
+            index = distance.clamp(0, table.shape[0] - 1)
+            rows = table.index_select(0, index.flatten()).view(distance.shape[0], 1, distance.shape[1], -1)
+        else:
+            relative = relative_position_index(distance[:, None], model.memory_span)
+    return bias, relative, rows
+
+
+def keys_take_positions(model, store) -> bool:
+    """Whether a step's reads add the learned relative positions to their keys, q·k_i + q·p_{t−i} = q·(k_i + p_{t−i}),
+    and read the memory with one fused attention (SDPA) instead of writing out the position scores: in the ring
+    (no gradients), with nothing done to the softmax weights (no adaptive span, no dropout on them)."""
+    return (
+        getattr(store, "adds_positions_to_keys", False) and not model.adaptive_span and model.dropout_base_seed is None
+    )
 
 
 def read_memory(model, layer_idx: int, store, step: int, positions: torch.Tensor, query: torch.Tensor, shared: tuple):
@@ -149,7 +165,9 @@ def read_memory(model, layer_idx: int, store, step: int, positions: torch.Tensor
     weights; `shared`: the step's `step_terms`. Returns the context (B·H, d)."""
     group = 0 if model.memory_groups == 1 else layer_idx
     attention = model.layers[layer_idx].attention
-    bias, relative = shared
+    bias, relative, rows = shared
+    if rows is not None:  # (the official layouts' decoding: no other terms, see `keys_take_positions`)
+        return store.read(group, step, query, bias.to(query.dtype), key_positions=rows)
     if bias is None:  # each layer's own relative bias (and the adaptive span's trimmed window)
         bias = read_bias(model, layer_idx, store, group, step, positions, query)
     if model.default_step:  # (decoding's path: no dropout on the weights, no other terms)

@@ -139,6 +139,8 @@ class _RingStore:
     cache's own buffers, so decoding a token costs O(τ) whatever the context length, with no copying; the ring holds
     the slots the context needs and doubles (capped at τ) when a call needs more (`grow_ring`)."""
 
+    adds_positions_to_keys = True  # (`scores.keys_take_positions`)
+
     def __init__(self, cache_layers: list, next_positions: torch.Tensor, config, like, positions=None):
         """`positions` (B, T): the positions this call writes (−1 for padding); the ring grows to hold them."""
         self.layers = cache_layers
@@ -188,9 +190,11 @@ class _RingStore:
         return None, None, layer.positions[:, : self.filled], layer.valid[:, : self.filled]
 
     def read(self, group: int, step: int, query: torch.Tensor, bias: torch.Tensor | None, transform=None,
-             terms=None) -> torch.Tensor:  # fmt: skip
+             terms=None, key_positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """`transform`: a `WeightsTransform` of the softmax weights (the official layouts' adaptive span), whose mask
-        covers the `window`'s slots; `terms` (a `ScoreTerms`): what builds the bias and the transform instead."""
+        covers the `window`'s slots; `terms` (a `ScoreTerms`): what builds the bias and the transform instead;
+        `key_positions` (B, 1, W, d): the learned relative positions' row of each slot, added to its key
+        (`scores.keys_take_positions`)."""
         if self.filled == 0:
             return torch.zeros_like(query)  # no memory yet: the attention term is zero
         blind_from = None
@@ -202,6 +206,8 @@ class _RingStore:
         keys, values = layer.keys, layer.values  # (B, H, W, d)
         if self.filled < keys.shape[2]:  # a full ring (long contexts) is read whole, without slicing
             keys, values = keys[:, :, : self.filled], values[:, :, : self.filled]
+        if key_positions is not None:  # q·k_i + q·p_{t−i} = q·(k_i + p_{t−i})
+            keys = keys + key_positions
         if transform is not None:  # the weights themselves are needed: softmax, transform, then the values
             weights = transform(attention_weights(query, keys.flatten(0, 1), bias))
             return torch.bmm(weights.unsqueeze(1), values.flatten(0, 1)).squeeze(1)
