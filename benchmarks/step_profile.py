@@ -20,13 +20,6 @@ context, for the seven models of `paper_layouts.py`'s generate() table (both lay
 operations no other operation ran, by name. On a CPU a decoding step of these sizes is bound by its number of
 operations more than by their arithmetic, and unlike a time the count does not move from run to run.
 
-    python benchmarks/step_profile.py --row-products [--context 64] [--repeats 11]
-
-With `--row-products` it times instead those seven models' `generate()` tokens (batch 1, greedy, after the context)
-with the one-row products of their decoding steps spread over the CPU's threads (`memlm.modeling.layers.row_product`,
-the default) and with MKL's one-thread product (`THREADED_ROW_PRODUCT_LIMIT` = 0), in turns: 🤗 Llama, which has no
-such products, shows the run's noise.
-
 The shares are what the speed page's text refers to; the times themselves are inflated by the profiler.
 """
 
@@ -151,56 +144,19 @@ def print_operations(counts: dict[str, dict[str, float]], context: int) -> None:
         print(f"  {name:22}{total:8.1f}{total / llama:8.2f}× Llama's   ({listed}, …)")
 
 
-def row_product_speedups(models: dict, context: int, tokens: int, repeats: int) -> dict[str, dict[str, float]]:
-    """{model: {"threaded": tokens/s, "one_thread": tokens/s}} of greedy `generate()` at batch 1 after `context` random
-    tokens (seed 0), with one-row products over the threads and with MKL's (`THREADED_ROW_PRODUCT_LIMIT` = 0), timed
-    in turns (`report.interleaved_median_times`)."""
-    import torch
-
-    from memlm.modeling import layers
-
-    limit = layers.THREADED_ROW_PRODUCT_LIMIT
-    prompt = torch.randint(0, 258, (1, context), generator=torch.Generator().manual_seed(0))
-
-    def timed(model, threaded: bool):
-        def run():
-            layers.THREADED_ROW_PRODUCT_LIMIT = limit if threaded else 0
-            try:
-                return report.generation_step_seconds(model, prompt, tokens)
-            finally:
-                layers.THREADED_ROW_PRODUCT_LIMIT = limit
-
-        return run
-
-    functions = {(name, mode): timed(model, mode == "threaded")
-                 for name, model in models.items() for mode in ("threaded", "one_thread")}  # fmt: skip
-    seconds = report.interleaved_median_times(functions, warmup=1, repeats=repeats, timed_inside=True)
-    return {name: {mode: 1 / seconds[(name, mode)] for mode in ("threaded", "one_thread")} for name in models}
-
-
-def print_speedups(speedups: dict[str, dict[str, float]], context: int) -> None:
-    print(f"\ngenerate() tokens/s at batch 1 after {context} tokens: one-row products over the threads / MKL's")
-    for name, speeds in speedups.items():
-        ratio = speeds["threaded"] / speeds["one_thread"]
-        print(f"  {name:22}{speeds['threaded']:8.1f}{speeds['one_thread']:8.1f}{ratio:8.2f}×")
-
-
 def main(argv=None):
-    parser = report.arguments(__doc__, repeats=11)  # (--repeats: --row-products' timed runs)
+    parser = report.arguments(__doc__)
     parser.add_argument("--steps", type=int, default=2, help="profiled training steps per model")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None, help="default: all four (training), "
                         "feedback and feedback_llama (--decode)")  # fmt: skip
     parser.add_argument("--decode", action="store_true", help="profile decoding instead of a training step")
     parser.add_argument("--generate-ops", action="store_true",
                         help="count the operations of a generate() token instead (paper_layouts.py's models)")  # fmt: skip
-    parser.add_argument("--row-products", action="store_true", help="time generate() with the decoding steps' "
-                        "one-row products over the threads and on one (paper_layouts.py's models)")  # fmt: skip
-    parser.add_argument("--context", type=int, default=None, help="--generate-ops, --row-products: the prompt's tokens "
+    parser.add_argument("--context", type=int, default=None, help="--generate-ops: the prompt's tokens "
                         "(default 128, 16 with --quick)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=None, help="--generate-ops: new tokens of the counted call "
                         "(default 33, 3 with --quick)")  # fmt: skip
-    args = report.parse(parser, argv, quick={"steps": 1, "repeats": 2}, unset={"context": (128, 16), "tokens": (33, 3)},
-                        positive=("repeats",))  # fmt: skip
+    args = report.parse(parser, argv, quick={"steps": 1}, unset={"context": (128, 16), "tokens": (33, 3)})
     if args.generate_ops:
         if args.tokens < 2 or args.context < 1:
             parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")
@@ -209,14 +165,6 @@ def main(argv=None):
                   for name, model in paper_layouts.generation_models(args.quick).items()}  # fmt: skip
         print_operations(counts, args.context)
         return report.finish({"settings": report.own_settings(args), "operations_per_token": counts}, args)
-    if args.row_products:
-        if args.tokens < 2 or args.context < 1:
-            parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")
-        report.start(args)
-        models = paper_layouts.generation_models(args.quick)
-        speedups = row_product_speedups(models, args.context, args.tokens, args.repeats)
-        print_speedups(speedups, args.context)
-        return report.finish({"settings": report.own_settings(args), "tokens_per_second": speedups}, args)
     models = args.models or (["feedback", "feedback_llama"] if args.decode else list(MODELS))
     report.start(args)
     profiles = {}

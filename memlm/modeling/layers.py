@@ -108,49 +108,14 @@ def linear(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     forward (an adapter or a quantized layer defines its own; hooks, see `runs_as_defined`): a decoding step makes
     about eight such calls per layer, and on a CPU the call's machinery costs microseconds each. The weight and bias
     are read from the module's parameters (a module attribute read costs about as much again); a parametrized weight,
-    which lives elsewhere, goes through the module's call, and a parametrized bias is read as the call reads it. One
-    row of inputs (a decoding step at batch 1) takes `row_product`."""
+    which lives elsewhere, goes through the module's call, and a parametrized bias is read as the call reads it."""
     if type(module).forward is nn.Linear.forward and runs_as_defined(module):
         parameters = module._parameters
         weight = parameters.get("weight")
         if weight is not None:
             bias = parameters["bias"] if "bias" in parameters else module.bias
-            if inputs.numel() == weight.shape[-1]:
-                return row_product(inputs, weight, bias)
             return F.linear(inputs, weight, bias)
     return module(inputs)
-
-
-# The weights (elements) whose one-row product `row_product` spreads over the CPU's threads: from the smallest, under
-# which MKL's one-thread product takes less than waking the thread pool, to the largest, whose temporary (as large as
-# the weight) still stays in the caches (past it MKL's own product, which streams the weight once, wins).
-THREADED_ROW_PRODUCT_MINIMUM = 1 << 16
-THREADED_ROW_PRODUCT_LIMIT = 1 << 20
-
-
-def row_product(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(inputs, weight, bias) for inputs holding one row (..., in_features). On a CPU with two or more threads,
-    in float32 or float64 outside autocast, without gradients and for an ordinary weight (`plain_weights`: not a
-    quantized tensor subclass, which implements its own product) of `THREADED_ROW_PRODUCT_MINIMUM` to
-    `THREADED_ROW_PRODUCT_LIMIT` elements, as one dot product per output over the thread pool (`torch.linalg.vecdot`): MKL runs a matrix-vector
-    product on one thread, so a decoding step at batch 1, which reads all its weights, would leave the other cores
-    idle (`benchmarks/step_profile.py --row-products` times both). The sums are taken in another order than MKL's: the
-    same numbers to rounding, not bit for bit."""
-    if (
-        not torch.compiler.is_compiling()  # (compiled, the product is the compiler's; it cannot trace the threads)
-        and THREADED_ROW_PRODUCT_MINIMUM <= weight.numel() <= THREADED_ROW_PRODUCT_LIMIT
-        and weight.device.type == "cpu"
-        and weight.dtype in WIDE
-        and inputs.dtype == weight.dtype
-        and not (torch.is_grad_enabled() and (weight.requires_grad or inputs.requires_grad))
-        and torch.get_num_threads() > 1
-        and not torch.is_autocast_enabled("cpu")  # (autocast runs F.linear in its own dtype)
-        and type(weight) in (nn.Parameter, torch.Tensor)
-        and type(weight.data) is torch.Tensor
-    ):
-        output = torch.linalg.vecdot(weight, inputs.reshape(-1)).view(*inputs.shape[:-1], weight.shape[0])
-        return output if bias is None else output + bias
-    return F.linear(inputs, weight, bias)
 
 
 def dropout(module: nn.Dropout, states: torch.Tensor) -> torch.Tensor:

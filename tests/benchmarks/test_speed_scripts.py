@@ -128,18 +128,6 @@ def test_step_profile_generate_ops_counts_every_model_of_the_generate_table(tmp_
     assert sum(later_counts["expire_span_default"].values()) > sum(counts["expire_span_default"].values())
 
 
-def test_step_profile_row_products_times_every_model_of_the_generate_table_both_ways(tmp_path):
-    """`step_profile.py --row-products`: each of the generate() table's models timed with its one-row products over
-    two threads and with MKL's, tokens/s both ways, the run's settings kept."""
-    results = run_script("step_profile.py", "--row-products", "--quick", "--threads", "2",
-                         output=tmp_path / "results.json")  # fmt: skip
-    speeds = results["tokens_per_second"]
-    assert set(speeds) == {f"{family}_{layout}" for family in ("deltanet", "expire_span", "feedback")
-                           for layout in ("default", "official")} | {"llama"}  # fmt: skip
-    assert all(set(modes) == {"threaded", "one_thread"} and min(modes.values()) > 0 for modes in speeds.values())
-    assert results["settings"]["repeats"] == 2 and results["settings"]["threads"] == 2
-
-
 def test_step_profile_counts_the_operations_of_one_generated_token():
     """`step_profile.py --generate-ops`: the operations of one token of generate(), the prompt's forward cancelled out
     (the same count after a short and a longer prompt for 🤗 Llama, whose step does not depend on it), and all of a

@@ -2,12 +2,10 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 from memlm.modeling.layers import linear, runs_as_defined
-from tests.operations import CountOperations
 
 
 class _Doubled(nn.Module):
@@ -73,73 +71,3 @@ def test_rms_norm_on_a_cpu_is_torch_s_rms_norm(size, dtype):
     half = torch.randn(2, size, dtype=torch.float16)
     expected_half = F.rms_norm(half.float(), (size,), norm.weight.float(), 0.5).to(torch.float16)
     torch.testing.assert_close(norm.float()(half), expected_half, atol=0, rtol=0)
-
-
-def _row_product_ops(module, inputs, gradients: bool = False) -> tuple[torch.Tensor, set]:
-    """`linear(module, inputs)` (recorded by autograd with `gradients`), and the ATen operations it ran."""
-    with torch.set_grad_enabled(gradients), CountOperations() as operations:
-        output = linear(module, inputs)
-    return output, set(operations.by_name)
-
-
-@pytest.fixture
-def two_threads():
-    """Two CPU threads for the test (pytest-xdist workers compute on one), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("bias", [True, False])
-def test_a_one_row_product_is_spread_over_the_threads(two_threads, bias, dtype, monkeypatch):
-    """One row of inputs (a decoding step at batch 1) through `linear` on a CPU with two threads is one dot product
-    per output (`torch.linalg.vecdot`: an element-wise product and a sum, which the thread pool shares, where MKL's
-    matrix-vector product runs on one thread): F.linear's values to rounding, with and without a bias, in float32 and
-    float64. F.linear itself where the dot products do not pay or do not apply: one thread, gradients, half
-    precision, autocast, several rows, a weight of fewer than `THREADED_ROW_PRODUCT_MINIMUM` or more than
-    `THREADED_ROW_PRODUCT_LIMIT` elements, a weight of a tensor subclass (a quantized one implements its own
-    product)."""
-    from memlm.modeling import layers
-
-    torch.manual_seed(0)
-    module = nn.Linear(256, 256, bias=bias).to(dtype)
-    inputs = torch.randn(1, 1, 256, dtype=dtype)
-    expected = F.linear(inputs, module.weight, module.bias).detach()
-    output, ops = _row_product_ops(module, inputs)
-    assert {"mul", "sum"} <= ops and not ops & {"addmm", "mm", "linear"}, ops
-    assert output.shape == expected.shape and output.dtype == dtype
-    # Rounding of a sum of 256 terms, to the scale of their magnitudes.
-    scale = 64 * torch.finfo(dtype).eps * (module.weight.detach().abs() @ inputs.abs()[0, 0]).max()
-    torch.testing.assert_close(output, expected, atol=float(scale), rtol=0)
-    compiled = torch.compile(lambda inputs: linear(module, inputs), fullgraph=True, backend="eager")
-    with torch.no_grad():  # compiled, the compiler's product (Dynamo cannot trace the thread count)
-        torch.testing.assert_close(compiled(inputs), expected, atol=float(scale), rtol=0)
-
-    def takes_f_linear(module, inputs, gradients=False):
-        output, ops = _row_product_ops(module, inputs, gradients)
-        return not ops & {"mul", "sum"} and bool(ops & {"addmm", "mm", "linear", "mv"})
-
-    torch.set_num_threads(1)
-    assert takes_f_linear(module, inputs)
-    torch.set_num_threads(2)
-    assert takes_f_linear(module, torch.randn(1, 2, 256, dtype=dtype))  # two rows
-    assert takes_f_linear(module.to(torch.bfloat16), inputs.to(torch.bfloat16))
-    module.to(dtype)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's product, in its dtype
-        assert takes_f_linear(module, inputs)
-    module.to(dtype)
-    assert layers.THREADED_ROW_PRODUCT_MINIMUM == 256 * 256  # (the weight here: the smallest threaded)
-    assert takes_f_linear(nn.Linear(256, 255).to(dtype), inputs)
-    monkeypatch.setattr(layers, "THREADED_ROW_PRODUCT_LIMIT", 256 * 256 - 1)
-    assert takes_f_linear(module, inputs)
-    monkeypatch.undo()
-    assert not takes_f_linear(module, inputs)
-    assert takes_f_linear(module, inputs.requires_grad_(), gradients=True)  # a product autograd records
-
-    class Subclass(torch.Tensor):
-        pass
-
-    module.weight = nn.Parameter(module.weight.detach().as_subclass(Subclass))
-    assert takes_f_linear(module, inputs.detach())

@@ -553,7 +553,6 @@ def test_few_tokens_run_the_three_projections_and_many_run_one_product_over_thei
     """Decoding (fewer than FUSED_PROJECTION_TOKENS tokens) calls q/k/v one by one instead of copying their weights
     side by side every token; a longer input runs one product over the weights side by side, same numbers."""
     from memlm.compat import cache_keyword, output_cache
-    from memlm.modeling import layers
     from memlm.modeling.modeling_deltanet import FUSED_PROJECTION_TOKENS
 
     torch.manual_seed(0)
@@ -570,7 +569,6 @@ def test_few_tokens_run_the_three_projections_and_many_run_one_product_over_thei
         return linear(states, weight, bias)
 
     monkeypatch.setattr(F, "linear", counted)
-    monkeypatch.setattr(layers, "THREADED_ROW_PRODUCT_LIMIT", 0)  # (one row through F.linear, on any thread count)
     tokens = torch.randint(0, 32, (1, FUSED_PROJECTION_TOKENS))
     with torch.no_grad():
         whole = model(tokens).logits
