@@ -146,8 +146,9 @@ _FEW_ROWS = 4
 def _position_products(query: torch.Tensor, table: torch.Tensor, by_row: bool = False) -> torch.Tensor:
     """query (..., d) · table (P, d)ᵀ → (..., P). With `by_row`, a few query rows on a CPU as one matrix-vector product
     each: MKL runs a product of two or more rows on its thread pool, and waking its threads costs more than such a
-    product (two pool regions a layer and step in the Feedback Transformer's official decoding, against none). Not
-    the default: a row's bits would then depend on how many rows are multiplied together."""
+    product (two pool regions a layer and step in the Feedback Transformer's official decoding with the adaptive span,
+    which writes its position scores out, against none). Not the default: a row's bits would then depend on how many
+    rows are multiplied together."""
     rows = query.numel() // query.shape[-1]
     if by_row and query.device.type == "cpu" and 0 < rows <= _FEW_ROWS and not torch.compiler.is_compiling():
         products = [torch.mv(table, row) for row in query.reshape(rows, query.shape[-1]).unbind()]

@@ -83,7 +83,7 @@ def score_terms(model, layer_idx: int, store, group: int, step: int, positions: 
     if table is not None:  # the official position term q_t · p_{t−i} / √d
         if relative is None:
             relative = relative_position_index(distance[:, None], model.memory_span)
-        by_row = not model.training  # (decoding: a few rows, see `_position_products`)
+        by_row = not model.training  # (a decoding step's few rows, see `_position_products`)
         bias = bias + relative_position_scores(table, heads_query, relative, by_row).flatten(0, 1) * scale
     if model.read_windows is not None:  # the adaptive span's trimmed window: memories 1..n steps back
         outside = (distance > model.read_windows[layer_idx])[:, None].expand(-1, heads, -1)
