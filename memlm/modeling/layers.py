@@ -113,8 +113,7 @@ def linear(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         parameters = module._parameters
         weight = parameters.get("weight")
         if weight is not None:
-            bias = parameters["bias"] if "bias" in parameters else module.bias
-            return F.linear(inputs, weight, bias)
+            return F.linear(inputs, weight, parameters["bias"] if "bias" in parameters else module.bias)
     return module(inputs)
 
 

@@ -359,7 +359,8 @@ def test_a_decoding_step_adds_the_positions_to_its_keys(layout):
             counts = operations.by_name
             heads = 0 if adds or training else model.config.num_attention_heads * layers  # (a training step: one mm)
             assert (counts["mv"], counts["gather"]) == (heads, 0 if adds else layers), counts
-            assert (counts["_scaled_dot_product_flash_attention_for_cpu"] == layers) == adds, counts
+            fused = sum(count for name, count in counts.items() if "scaled_dot_product" in name)  # (any backend's)
+            assert fused == (layers if adds else 0), counts
             assert (step - full).abs().max() < 1e-12
     model.eval()
 
