@@ -232,6 +232,35 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return (states.float() * cos + rotated.float() * sin).to(states.dtype)
 
 
+class PaddedPositions:
+    """A learned relative positions' table (P, d) as a decoding step reads it (`padded_position_table`:
+    [0; p_1..p_P; 0] in a dtype), without gradient, kept by the module that holds the weight and padded again only when
+    the weight changed (written in place, replaced, moved) or the dtype is another, not copied whole at every step. A
+    copy or a pickle of the module keeps none of it (padded again at the next step)."""
+
+    def __init__(self):
+        self.table = self.source = None
+
+    def __reduce__(self):
+        return (PaddedPositions, ())
+
+    def of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The padded table of `weight` in `dtype`. A weight that is not a plain tensor (sharded, quantized), or one
+        read while compiling, is padded at every call."""
+        if (
+            torch.compiler.is_compiling()
+            or type(weight) not in (nn.Parameter, torch.Tensor)
+            or (type(weight.data) is not torch.Tensor)
+        ):
+            return padded_position_table(weight.detach(), dtype)
+        state = (weight._version, weight.data_ptr(), weight.device, dtype)
+        source = self.source
+        if source is None or source[0] is not weight or source[1:] != state:
+            self.table = padded_position_table(weight.detach(), dtype)
+            self.source = (weight, *state)  # (the weight held: its identity cannot pass to another)
+        return self.table
+
+
 class LearnedRelativePositions(nn.Module):
     """The learned, query-dependent relative positions of the official Feedback Transformer and Expire-Span code
     (facebookresearch/transformer-sequential, `key_pe`; Sukhbaatar et al., 2019, "Adaptive Attention Span", Sec. 3):
@@ -241,7 +270,7 @@ class LearnedRelativePositions(nn.Module):
     def __init__(self, num_positions: int, head_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_positions, head_dim))  # row d − 1 is p_d
-        self._padded = self._padded_from = None
+        self._padded = PaddedPositions()
 
     def forward(self, query: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """query (B, H, T, d), positions (B, T) and (B, N) → the scores q_t · p_{t−i}, (B, H, T, N)."""
@@ -249,29 +278,5 @@ class LearnedRelativePositions(nn.Module):
         return relative_position_scores(self.weight, query, distance)
 
     def padded(self, dtype: torch.dtype) -> torch.Tensor:
-        """The table as a decoding step reads it (`padded_positions`)."""
-        return padded_positions(self, self.weight, dtype)
-
-    def __getstate__(self) -> dict:
-        """What a copy or a pickle keeps: the module without the padded table (padded again at the next step)."""
-        return {**super().__getstate__(), "_padded": None, "_padded_from": None}
-
-
-def padded_positions(holder, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A learned relative positions' table (P, d) as a decoding step reads it (`padded_position_table`:
-    [0; p_1..p_P; 0] in `dtype`), without gradient, kept on `holder` (its `_padded` and `_padded_from`) and padded
-    again only when the weight changed (written in place, replaced, moved) or the dtype is another, not copied whole
-    at every step. A weight that is not a plain tensor (sharded, quantized), or one read while compiling, is padded at
-    every call."""
-    if (
-        torch.compiler.is_compiling()
-        or type(weight) not in (nn.Parameter, torch.Tensor)
-        or (type(weight.data) is not torch.Tensor)
-    ):
-        return padded_position_table(weight.detach(), dtype)
-    state = (weight._version, weight.data_ptr(), weight.device, dtype)
-    kept = getattr(holder, "_padded_from", None)
-    if kept is None or kept[0] is not weight or kept[1:] != state:
-        holder._padded = padded_position_table(weight.detach(), dtype)
-        holder._padded_from = (weight, *state)  # (the weight held: its identity cannot pass to another)
-    return holder._padded
+        """The table as a decoding step reads it (`PaddedPositions`)."""
+        return self._padded.of(self.weight, dtype)

@@ -52,6 +52,7 @@ from ..kernels.rotary import rotate, signed_sine
 from .layers import (
     GatedMLP,
     LayerNorm,
+    PaddedPositions,
     PlainMLP,
     RMSNorm,
     RotaryEmbedding,
@@ -59,7 +60,6 @@ from .layers import (
     linear,
     make_mlp,
     make_norm,
-    padded_positions,
 )
 from .memory import (
     CountsOwnPositions,
@@ -425,6 +425,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
             if config.position_encoding == "learned_relative"
             else None
         )
+        self._padded = PaddedPositions()  # the table as a decoding step reads it
         # The config values `step` reads, as plain attributes: a 🤗 config's attribute lookup costs microseconds,
         # and `step` runs once per token (about a tenth of a decoded token's time went to these lookups).
         self.num_heads = config.num_attention_heads
@@ -636,8 +637,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         return torch.stack(keys), torch.stack(values)
 
     def padded_positions(self, dtype: torch.dtype) -> torch.Tensor:
-        """The learned relative positions as a decoding step adds them to its keys (`layers.padded_positions`)."""
-        return padded_positions(self, self.relative_positions, dtype)
+        """The learned relative positions as a decoding step adds them to its keys (`layers.PaddedPositions`)."""
+        return self._padded.of(self.relative_positions, dtype)
 
     def _projections(self) -> tuple:
         """(W_k, W_v) of each key/value set: one pair shared by the layers, or one per layer."""

@@ -365,6 +365,25 @@ def test_a_decoding_step_adds_the_positions_to_its_keys(layout):
     model.eval()
 
 
+def test_a_copy_or_a_pickle_of_the_model_leaves_the_padded_positions_behind():
+    """The padded positions' table a decoding step keeps (`layers.PaddedPositions`) is not copied or pickled with the
+    model; the copy pads its own at its first step and decodes as the original (float64, to 1e-12)."""
+    import copy
+    import pickle
+
+    model = _model("official_post_norm_shared")
+    input_ids = torch.randint(0, 40, (1, 6))
+    with torch.no_grad():
+        cache = model(input_ids[:, :5], use_cache=True).cache
+        expected = model(input_ids[:, 5:], cache=copy.deepcopy(cache)).logits
+        assert model.model._padded.table is not None  # kept for the next step
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert twin.model._padded.table is None
+            # (the copy's weights are other tensors: it makes the cache's keys and values again from its hidden states)
+            assert (twin(input_ids[:, 5:], cache=copy.deepcopy(cache)).logits - expected).abs().max() < 1e-12
+            assert twin.model._padded.table is not None
+
+
 def test_generate_leaves_out_the_adaptive_span_loss_it_does_not_read():
     """Inside `generate`, which reads of its forwards only the logits and the cache, the adaptive span's loss is left
     out (None: a few operations per layer and token); a forward called outside it has it, also after `generate`."""
