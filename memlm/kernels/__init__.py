@@ -198,13 +198,16 @@ def mark_static(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor
 
 
+def plain_tensor(weight) -> bool:
+    """Whether `weight` is an ordinary tensor: not a quantized tensor subclass (torchao swaps an `nn.Linear`'s weight
+    for one that implements only the module's own product) nor a packed or sharded one."""
+    return type(weight) in (torch.nn.Parameter, torch.Tensor) and type(weight.data) is torch.Tensor
+
+
 def plain_weights(*modules) -> bool:
-    """Whether every module's weight is an ordinary tensor: not a quantized tensor subclass (torchao swaps an
-    `nn.Linear`'s weight for one that implements only the module's own product) nor a packed one. A fast path that
-    reads weights itself (stacking them, passing them to a compiled function) needs this; otherwise it calls the
-    modules."""
-    return all(type(getattr(module, "weight", None)) in (torch.nn.Parameter, torch.Tensor) and
-               type(module.weight.data) is torch.Tensor for module in modules)  # fmt: skip
+    """Whether every module's weight is an ordinary tensor (`plain_tensor`). A fast path that reads weights itself
+    (stacking them, passing them to a compiled function) needs this; otherwise it calls the modules."""
+    return all(plain_tensor(getattr(module, "weight", None)) for module in modules)
 
 
 def checked_at_every_call(device) -> bool:

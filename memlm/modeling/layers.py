@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ..kernels import plain_tensor
 from ..kernels.expire_attention.one_query import padded_position_table
 from ..kernels.expire_attention.reference import relative_position_scores
 
@@ -247,11 +248,7 @@ class PaddedPositions:
     def of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The padded table of `weight` in `dtype`. A weight that is not a plain tensor (sharded, quantized), or one
         read while compiling, is padded at every call."""
-        if (
-            torch.compiler.is_compiling()
-            or type(weight) not in (nn.Parameter, torch.Tensor)
-            or (type(weight.data) is not torch.Tensor)
-        ):
+        if torch.compiler.is_compiling() or not plain_tensor(weight):
             return padded_position_table(weight.detach(), dtype)
         state = (weight._version, weight.data_ptr(), weight.device, dtype)
         source = self.source
