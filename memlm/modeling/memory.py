@@ -31,16 +31,17 @@ LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 # it is left out of their inputs here, and `forward(tokenizer=...)` is still refused.
 GENERATE_OWN_KWARGS = ("tokenizer",)
 
-# False inside `generate` (`CountsOwnPositions.generate`), which reads of its forwards only the logits, the cache and
-# the hidden states it is asked for.
-_AUXILIARY_OUTPUTS_READ = contextvars.ContextVar("memlm_auxiliary_outputs_read", default=True)
+# Inside `generate` (`CountsOwnPositions.generate`): a token of the innermost call running in this context, None
+# outside. `generate` reads of its forwards only the logits, the cache and the hidden states it is asked for, and its
+# steps change no weight.
+_GENERATE_CALL = contextvars.ContextVar("memlm_generate_call", default=None)
 
 
 def auxiliary_outputs_read() -> bool:
     """Whether the caller of a forward may read its auxiliary outputs (an auxiliary loss, statistics such as
     Expire-Span's `memory_size`): always but inside `generate`, where a forward may leave them out (None), and always
     under torch.compile (which cannot read a context variable; a compiled step may be called outside `generate`)."""
-    return torch.compiler.is_compiling() or _AUXILIARY_OUTPUTS_READ.get()
+    return torch.compiler.is_compiling() or _GENERATE_CALL.get() is None
 
 
 # Set to 1 to build a model that looks larger than the memory this machine has left (e.g. with swap in mind).
@@ -287,10 +288,31 @@ def current_padding_mask(attention_mask, batch_size: int, length: int, past_leng
     return attention_mask[:, -length:].bool()
 
 
+def current_weights_version(model: torch.nn.Module, cache: "MemoryCache | None") -> tuple:
+    """`weights_version(model)`, for comparing with `cache.weights_version` (the weights its memories were made with),
+    walked once per `generate` call: `generate`'s steps change no weight, so once a step of the call found the cache's
+    version current, the later steps take it as it is, the same tuple (a copied cache, or a version set anew, is
+    checked again). Outside `generate`, and under torch.compile (which cannot read a context variable), every call
+    walks the model."""
+    if torch.compiler.is_compiling():
+        return weights_version(model)
+    call = _GENERATE_CALL.get()
+    known = cache.weights_version if cache is not None else None
+    checked = cache.weights_checked if cache is not None else None
+    if call is not None and known is not None and checked is not None and checked[0] is call and checked[1] is known:
+        return known
+    version = weights_version(model)
+    if known is None or version != known:
+        return version
+    if call is not None:
+        cache.weights_checked = (call, known)
+    return known
+
+
 def weights_version(model: torch.nn.Module) -> tuple:
     """What changes when one of `model`'s weights changes (an optimizer step, a load: every in-place write counts in a
     tensor's `_version`; a weight replaced by another tensor, as `load_state_dict(assign=True)` or an adapter does:
-    its identity), for knowing whether memories were computed with the current weights. Read at every decoding step:
+    its identity), for knowing whether memories were computed with the current weights (`current_weights_version`):
     the modules are walked directly (a tied weight counts twice), not through `parameters()`, whose generators took
     4% of a small model's decoding step."""
     versions, modules = [id(model)], [model]
@@ -567,6 +589,8 @@ class MemoryCache(Cache):
         # forward it may reach back into recomputed the memories (set by the model: the memories before it were
         # computed with other weights).
         self.weights_version: tuple | None = None
+        # (the `generate` call that found `weights_version` current, and that tuple: `current_weights_version`)
+        self.weights_checked: tuple | None = None
         self.recomputed_while_recording = False
 
     @staticmethod
@@ -862,11 +886,11 @@ class CountsOwnPositions(DeclinesContinuousBatching, CacheNameGeneration):
 
     @functools.wraps(GenerationMixin.generate)
     def generate(self, *args, **kwargs):
-        unread = _AUXILIARY_OUTPUTS_READ.set(False)  # (see `auxiliary_outputs_read`)
+        outer = _GENERATE_CALL.set(object())  # (see `auxiliary_outputs_read` and `current_weights_version`)
         try:
             output = super().generate(*args, **kwargs)
         finally:
-            _AUXILIARY_OUTPUTS_READ.reset(unread)
+            _GENERATE_CALL.reset(outer)
         generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
         if not getattr(generation_config, "is_assistant", False):  # an assistant's cache lives on between its calls
             for cache in (kwargs.get("cache"), kwargs.get("past_key_values"), output_cache(output)):

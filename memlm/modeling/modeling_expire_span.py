@@ -85,11 +85,11 @@ from .memory import (
     check_extra_kwargs,
     check_fits_in_memory,
     current_padding_mask,
+    current_weights_version,
     embed_inputs,
     keeps_non_finite_in_place,
     prompt_loop,
     refuse_packed_documents,
-    weights_version,
     zero_padding,
 )
 
@@ -820,7 +820,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         # With `recompute_memory`, memories carried from an earlier forward get their keys, values and spans again from
         # their hidden states with the current weights: under autograd (the weights get gradients through them), or
         # when the weights changed since the cache's memories were made. (The zero initial memory is made here.)
-        version = weights_version(self) if config.recompute_memory and cache is not None else None
+        version = current_weights_version(self, cache) if config.recompute_memory and cache is not None else None
         recompute = (
             config.recompute_memory
             and not initial
@@ -920,7 +920,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             return False
         if not self.expire_memories:
             return False
-        if self.recompute_memory and cache.weights_version != weights_version(self):
+        if self.recompute_memory and cache.weights_version != current_weights_version(self, cache):
             return False
         return token_valid is None or bool(token_valid.all())
 

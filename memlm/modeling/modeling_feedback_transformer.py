@@ -71,13 +71,13 @@ from .memory import (
     check_extra_kwargs,
     check_fits_in_memory,
     current_padding_mask,
+    current_weights_version,
     embed_inputs,
     padding_first,
     past_length_to_check,
     prompt_loop,
     refuse_packed_documents,
     restore_order,
-    weights_version,
     writes_in_place,
     zero_padding,
 )
@@ -714,7 +714,7 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         # The weights now (an optimizer step or a load changes it), which the cache's memories were or are made with
         # (not read while compiling: see `_starting_memory`).
         compiling = torch.compiler.is_compiling()
-        version = weights_version(self) if self.carries_hidden_states and not compiling else None
+        version = current_weights_version(self, cache) if self.carries_hidden_states and not compiling else None
         if self.recomputes_carried_memory:
             memory_layers = self._starting_memory(cache, fresh, inputs_embeds, version)
         # With `carry_first_layer_norm` the next forward reads this one's memories projected from the hidden states
@@ -938,7 +938,7 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
                 layer.positions.copy_(positions)
                 layer.valid.fill_(True)
         # The keys and values are those of the hidden states with the weights of now.
-        cache.weights_version = weights_version(model) if model.carries_hidden_states else None
+        cache.weights_version = current_weights_version(model, cache) if model.carries_hidden_states else None
         return cache
 
     def forward(
