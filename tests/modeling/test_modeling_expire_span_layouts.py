@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from memlm import ExpireSpanConfig, ExpireSpanForCausalLM
 from memlm.kernels.expire_attention import expire_span_attention, expire_span_mask
 from memlm.modeling.layers import LayerNorm, LearnedRelativePositions, PlainMLP
+from tests.modeling.weight_changes import assert_generate_walks_once_and_sees_a_change
 
 TINY = {
     "vocab_size": 40,
@@ -505,41 +506,10 @@ def test_recomputed_memories_are_reused_while_the_weights_stay_and_recomputed_wh
 
 
 def test_generate_walks_the_weights_once_a_call_and_the_next_call_sees_a_change(monkeypatch):
-    """Inside `generate`, whose steps change no weight, the model's weights are walked (`weights_version`) until a step
-    finds the cache's memories made with them, not at every step: as many walks for 12 new tokens as for 3. The next
-    call, continuing the cache after an optimizer step, walks them again: it recomputes the carried memories with the
-    new weights, as a call whose cache forgot the weights does, and not as one that takes the old memories as current."""
-    import copy
-
-    import memlm.modeling.memory as memory
-
+    """`recompute_memory`: the weights the memories were made with are checked once per `generate` call, and the next
+    call sees an optimizer step between them (`weight_changes`)."""
     model = _model(torch.float64, **OFFICIAL, recompute_memory=True)
-    prompt = _input_ids(length=10)
-    walks, walk = [], memory.weights_version
-    monkeypatch.setattr(memory, "weights_version", lambda module: walks.append(module) or walk(module))
-
-    def generate(tokens, **options):
-        return model.generate(tokens, do_sample=False, return_dict_in_generate=True, output_logits=True, **options)
-
-    counts = []
-    for new_tokens in (3, 12):
-        walks.clear()
-        first = generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        counts.append(len(walks))
-    assert counts[0] == counts[1] <= 2  # the prompt's forward and the first step
-    with torch.no_grad():
-        for parameter in model.model.layers[0].parameters():  # an optimizer step, in place
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-    forgot, stale = copy.deepcopy(first.cache), copy.deepcopy(first.cache)
-    forgot.weights_version = None  # every carried memory recomputed
-    stale.weights_version = walk(model.model)  # the old memories taken as current
-    options = {"max_new_tokens": 4, "min_new_tokens": 4}
-    continued = generate(first.sequences, cache=first.cache, **options)
-    expected = generate(first.sequences, cache=forgot, **options)
-    kept_stale = generate(first.sequences, cache=stale, **options)
-    assert torch.equal(continued.sequences, expected.sequences)
-    assert max((ours - theirs).abs().max() for ours, theirs in zip(continued.logits, expected.logits)) < 1e-12
-    assert max((ours - theirs).abs().max() for ours, theirs in zip(kept_stale.logits, expected.logits)) > 1e-6
+    assert_generate_walks_once_and_sees_a_change(model, _input_ids(length=10), monkeypatch)
 
 
 def test_a_crop_forgets_the_weights_the_memories_were_made_with_only_past_a_recomputation():

@@ -21,6 +21,7 @@ from memlm.kernels.feedback.through_time import DeferredWeightGradients, compile
 from memlm.modeling.memory import weights_version
 from tests.modeling.padding import LAYOUTS as PADDING_LAYOUTS
 from tests.modeling.padding import check_rows_alone, padding_mask
+from tests.modeling.weight_changes import assert_generate_walks_once_and_sees_a_change
 from tests.tolerances import RECORDED_FLOAT32_LOGITS
 
 DATA = Path(__file__).parent / "data"
@@ -366,40 +367,12 @@ def test_a_decoding_step_adds_the_positions_to_its_keys(layout):
 
 
 def test_generate_walks_the_weights_once_a_call_and_the_next_call_sees_a_change(monkeypatch):
-    """The official layout carries hidden states whose keys and values a step takes as they are while the weights
-    stay: inside `generate` (no weight changes between its steps) the weights are walked once a call, not at every
-    step, and the next call, after an optimizer step, projects the carried hidden states again with the new weights."""
-    import copy
-
-    import memlm.modeling.memory as memory
-
+    """The official layout carries hidden states whose keys and values a step takes as they are while the weights stay:
+    checked once per `generate` call, and the next call sees an optimizer step between them (`weight_changes`)."""
     model = _model("official_pre_norm")
-    prompt = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(1))
-    walks, walk = [], memory.weights_version
-    monkeypatch.setattr(memory, "weights_version", lambda module: walks.append(module) or walk(module))
-
-    def generate(tokens, **options):
-        return model.generate(tokens, do_sample=False, return_dict_in_generate=True, output_logits=True, **options)
-
-    counts = []
-    for new_tokens in (3, 12):
-        walks.clear()
-        first = generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        counts.append(len(walks))
-    assert counts[0] == counts[1] <= 2
-    with torch.no_grad():
-        for parameter in model.model.layers[0].parameters():  # an optimizer step, in place
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-    forgot, stale = copy.deepcopy(first.cache), copy.deepcopy(first.cache)
-    forgot.weights_version = None  # the carried hidden states projected again
-    stale.weights_version = walk(model.model)  # their old keys and values taken as current
-    options = {"max_new_tokens": 4, "min_new_tokens": 4}
-    continued = generate(first.sequences, cache=first.cache, **options)
-    expected = generate(first.sequences, cache=forgot, **options)
-    kept_stale = generate(first.sequences, cache=stale, **options)
-    assert torch.equal(continued.sequences, expected.sequences)
-    assert max((ours - theirs).abs().max() for ours, theirs in zip(continued.logits, expected.logits)) < 1e-12
-    assert max((ours - theirs).abs().max() for ours, theirs in zip(kept_stale.logits, expected.logits)) > 1e-6
+    assert_generate_walks_once_and_sees_a_change(
+        model, torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(1)), monkeypatch
+    )
 
 
 def test_a_copy_or_a_pickle_of_the_model_leaves_the_padded_positions_behind():
