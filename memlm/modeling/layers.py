@@ -104,18 +104,29 @@ def runs_as_defined(*modules: nn.Module) -> bool:
     return True
 
 
-def linear(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+def layer_runs_as_defined(layer: nn.Module) -> bool:
+    """`runs_as_defined` for a decoder layer, its children (mixer, norms, MLP) and theirs (products, activations): what
+    a decoding step checks once per layer, after which it calls those modules' forwards and products directly
+    (`linear(..., checked=True)`, `module.forward`): a dozen checks and module calls fewer per layer and token."""
+    children = [child for child in layer._modules.values() if child is not None]
+    grandchildren = [module for child in children for module in child._modules.values() if module is not None]
+    return runs_as_defined(layer, *children, *grandchildren)
+
+
+def linear(module: nn.Module, inputs: torch.Tensor, checked: bool = False) -> torch.Tensor:
     """`module(inputs)`, as the product itself when `module` is a linear layer whose call would run only `nn.Linear`'s
     forward (an adapter or a quantized layer defines its own; hooks, see `runs_as_defined`): a decoding step makes
     about eight such calls per layer, and on a CPU the call's machinery costs microseconds each. The weight and bias
     are read from the module's parameters (a module attribute read costs about as much again); a parametrized weight,
-    which lives elsewhere, goes through the module's call, and a parametrized bias is read as the call reads it."""
-    if type(module).forward is nn.Linear.forward and runs_as_defined(module):
+    which lives elsewhere, goes through the module's call, and a parametrized bias is read as the call reads it.
+    `checked`: the caller has seen `runs_as_defined(module)` (`layer_runs_as_defined`); a module that is not a plain
+    linear layer then runs its forward without the call's machinery."""
+    if type(module).forward is nn.Linear.forward and (checked or runs_as_defined(module)):
         parameters = module._parameters
         weight = parameters.get("weight")
         if weight is not None:
             return F.linear(inputs, weight, parameters["bias"] if "bias" in parameters else module.bias)
-    return module(inputs)
+    return module.forward(inputs) if checked else module(inputs)
 
 
 def dropout(module: nn.Dropout, states: torch.Tensor) -> torch.Tensor:
@@ -134,14 +145,14 @@ SMALL_PROJECTIONS = ("beta_proj", "span_predictor")
 KEEP_IN_FLOAT32 = [rf".*\.{name}" for name in SMALL_PROJECTIONS]
 
 
-def small_projection(module: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
+def small_projection(module: nn.Linear, inputs: torch.Tensor, checked: bool = False) -> torch.Tensor:
     """`module(inputs)` for one of `SMALL_PROJECTIONS`, whose weight may be float32 in a half-precision model: the
     inputs are converted to the weight's floating dtype (a quantized weight's integer storage is left to its
-    module)."""
+    module). `checked` as for `linear`."""
     dtype = module.weight.dtype
     if dtype != inputs.dtype and dtype.is_floating_point:
         inputs = inputs.to(dtype)
-    return linear(module, inputs)
+    return linear(module, inputs, checked)
 
 
 def make_norm(config, width: int | None = None) -> nn.Module:
@@ -162,9 +173,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[hidden_act]
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gated = self.act_fn(linear(self.gate_proj, hidden_states)) * linear(self.up_proj, hidden_states)
-        return linear(self.down_proj, gated)
+    def forward(self, hidden_states: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """`checked`: the caller has seen `runs_as_defined` of this module's children (`layer_runs_as_defined`)."""
+        activation = self.act_fn.forward if checked else self.act_fn
+        gated = activation(linear(self.gate_proj, hidden_states, checked)) * linear(
+            self.up_proj, hidden_states, checked
+        )
+        return linear(self.down_proj, gated, checked)
 
 
 class PlainMLP(nn.Module):
@@ -177,8 +192,11 @@ class PlainMLP(nn.Module):
         self.act_fn = ACT2FN[hidden_act]
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(self.down_proj, dropout(self.dropout, self.act_fn(linear(self.up_proj, hidden_states))))
+    def forward(self, hidden_states: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """`checked` as for `GatedMLP`."""
+        activation = self.act_fn.forward if checked else self.act_fn
+        activated = dropout(self.dropout, activation(linear(self.up_proj, hidden_states, checked)))
+        return linear(self.down_proj, activated, checked)
 
 
 def make_mlp(config) -> nn.Module:

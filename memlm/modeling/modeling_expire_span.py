@@ -68,10 +68,10 @@ from .layers import (
     add_sublayer_output,
     apply_rotary,
     dropout,
+    layer_runs_as_defined,
     linear,
     make_mlp,
     make_norm,
-    runs_as_defined,
     small_projection,
     sublayer_input,
 )
@@ -218,10 +218,12 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
             config.position_encoding == "rotary" and config.attend_to_self and config.renormalization_epsilon == 0
         )
 
-    def predict_spans(self, span_inputs: torch.Tensor) -> torch.Tensor:
-        """e_i = L · σ(w · h_i / p + b) (paper Eq. 3), in float32 or wider: (B, N, D) → (B, N)."""
+    def predict_spans(self, span_inputs: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """e_i = L · σ(w · h_i / p + b) (paper Eq. 3), in float32 or wider: (B, N, D) → (B, N). `checked` as for
+        `linear`."""
         divisor = self.span_pre_divisor
-        logits = small_projection(self.span_predictor, span_inputs if divisor == 1 else span_inputs / divisor)
+        inputs = span_inputs if divisor == 1 else span_inputs / divisor
+        logits = small_projection(self.span_predictor, inputs, checked)
         logits = logits.squeeze(-1)
         if logits.dtype not in WIDE:
             logits = logits.float()
@@ -528,25 +530,28 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         the model, which looks at the step's output). A memory without a buffer (compacted by the last pruning) gets
         one from the append.
         Before the first memory, where the slack is unknown (None), or where a hook or a kernel would see the layer
-        run, the layer's forward runs (`ExpireSpanModel.prepare_step` decides it, and prunes the memory first).
+        run, the layer's forward runs (`ExpireSpanModel.prepare_step` decides it, and prunes the memory first). Else
+        `prepare_step` has seen the layer and its modules run as defined (`layer_runs_as_defined`): the step calls
+        their forwards and products without the module calls' machinery and checks.
         `rotation`: the block's cos and `signed_sine` (None without rotary positions)."""
         attention = self.attention
         if terms is None and not (slack is not None and slack >= 0):  # (see `ExpireSpanModel.prepare_step`)
             return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
-        attention_input = sublayer_input(hidden_states, self.input_layernorm, self.norm_position)
+        input_norm, output_norm = self.input_layernorm.forward, self.post_attention_layernorm.forward
+        attention_input = sublayer_input(hidden_states, input_norm, self.norm_position)
         batch_size = hidden_states.shape[0]
         heads, head_dim = attention.num_heads, attention.head_dim
         shape = (batch_size, 1, heads, head_dim)
         if rotation is not None:  # queries and keys side by side (2H heads), rotated in one pass: half the ops
             query_key = torch.cat(
-                [linear(attention.q_proj, attention_input), linear(attention.k_proj, attention_input)], -1
+                [linear(attention.q_proj, attention_input, True), linear(attention.k_proj, attention_input, True)], -1
             ).view(batch_size, 1, 2 * heads, head_dim)
             query, key = rotate(query_key, *rotation).transpose(1, 2).chunk(2, 1)
         else:
-            query = linear(attention.q_proj, attention_input).view(shape).transpose(1, 2)
-            key = linear(attention.k_proj, attention_input).view(shape).transpose(1, 2)
-        value = linear(attention.v_proj, attention_input).view(shape).transpose(1, 2)
-        spans = attention.predict_spans(attention_input)
+            query = linear(attention.q_proj, attention_input, True).view(shape).transpose(1, 2)
+            key = linear(attention.k_proj, attention_input, True).view(shape).transpose(1, 2)
+        value = linear(attention.v_proj, attention_input, True).view(shape).transpose(1, 2)
+        spans = attention.predict_spans(attention_input, True)
         kept_inputs = hidden_states if attention.recompute_memory else None
         dense = memory.every_valid  # else: padding, or memories marked dead in place and not yet compacted away
         if dense is None:
@@ -567,14 +572,12 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
                 query, memory, memory.spans, block.positions, block.valid, None, True, 0.0,
                 options.get("relative_positions"),
             )  # fmt: skip
-        output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1))
+        output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1), True)
         if attention.plain_attention:
             memory.expiry_slack = next_decoding_slack(slack, spans)
-        hidden_states = add_sublayer_output(hidden_states, output, self.input_layernorm, self.norm_position)
-        mlp_output = self.mlp(sublayer_input(hidden_states, self.post_attention_layernorm, self.norm_position))
-        hidden_states = add_sublayer_output(
-            hidden_states, mlp_output, self.post_attention_layernorm, self.norm_position
-        )
+        hidden_states = add_sublayer_output(hidden_states, output, input_norm, self.norm_position)
+        mlp_output = self.mlp.forward(sublayer_input(hidden_states, output_norm, self.norm_position), checked=True)
+        hidden_states = add_sublayer_output(hidden_states, mlp_output, output_norm, self.norm_position)
         return hidden_states, memory, [spans], span_loss_sum, reads
 
 
@@ -1032,7 +1035,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
                 memory = layer.prune(memory, block.first_positions, self.prune_expired_memories)
             slack = decoding_slack(memory, positions, block.valid) if attention.plain_attention else -math.inf
-            if memory is None or not runs_as_defined(layer, attention):  # (a hook or a kernel sees the forward run)
+            if memory is None or not layer_runs_as_defined(layer):  # (a hook or a kernel sees the forward run)
                 slack = None
             if slack is not None and slack < 0:
                 masked.append((len(memories), memory))

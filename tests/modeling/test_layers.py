@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
-from memlm.modeling.layers import linear, runs_as_defined
+from memlm.modeling.layers import layer_runs_as_defined, linear, runs_as_defined
 
 
 class _Doubled(nn.Module):
@@ -38,6 +38,24 @@ def test_linear_is_the_modules_call(case):
         assert torch.equal(linear(module, inputs), expected.detach())
     assert calls == ([1] if case == "hooked" else [])
     assert runs_as_defined(module) == (case != "hooked")
+
+
+def test_layer_runs_as_defined_looks_at_children_and_theirs():
+    """`layer_runs_as_defined` (a decoding step's one check per layer) is False when the layer, a child or a child's
+    child has a hook or a forward of its own, True otherwise; after it, `linear(..., checked=True)` runs a module
+    that is not a plain linear layer by its forward."""
+    layer = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.LayerNorm(4))
+    assert layer_runs_as_defined(layer)
+    for module in (layer, layer[0], layer[1], layer[0][0], layer[0][1]):
+        handle = module.register_forward_pre_hook(lambda *_: None)
+        assert not layer_runs_as_defined(layer)
+        handle.remove()
+    layer[0][1].forward = lambda inputs: inputs
+    assert not layer_runs_as_defined(layer)
+    del layer[0][1].forward
+    assert layer_runs_as_defined(layer)
+    inputs = torch.randn(2, 4)
+    assert torch.equal(linear(layer[1], inputs, checked=True), layer[1](inputs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -688,21 +688,21 @@ def test_a_decoding_step_keeps_a_non_finite_memory_it_does_not_read_in_place(mon
 
 
 def test_hooks_see_every_module_run_in_decoding_steps():
-    """The decoding step computes with the weights directly only where a call would run just the class's forward:
-    a hook on a decoder layer, on a projection or on an MLP's linear layer sees its module run at every step, and the
-    logits stay those of the unhooked model."""
+    """The decoding step computes with the weights and forwards directly only where a call would run just the class's
+    forward: a hook on a decoder layer, on a projection, on an MLP's linear layer or activation or on a norm, each
+    alone, sees its module run at every step, and the logits stay those of the unhooked model."""
     model = _model(span_weight=0.05, span_bias=2.0, max_span=64, block_size=4)
     input_ids = torch.randint(0, 256, (2, 12))
     plain, _ = _decode(model, input_ids, prefill=6)
     layers = model.model.layers
-    modules = [layers[0], layers[1].attention.q_proj, layers[1].mlp.down_proj, layers[0].attention.span_predictor]
-    calls = {index: 0 for index in range(len(modules))}
-    handles = [
-        module.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
-        for index, module in enumerate(modules)
-    ]
-    hooked, _ = _decode(model, input_ids, prefill=6)
-    for handle in handles:
+    modules = [
+        layers[0], layers[1].attention.q_proj, layers[1].mlp.down_proj, layers[0].attention.span_predictor,
+        layers[1].mlp.act_fn, layers[0].post_attention_layernorm, layers[1].input_layernorm,
+    ]  # fmt: skip
+    for module in modules:
+        calls = []
+        handle = module.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        hooked, _ = _decode(model, input_ids, prefill=6)
         handle.remove()
-    assert all(count == 2 + 6 for count in calls.values()), calls  # the prefill's two blocks, the six steps
-    torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
+        assert len(calls) == 2 + 6, (module, len(calls))  # the prefill's two blocks, the six steps
+        torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
