@@ -541,16 +541,16 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         attention_input = sublayer_input(hidden_states, input_norm, self.norm_position)
         batch_size = hidden_states.shape[0]
         heads, head_dim = attention.num_heads, attention.head_dim
-        shape = (batch_size, 1, heads, head_dim)
+        shape = (batch_size, heads, 1, head_dim)  # (one token: the products (B, 1, H·d) read as (B, H, 1, d) directly)
         if rotation is not None:  # queries and keys side by side (2H heads), rotated in one pass: half the ops
             query_key = torch.cat(
                 [linear(attention.q_proj, attention_input, True), linear(attention.k_proj, attention_input, True)], -1
-            ).view(batch_size, 1, 2 * heads, head_dim)
-            query, key = rotate(query_key, *rotation).transpose(1, 2).chunk(2, 1)
+            ).view(batch_size, 2 * heads, 1, head_dim)
+            query, key = rotate(query_key, *rotation).chunk(2, 1)
         else:
-            query = linear(attention.q_proj, attention_input, True).view(shape).transpose(1, 2)
-            key = linear(attention.k_proj, attention_input, True).view(shape).transpose(1, 2)
-        value = linear(attention.v_proj, attention_input, True).view(shape).transpose(1, 2)
+            query = linear(attention.q_proj, attention_input, True).view(shape)
+            key = linear(attention.k_proj, attention_input, True).view(shape)
+        value = linear(attention.v_proj, attention_input, True).view(shape)
         spans = attention.predict_spans(attention_input, True)
         kept_inputs = hidden_states if attention.recompute_memory else None
         dense = memory.every_valid  # else: padding, or memories marked dead in place and not yet compacted away
@@ -572,7 +572,7 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
                 query, memory, memory.spans, block.positions, block.valid, None, True, 0.0,
                 options.get("relative_positions"),
             )  # fmt: skip
-        output = linear(attention.o_proj, output.transpose(1, 2).reshape(batch_size, 1, -1), True)
+        output = linear(attention.o_proj, output.reshape(batch_size, 1, -1), True)  # (B, H, 1, d): no transpose
         if attention.plain_attention:
             memory.expiry_slack = next_decoding_slack(slack, spans)
         hidden_states = add_sublayer_output(hidden_states, output, input_norm, self.norm_position)
@@ -1123,7 +1123,7 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_hidden_states=output_hidden_states, output_spans=output_spans, return_dict=True, **kwargs,
         )  # fmt: skip
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        logits = linear(self.lm_head, slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
 
         loss = lm_loss = causal_lm_loss(self, logits, labels, kwargs)
         if lm_loss is not None and self.training:
