@@ -223,7 +223,7 @@ class ExpireSpanAttention(HubLayerMixin, nn.Module):
         `linear`."""
         divisor = self.span_pre_divisor
         inputs = span_inputs if divisor == 1 else span_inputs / divisor
-        logits = small_projection(self.span_predictor, inputs, checked)
+        logits = small_projection(self._modules["span_predictor"], inputs, checked)  # (see `layers.own_parameter`)
         logits = logits.squeeze(-1)
         if logits.dtype not in WIDE:
             logits = logits.float()
@@ -534,23 +534,26 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
         `prepare_step` has seen the layer and its modules run as defined (`layer_runs_as_defined`): the step calls
         their forwards and products without the module calls' machinery and checks.
         `rotation`: the block's cos and `signed_sine` (None without rotary positions)."""
-        attention = self.attention
         if terms is None and not (slack is not None and slack >= 0):  # (see `ExpireSpanModel.prepare_step`)
             return run_layer_over_blocks(self, hidden_states, [block], memory, False, **options)
-        input_norm, output_norm = self.input_layernorm.forward, self.post_attention_layernorm.forward
+        modules = self._modules  # (children read from `_modules`: see `layers.own_parameter`)
+        attention, mlp = modules["attention"], modules["mlp"]
+        input_norm, output_norm = modules["input_layernorm"].forward, modules["post_attention_layernorm"].forward
+        products = attention._modules
+        q_proj, k_proj, v_proj, o_proj = products["q_proj"], products["k_proj"], products["v_proj"], products["o_proj"]
         attention_input = sublayer_input(hidden_states, input_norm, self.norm_position)
         batch_size = hidden_states.shape[0]
         heads, head_dim = attention.num_heads, attention.head_dim
         shape = (batch_size, heads, 1, head_dim)  # (one token: the products (B, 1, H·d) read as (B, H, 1, d) directly)
         if rotation is not None:  # queries and keys side by side (2H heads), rotated in one pass: half the ops
             query_key = torch.cat(
-                [linear(attention.q_proj, attention_input, True), linear(attention.k_proj, attention_input, True)], -1
+                [linear(q_proj, attention_input, True), linear(k_proj, attention_input, True)], -1
             ).view(batch_size, 2 * heads, 1, head_dim)
             query, key = rotate(query_key, *rotation).chunk(2, 1)
         else:
-            query = linear(attention.q_proj, attention_input, True).view(shape)
-            key = linear(attention.k_proj, attention_input, True).view(shape)
-        value = linear(attention.v_proj, attention_input, True).view(shape)
+            query = linear(q_proj, attention_input, True).view(shape)
+            key = linear(k_proj, attention_input, True).view(shape)
+        value = linear(v_proj, attention_input, True).view(shape)
         spans = attention.predict_spans(attention_input, True)
         kept_inputs = hidden_states if attention.recompute_memory else None
         dense = memory.every_valid  # else: padding, or memories marked dead in place and not yet compacted away
@@ -572,11 +575,11 @@ class ExpireSpanDecoderLayer(GradientCheckpointingLayer):
                 query, memory, memory.spans, block.positions, block.valid, None, True, 0.0,
                 options.get("relative_positions"),
             )  # fmt: skip
-        output = linear(attention.o_proj, output.reshape(batch_size, 1, -1), True)  # (B, H, 1, d): no transpose
+        output = linear(o_proj, output.reshape(batch_size, 1, -1), True)  # (B, H, 1, d): no transpose
         if attention.plain_attention:
             memory.expiry_slack = next_decoding_slack(slack, spans)
         hidden_states = add_sublayer_output(hidden_states, output, input_norm, self.norm_position)
-        mlp_output = self.mlp.forward(sublayer_input(hidden_states, output_norm, self.norm_position), checked=True)
+        mlp_output = mlp.forward(sublayer_input(hidden_states, output_norm, self.norm_position), checked=True)
         hidden_states = add_sublayer_output(hidden_states, mlp_output, output_norm, self.norm_position)
         return hidden_states, memory, [spans], span_loss_sum, reads
 
@@ -1031,7 +1034,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         positions = block.positions
         memories, slacks, masked = [], [], []
         for layer, cache_layer in zip(self.layers, cache.layers):
-            memory, attention = cache_layer.memory, layer.attention
+            memory, attention = cache_layer.memory, layer._modules["attention"]  # (see `layers.own_parameter`)
             if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
                 memory = layer.prune(memory, block.first_positions, self.prune_expired_memories)
             slack = decoding_slack(memory, positions, block.valid) if attention.plain_attention else -math.inf

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
-from memlm.modeling.layers import layer_runs_as_defined, linear, runs_as_defined
+from memlm.modeling.layers import LayerNorm, RMSNorm, layer_runs_as_defined, linear, own_parameter, runs_as_defined
 
 
 class _Doubled(nn.Module):
@@ -38,6 +38,19 @@ def test_linear_is_the_modules_call(case):
         assert torch.equal(linear(module, inputs), expected.detach())
     assert calls == ([1] if case == "hooked" else [])
     assert runs_as_defined(module) == (case != "hooked")
+
+
+@pytest.mark.parametrize("norm_class", [LayerNorm, RMSNorm])
+def test_norms_read_a_parametrized_weight(norm_class):
+    """The norms read their parameters from `_parameters` (`own_parameter`), and a parametrized weight, which lives
+    elsewhere, as the attribute: a doubled weight doubles the output."""
+    norm, inputs = norm_class(6), torch.randn(2, 3, 6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    expected = norm(inputs) * 2 if norm_class is RMSNorm else (norm(inputs) - norm.bias) * 2 + norm.bias
+    parametrize.register_parametrization(norm, "weight", _Doubled())
+    assert own_parameter(norm, "weight") is not None and "weight" not in norm._parameters
+    torch.testing.assert_close(norm(inputs), expected)
 
 
 def test_layer_runs_as_defined_looks_at_children_and_theirs():
