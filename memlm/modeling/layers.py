@@ -309,4 +309,4 @@ class LearnedRelativePositions(nn.Module):
 
     def padded(self, dtype: torch.dtype) -> torch.Tensor:
         """The table as a decoding step reads it (`PaddedPositions`)."""
-        return self._padded.of(self.weight, dtype)
+        return self._padded.of(own_parameter(self, "weight"), dtype)

@@ -940,18 +940,20 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
             first_positions = first_positions.to(inputs_embeds.device)
         positions = first_positions.unsqueeze(1)  # (B, 1)
         valid = torch.ones_like(positions, dtype=torch.bool) if token_valid is None else token_valid
-        rotary = self.rotary_emb is not None
-        cos, sin = self.rotary_emb(positions) if rotary else (None, None)
+        modules = self._modules  # (children read from `_modules`: see `layers.own_parameter`)
+        rotary_embedding, relative_positions = modules.get("rotary_emb"), modules.get("relative_positions")
+        rotary = rotary_embedding is not None
+        cos, sin = rotary_embedding(positions) if rotary else (None, None)
         block = Block(slice(0, 1), positions, valid, cos, sin, first_positions)
         rotation = (cos, signed_sine(sin)) if rotary else None  # for every layer's `rotate`
         options = {"max_distance": None, "delete_expired": self.prune_expired_memories, "counted_positions": True}
         if self.recompute_memory and rotary:
-            options["rotary_embedding"] = self.rotary_emb
-        if self.relative_positions is not None:
-            options["relative_positions"] = self.relative_positions
+            options["rotary_embedding"] = rotary_embedding
+        if relative_positions is not None:
+            options["relative_positions"] = relative_positions
         counts = auxiliary_outputs_read()  # (inside `generate` nobody reads the span loss and the memories read)
         memories, slacks, terms, reads = self.prepare_step(cache, block, counts)
-        layers = (self.layers, cache.layers, memories, slacks, terms)
+        layers = (modules["layers"], cache.layers, memories, slacks, terms)
         hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(
             inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, False, options
         )
@@ -969,7 +971,7 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 hidden_states, span_loss_sum, read_count, all_hidden_states, all_spans = self.step_layers(
                     inputs_embeds, block, rotation, *layers, reads, output_hidden_states, output_spans, True, options
                 )
-        hidden_states = self.norm(hidden_states)
+        hidden_states = modules["norm"](hidden_states)
         cache.next_positions = first_positions + 1
         span_loss = memory_size = None
         if counts:
@@ -1033,8 +1035,9 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         config = self.config
         positions = block.positions
         memories, slacks, masked = [], [], []
-        for layer, cache_layer in zip(self.layers, cache.layers):
-            memory, attention = cache_layer.memory, layer._modules["attention"]  # (see `layers.own_parameter`)
+        modules = self._modules  # (children read from `_modules`: see `layers.own_parameter`)
+        for layer, cache_layer in zip(modules["layers"], cache.layers):
+            memory, attention = cache_layer.memory, layer._modules["attention"]
             if memory is not None and memory.checks_pruning():  # every `check_interval` memories (lazy pruning)
                 memory = layer.prune(memory, block.first_positions, self.prune_expired_memories)
             slack = decoding_slack(memory, positions, block.valid) if attention.plain_attention else -math.inf
@@ -1063,7 +1066,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
         spans = torch.cat(spans, 1)
         valid = None if all(memory.every_valid for _, memory in masked) else torch.cat(valid, 1)
         dtype = torch.float64 if torch.float64 in (masked[0][1].keys.dtype, spans.dtype) else torch.float32
-        table = None if self.relative_positions is None else self.relative_positions.padded(dtype)
+        relative_positions = modules.get("relative_positions")
+        table = None if relative_positions is None else relative_positions.padded(dtype)
         terms = one_query_terms(spans, distance, valid, self.ramp, dtype, self.renormalization_epsilon, table)
         widths = [memory.width + own for _, memory in masked]
         per_layer = dict(zip((index for index, _ in masked), terms.split(widths)))

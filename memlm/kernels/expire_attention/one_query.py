@@ -56,12 +56,12 @@ class OneQueryTerms(NamedTuple):
 
     def split(self, widths: list[int]) -> list["OneQueryTerms"]:
         """What each of several layers' attentions reads of terms computed for their keys side by side, `widths[l]`
-        keys each, in order: views (one `split` per tensor, not a `narrow` per layer), without the (B, N) mask, which
-        only the counts read."""
+        keys each, in order: views (one `split_with_sizes` per tensor, not a `narrow` per layer), without the (B, N)
+        mask, which only the counts read."""
         count = len(widths)
-        bias = self.bias.split(widths, 3)
-        positions = [None] * count if self.positions is None else self.positions.split(widths, 2)
-        weighing = [None] * count if self.weighing is None else self.weighing.split(widths, 3)
+        bias = self.bias.split_with_sizes(widths, 3)
+        positions = [None] * count if self.positions is None else self.positions.split_with_sizes(widths, 2)
+        weighing = [None] * count if self.weighing is None else self.weighing.split_with_sizes(widths, 3)
         return [
             OneQueryTerms(None, layer_bias, layer_positions, layer_weighing)
             for layer_bias, layer_positions, layer_weighing in zip(bias, positions, weighing)
