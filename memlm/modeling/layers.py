@@ -38,9 +38,9 @@ _CPU_EPSILONS = {}
 
 def own_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     """`getattr(module, name)` for a parameter, read from the module's `_parameters`: an attribute read of a parameter
-    or a child module raises and catches an AttributeError before `nn.Module.__getattr__` finds it (~2,000
-    instructions, ~90 times in a small model's decoding step). A parametrized one, which lives elsewhere, is read as the
-    attribute."""
+    or a child module raises and catches an AttributeError before `nn.Module.__getattr__` finds it, thousands of
+    instructions each (Expire-Span's decoding step made about ninety such reads a token). A parametrized one, which
+    lives elsewhere, is read as the attribute."""
     parameter = module._parameters.get(name)
     return parameter if parameter is not None else getattr(module, name)
 
@@ -203,12 +203,8 @@ class PlainMLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """`checked` as for `GatedMLP`."""
         modules = self._modules  # (see `own_parameter`)
-        up, down, activation, activation_dropout = (
-            modules["up_proj"],
-            modules["down_proj"],
-            modules["act_fn"],
-            modules["dropout"],
-        )
+        up, down = modules["up_proj"], modules["down_proj"]
+        activation, activation_dropout = modules["act_fn"], modules["dropout"]
         activation = activation.forward if checked else activation
         activated = dropout(activation_dropout, activation(linear(up, hidden_states, checked)))
         return linear(down, activated, checked)
