@@ -39,8 +39,8 @@ _CPU_EPSILONS = {}
 def own_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     """`getattr(module, name)` for a parameter, read from the module's `_parameters`: an attribute read of a parameter
     or a child module raises and catches an AttributeError before `nn.Module.__getattr__` finds it, thousands of
-    instructions each (Expire-Span's decoding step made about ninety such reads a token). A parametrized one, which
-    lives elsewhere, is read as the attribute."""
+    instructions each, for every child and parameter a decoding step uses. A parametrized one, which lives elsewhere,
+    is read as the attribute."""
     parameter = module._parameters.get(name)
     return parameter if parameter is not None else getattr(module, name)
 

@@ -69,6 +69,11 @@ def test_layer_runs_as_defined_looks_at_children_and_theirs():
     assert layer_runs_as_defined(layer)
     inputs = torch.randn(2, 4)
     assert torch.equal(linear(layer[1], inputs, checked=True), layer[1](inputs))
+    # `checked` trusts the caller's check: a hook added after it is not looked for again (nor called).
+    calls = []
+    layer[0][0].register_forward_hook(lambda *_: calls.append(1))
+    assert torch.equal(linear(layer[0][0], inputs, checked=True), layer[0][0](inputs)) and calls == [1]
+    assert torch.equal(linear(layer[0][0], inputs), layer[0][0](inputs)) and calls == [1, 1, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
