@@ -25,6 +25,7 @@ docs/performance/speed.md from the results (see ``report.py``).
 import argparse
 import functools
 import json
+import statistics
 import subprocess
 import sys
 
@@ -224,7 +225,8 @@ def generation_models(quick: bool) -> dict:
 
 def measure_generation(args) -> list[dict]:
     """Greedy `generate()` at batch 1 after each context of `--generate-contexts` (random tokens, seed 0): tokens/s
-    of the steps after the first new token (`report.generation_step_seconds`), the models timed in turns."""
+    of the steps after the first new token (`report.generation_step_seconds`), the models timed in turns; each
+    model's ratio to Llama's tokens/s is the median of the rounds' ratios (`report.paired_speedup`)."""
     models = generation_models(args.quick)
     rows = []
     for context in tqdm(args.generate_contexts, desc="generate", leave=False):
@@ -233,11 +235,11 @@ def measure_generation(args) -> list[dict]:
             name: functools.partial(report.generation_step_seconds, model, prompt, args.generate_tokens)
             for name, model in models.items()
         }
-        seconds = report.interleaved_median_times(functions, 1, args.generate_repeats, timed_inside=True)
-        row = {"context": context, **{f"{name}_tokens_per_s": 1 / seconds[name] for name in models}}
+        times = report.interleaved_times(functions, 1, args.generate_repeats, timed_inside=True)
+        row = {"context": context, **{f"{name}_tokens_per_s": 1 / statistics.median(times[name]) for name in models}}
         for name in models:
             if name != "llama":
-                row[f"{name}_over_llama"] = row[f"{name}_tokens_per_s"] / row["llama_tokens_per_s"]
+                row[f"{name}_over_llama"] = report.paired_speedup(times, name, "llama")
         rows.append(row)
     return rows
 
@@ -357,7 +359,8 @@ def docs_section(results: dict) -> str:
             f"prompt of the row's context; tokens/s of the {settings['generate_tokens'] - 1} steps after the first "
             "new token, each timed from that token to the last inside `generate` (the prompt's forward left out, "
             f"`generate`'s own work in), medians of {settings['generate_repeats']} runs, the seven models timed in "
-            "turns.",
+            "turns; each ratio to Llama is the median of the rounds' ratios (each model's run over Llama's run of the "
+            "same round, seconds apart, so that a slower phase of the machine weighs on both).",
             report.markdown_table(generation_columns(), results["generation"]),
             generation_goals(results["generation"]),
         ]

@@ -4,7 +4,8 @@
   run that checks the script), `--json`, and for a script with a section of the speed page `--write-docs` and
   `--report RESULTS_JSON`;
 - the start of a run (`start`: torch's threads, the machine line) and its end (`finish`: the JSON, the docs);
-- timing: `median_seconds` for one function, `interleaved_median_times` for several timed in turns, `Decoding` for
+- timing: `median_seconds` for one function, `interleaved_times` (and `interleaved_median_times`) for several
+  timed in turns, `paired_speedup` for the ratio of two of them round by round, `Decoding` for
   greedy decoding after a prefill, `generation_step_seconds` for a token of `generate()`, and `cache_bytes` for
   what a cache holds;
 - the tables: `print_table` for the terminal, `markdown_table` for the docs.
@@ -279,12 +280,12 @@ def rewrite_section(page: str, name: str, command: str, section: str) -> None:
         file.write(text)
 
 
-def interleaved_median_times(functions: dict, warmup: int, repeats: int, timed_inside: bool = False) -> dict:
-    """Median seconds of each of `functions` (name → callable), timed in turns: one run of each per round, so
+def interleaved_times(functions: dict, warmup: int, repeats: int, timed_inside: bool = False) -> dict:
+    """Seconds of each of `functions` (name → callable) per round, timed in turns: one run of each per round, so
     that a change in the machine's load (other jobs) weighs on all of them alike, in an order shuffled every round
     (seeded), so that none always runs after the same one (a Transformer over a long context leaves the caches cold
     for whatever runs next). With `timed_inside`, each call returns the seconds it measured itself (a part of its
-    work, as `generation_step_seconds`)."""
+    work, as `generation_step_seconds`). {name: [seconds of round 1, round 2, …]}."""
     for _ in range(warmup):
         for function in functions.values():
             function()
@@ -297,7 +298,21 @@ def interleaved_median_times(functions: dict, warmup: int, repeats: int, timed_i
             start = time.perf_counter()
             seconds = function()
             times[name].append(seconds if timed_inside else time.perf_counter() - start)
+    return times
+
+
+def interleaved_median_times(functions: dict, warmup: int, repeats: int, timed_inside: bool = False) -> dict:
+    """Median seconds of each of `functions`, timed in turns (`interleaved_times`)."""
+    times = interleaved_times(functions, warmup, repeats, timed_inside)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def paired_speedup(times: dict, name: str, reference: str) -> float:
+    """How many times faster `name` ran than `reference` in `interleaved_times`'s `times`: the median over the rounds
+    of the round's ratio (reference's seconds / name's). Runs of one round are seconds apart, so a slower phase of
+    the machine, which lasts longer, weighs on both sides of each ratio; a ratio of the two medians, taken from
+    different rounds, moves with it."""
+    return statistics.median(ours / theirs for ours, theirs in zip(times[reference], times[name]))
 
 
 def generation_step_seconds(model, prompt, new_tokens: int) -> float:

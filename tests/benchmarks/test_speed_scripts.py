@@ -190,9 +190,33 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
               for layout in ("default", "official")]  # fmt: skip
     for row, context in zip(results["generation"], (8, 16), strict=True):
         assert row["context"] == context and row["llama_tokens_per_s"] > 0
-        for name in models:
-            ratio = row[f"{name}_tokens_per_s"] / row["llama_tokens_per_s"]
-            assert row[f"{name}_tokens_per_s"] > 0 and abs(row[f"{name}_over_llama"] - ratio) < 1e-9
+        for name in models:  # (the ratios are per round: `report.paired_speedup`, tested below)
+            assert row[f"{name}_tokens_per_s"] > 0 and row[f"{name}_over_llama"] > 0
+
+
+def test_functions_timed_in_turns_keep_each_round_and_their_speedup_is_the_median_of_the_rounds_ratios(monkeypatch):
+    """`report.interleaved_times`: one run of each function per round, the warm-up runs left out, the rounds in
+    order; `report.paired_speedup`: the median of the rounds' ratios, not the ratio of the medians — a phase of the
+    machine that slows one round slows both sides of that round's ratio."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import report
+
+    calls = []
+
+    def timed(name, seconds):
+        def function():
+            calls.append(name)
+            return seconds[len([call for call in calls if call == name]) - 1]  # (timed_inside: its own seconds)
+
+        return function
+
+    seconds = {"llama": [9.0, 1.0, 4.0, 4.0], "model": [9.0, 2.0, 2.0, 8.0]}  # (the first run warms up)
+    times = report.interleaved_times({name: timed(name, values) for name, values in seconds.items()}, 1, 3, True)
+    assert times == {"llama": [1.0, 4.0, 4.0], "model": [2.0, 2.0, 8.0]} and len(calls) == 8
+    assert report.paired_speedup(times, "model", "llama") == 0.5  # rounds: 1/2, 4/2, 4/8
+    assert report.paired_speedup(times, "llama", "model") == 2.0
+    functions = {"a": timed("a", [3.0, 1.0, 2.0]), "b": timed("b", [5.0, 7.0, 6.0])}
+    assert report.interleaved_median_times(functions, 0, 3, True) == {"a": 2.0, "b": 6.0}
 
 
 def test_the_generation_goals_are_judged_from_the_contexts_each_family_is_held_to(monkeypatch):
