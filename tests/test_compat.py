@@ -68,6 +68,47 @@ def test_outputs_carry_the_cache_under_the_installed_name_and_as_cache(name, bas
     assert outputs.to_tuple()[1] is cache  # after the hidden state or the logits (no loss without labels)
 
 
+OUTPUT_CLASSES = [
+    memlm.compat.BaseModelOutputWithPast,
+    memlm.compat.CausalLMOutputWithPast,
+    memlm.modeling.modeling_expire_span.ExpireSpanModelOutput,
+    memlm.modeling.modeling_expire_span.ExpireSpanCausalLMOutput,
+    memlm.modeling.modeling_feedback_transformer.FeedbackModelOutput,
+    memlm.modeling.modeling_feedback_transformer.FeedbackCausalLMOutput,
+]
+
+
+@pytest.mark.parametrize("output_class", OUTPUT_CLASSES, ids=lambda output_class: output_class.__name__)
+def test_outputs_built_without_the_constructor_s_checks_are_the_constructor_s(output_class):
+    """`compat.model_output`, which the models' forwards build their outputs with, gives what the installed 🤗's
+    constructor gives: the same items in the same order, every field an attribute (the same objects), the same tuple,
+    equal, picklable back to an equal output, the same pytree leaves; it leaves to the constructor a name that is not
+    a field and an output with only its first field set."""
+    import pickle
+
+    import torch.utils._pytree as pytree
+
+    names = list(output_class.__dataclass_fields__)
+    tensors = [torch.full((2,), float(index)) for index in range(len(names))]
+    for chosen in ([1], [0, 1], [1, 2, len(names) - 1], list(range(len(names)))):  # (tensors, None elsewhere)
+        values = {name: tensors[index] if index in chosen else None for index, name in enumerate(names)}
+        built, expected = memlm.compat.model_output(output_class, **values), output_class(**values)
+        assert type(built) is output_class and list(built.keys()) == list(expected.keys()) == [
+            names[index] for index in chosen
+        ]
+        assert all(getattr(built, name) is getattr(expected, name) for name in names)
+        assert vars(built).keys() == vars(expected).keys()
+        assert all(left is right for left, right in zip(built.to_tuple(), expected.to_tuple(), strict=True))
+        assert built == expected and built[names[chosen[0]]] is tensors[chosen[0]]
+        copied = pickle.loads(pickle.dumps(built))
+        assert list(copied.keys()) == list(built.keys()) and all(copied[key].equal(built[key]) for key in built)
+        assert pytree.tree_flatten(built)[0] == pytree.tree_flatten(expected)[0]
+    pairs = {names[0]: [(names[1], tensors[1])]}  # only the first field: 🤗 reads it as (name, value) pairs
+    assert list(memlm.compat.model_output(output_class, **pairs).items()) == [(names[1], tensors[1])]
+    with pytest.raises(TypeError, match="not_a_field"):
+        memlm.compat.model_output(output_class, not_a_field=tensors[0])
+
+
 @pytest.mark.parametrize("name", list(TESTERS))
 def test_forward_takes_cache_and_past_key_values_alike(name):
     model = _model(name)

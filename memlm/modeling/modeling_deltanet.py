@@ -28,6 +28,7 @@ from ..compat import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     is_exporting,
+    model_output,
     resolve_cache_argument,
     with_cache,
 )
@@ -869,8 +870,11 @@ class DeltaNetModel(DeltaNetPreTrainedModel):
         input and each layer's output, or None) as in 🤗 Llama."""
         if all_hidden_states is not None:
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
-        output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, **with_cache(cache), hidden_states=all_hidden_states
+        output = model_output(
+            BaseModelOutputWithPast,
+            last_hidden_state=hidden_states,
+            **with_cache(cache),
+            hidden_states=all_hidden_states,
         )
         return output if return_dict else output.to_tuple()
 
@@ -993,7 +997,8 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, CountsOwnPositions, Generatio
 
         loss = causal_lm_loss(self, logits, labels, kwargs)
 
-        output = CausalLMOutputWithPast(
+        output = model_output(
+            CausalLMOutputWithPast,
             loss=loss,
             logits=logits,
             **with_cache(outputs.cache),

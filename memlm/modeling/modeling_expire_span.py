@@ -30,6 +30,7 @@ from ..compat import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     is_exporting,
+    model_output,
     resolve_cache_argument,
     with_cache,
 )
@@ -903,7 +904,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 layer.seen_tokens += length
             cache.next_positions = start_positions + token_valid.sum(1)
             cache.weights_version = version
-        output = ExpireSpanModelOutput(
+        output = model_output(
+            ExpireSpanModelOutput,
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
             hidden_states=hidden_states_out,
@@ -983,7 +985,8 @@ class ExpireSpanModel(ExpireSpanPreTrainedModel):
                 span_loss = in_dtype(span_loss_sum, wide) * (config.span_loss_coefficient / batch_size)
             memory_size = torch.as_tensor(read_count, dtype=torch.float32, device=device)
             memory_size = memory_size / (batch_size * len(self.layers))
-        output = ExpireSpanModelOutput(
+        output = model_output(
+            ExpireSpanModelOutput,
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
             hidden_states=tuple(all_hidden_states[:-1]) + (hidden_states,) if output_hidden_states else None,
@@ -1135,7 +1138,8 @@ class ExpireSpanForCausalLM(ExpireSpanPreTrainedModel, CountsOwnPositions, Gener
         loss = lm_loss = causal_lm_loss(self, logits, labels, kwargs)
         if lm_loss is not None and self.training:
             loss = lm_loss + outputs.span_loss.to(lm_loss.dtype)
-        output = ExpireSpanCausalLMOutput(
+        output = model_output(
+            ExpireSpanCausalLMOutput,
             loss=loss, logits=logits, **with_cache(outputs.cache), hidden_states=outputs.hidden_states,
             spans=outputs.spans, lm_loss=lm_loss, span_loss=outputs.span_loss, aux_loss=outputs.aux_loss,
             memory_size=outputs.memory_size,

@@ -32,7 +32,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_utils import slice_logits_to_keep
 
-from ..compat import CACHE_NAMES, BaseModelOutputWithPast, CausalLMOutputWithPast, resolve_cache_argument, with_cache
+from ..compat import (
+    CACHE_NAMES,
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    model_output,
+    resolve_cache_argument,
+    with_cache,
+)
 from ..configuration.configuration_feedback_transformer import FeedbackTransformerConfig
 from ..export import RemoteCodeMixin
 from ..kernels import mark_static
@@ -752,7 +759,8 @@ class FeedbackTransformerModel(FeedbackTransformerPreTrainedModel):
         if output_hidden_states:
             # As in 🤗 Llama: the embeddings, each layer's output but the last, and the normed output.
             hidden_states_out = (given_embeds, *self._layer_outputs(all_states, restored), hidden_states)
-        output = FeedbackModelOutput(
+        output = model_output(
+            FeedbackModelOutput,
             last_hidden_state=hidden_states,
             **with_cache(cache if use_cache else None),
             hidden_states=hidden_states_out,
@@ -972,7 +980,8 @@ class FeedbackTransformerForCausalLM(FeedbackTransformerPreTrainedModel, CountsO
         loss = lm_loss = causal_lm_loss(self, logits, labels, kwargs)
         if lm_loss is not None and self.training and outputs.aux_loss is not None:
             loss = lm_loss + outputs.aux_loss.to(lm_loss.dtype)
-        output = FeedbackCausalLMOutput(
+        output = model_output(
+            FeedbackCausalLMOutput,
             loss=loss, logits=logits, **with_cache(outputs.cache), hidden_states=outputs.hidden_states,
             lm_loss=lm_loss, aux_loss=outputs.aux_loss,
         )  # fmt: skip
