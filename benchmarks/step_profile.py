@@ -20,10 +20,25 @@ context, for the seven models of `paper_layouts.py`'s generate() table (both lay
 operations no other operation ran, by name. On a CPU a decoding step of these sizes is bound by its number of
 operations more than by their arithmetic, and unlike a time the count does not move from run to run.
 
+    python benchmarks/step_profile.py --instructions [--context 128]
+
+With `--instructions` it counts the CPU instructions of such a token instead, for the same seven models, under
+valgrind's callgrind (which must be installed; the script runs itself under it, on one thread: a thread pool's idle
+threads spin, which callgrind would count): the instructions of a `generate()` call for `--tokens` new tokens less
+those of a call for one, over `--tokens` − 1. Like the operations, the count is the same on every run of a machine
+and release, where a time on a shared machine moves by several percent; unlike them it weighs each operation by its
+work, Python's included. It is not a time: memory stalls, branch misses and the thread pool's waits are not in it.
+
 The shares are what the speed page's text refers to; the times themselves are inflated by the profiler.
 """
 
+import argparse
+import os
 import resource
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 from torch.profiler import profile
@@ -134,6 +149,71 @@ def operations_per_token(model, context: int, tokens: int) -> dict[str, float]:
     return {name: count for name, count in per_token.items() if count}
 
 
+def count_instructions_here(args) -> None:
+    """`--instructions`'s worker, run under callgrind with collection off: for each model, one warm-up call, then
+    calls for one and for `args.tokens` new tokens, each counted alone (callgrind_control zeroes the counts before it
+    and dumps them after it, under the model's name and the call's tokens)."""
+    import torch
+
+    torch.set_num_threads(1)
+    process = str(os.getpid())
+
+    def control(*options):
+        subprocess.run(["callgrind_control", *options, process], check=True, capture_output=True)
+
+    models = paper_layouts.generation_models(args.quick)
+    prompt = torch.randint(0, paper_layouts.BYTE_VOCABULARY, (1, args.context),
+                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    with torch.no_grad():
+        for name, model in models.items():
+            model.generate(prompt, max_new_tokens=args.tokens, do_sample=False)  # (warm: first calls take other paths)
+            control("--instr=on")
+            for tokens in (1, args.tokens):
+                control("--zero")
+                model.generate(prompt, max_new_tokens=tokens, do_sample=False)
+                control(f"--dump={name} {tokens}")
+            control("--instr=off")
+
+
+def instructions_per_token(args) -> dict[str, float]:
+    """{model: instructions per token} of `--instructions`: this script run again under callgrind
+    (`count_instructions_here`), its dumps read back."""
+    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"--instructions runs under valgrind's callgrind; not found: {', '.join(missing)}")
+    with tempfile.TemporaryDirectory() as folder:
+        output = os.path.join(folder, "callgrind.out")
+        worker = [sys.executable, os.path.abspath(__file__), "--count-instructions-here", "--context",
+                  str(args.context), "--tokens", str(args.tokens)] + (["--quick"] if args.quick else [])  # fmt: skip
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={output}", *worker]
+        environment = os.environ | {"PYTHONHASHSEED": "0"}  # (a set's order, and so its work, the same every run)
+        finished = subprocess.run(command, capture_output=True, text=True, env=environment)
+        if finished.returncode != 0:
+            raise SystemExit(f"the run under callgrind failed:\n{finished.stderr[-3000:]}")
+        counts = {}  # {(model, tokens): instructions}, in the order the worker dumped them
+        dumps = sorted((name for name in os.listdir(folder) if name.rsplit(".", 1)[-1].isdigit()),
+                       key=lambda name: int(name.rsplit(".", 1)[-1]))  # fmt: skip
+        for name in dumps:
+            label = total = None
+            with open(os.path.join(folder, name)) as dump:
+                for line in dump:
+                    if line.startswith("desc: Trigger: dump "):  # (callgrind_control --dump=LABEL)
+                        label = line.removeprefix("desc: Trigger: dump ").strip()
+                    elif line.startswith("totals:"):
+                        total = int(line.split()[1])
+            if label is not None and total is not None:
+                model, tokens = label.rsplit(" ", 1)
+                counts[model, int(tokens)] = total
+    models = dict.fromkeys(model for model, _ in counts)
+    return {model: (counts[model, args.tokens] - counts[model, 1]) / (args.tokens - 1) for model in models}
+
+
+def print_instructions(counts: dict[str, float], context: int) -> None:
+    print(f"\nInstructions per token of generate() at batch 1 after {context} tokens (callgrind, one thread)")
+    for name, per_token in counts.items():
+        print(f"  {name:22}{per_token / 1e6:8.3f} M{per_token / counts['llama']:8.2f}× Llama's")
+
+
 def print_operations(counts: dict[str, dict[str, float]], context: int) -> None:
     print(f"\nOperations per token of generate() at batch 1 after {context} tokens")
     llama = sum(counts["llama"].values())
@@ -152,11 +232,23 @@ def main(argv=None):
     parser.add_argument("--decode", action="store_true", help="profile decoding instead of a training step")
     parser.add_argument("--generate-ops", action="store_true",
                         help="count the operations of a generate() token instead (paper_layouts.py's models)")  # fmt: skip
-    parser.add_argument("--context", type=int, default=None, help="--generate-ops: the prompt's tokens "
-                        "(default 128, 16 with --quick)")  # fmt: skip
-    parser.add_argument("--tokens", type=int, default=None, help="--generate-ops: new tokens of the counted call "
-                        "(default 33, 3 with --quick)")  # fmt: skip
+    parser.add_argument("--instructions", action="store_true", help="count the CPU instructions of a generate() token "
+                        "instead, under valgrind's callgrind (paper_layouts.py's models)")  # fmt: skip
+    parser.add_argument("--count-instructions-here", action="store_true", help=argparse.SUPPRESS)  # (the worker)
+    parser.add_argument("--context", type=int, default=None, help="--generate-ops, --instructions: the prompt's "
+                        "tokens (default 128, 16 with --quick)")  # fmt: skip
+    parser.add_argument("--tokens", type=int, default=None, help="--generate-ops, --instructions: new tokens of the "
+                        "counted call (default 33, 3 with --quick)")  # fmt: skip
     args = report.parse(parser, argv, quick={"steps": 1}, unset={"context": (128, 16), "tokens": (33, 3)})
+    if args.count_instructions_here:
+        return count_instructions_here(args)
+    if args.instructions:
+        if args.tokens < 2 or args.context < 1:
+            parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")
+        report.start(args)
+        counts = instructions_per_token(args)
+        print_instructions(counts, args.context)
+        return report.finish({"settings": report.own_settings(args), "instructions_per_token": counts}, args)
     if args.generate_ops:
         if args.tokens < 2 or args.context < 1:
             parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")

@@ -4,6 +4,7 @@ their shortest settings: the tables that README's figures come from run, and the
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,29 @@ def test_step_profile_generate_ops_counts_every_model_of_the_generate_table(tmp_
     later_counts = later["operations_per_token"]
     assert later_counts["llama"] == counts["llama"]
     assert sum(later_counts["expire_span_default"].values()) > sum(counts["expire_span_default"].values())
+
+
+CALLGRIND = shutil.which("valgrind") is not None and shutil.which("callgrind_control") is not None
+
+
+@pytest.mark.skipif(not CALLGRIND, reason="needs valgrind's callgrind (valgrind and callgrind_control)")
+def test_step_profile_counts_the_instructions_of_a_generated_token_under_callgrind(tmp_path):
+    """`step_profile.py --instructions` runs itself under callgrind and reads each model's counts back: every model
+    of the generate() table, a count per token that a decoding step of these tiny models can take (a step runs a
+    few hundred operations, each thousands of instructions)."""
+    results = run_script("step_profile.py", "--instructions", "--quick", output=tmp_path / "results.json")
+    counts = results["instructions_per_token"]
+    assert list(counts) == [f"{family}_{layout}" for family in ("deltanet", "expire_span", "feedback")
+                            for layout in ("default", "official")] + ["llama"]  # fmt: skip
+    assert all(1e5 < count < 1e8 for count in counts.values()), counts
+
+
+def test_step_profile_names_what_instruction_counts_need_when_valgrind_is_missing(tmp_path):
+    environment = os.environ | {"HF_HUB_OFFLINE": "1", "PATH": str(tmp_path)}  # (no valgrind there)
+    command = [sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--instructions", "--quick"]
+    finished = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert finished.returncode != 0
+    assert "runs under valgrind's callgrind; not found: valgrind, callgrind_control" in finished.stderr
 
 
 def test_step_profile_counts_the_operations_of_one_generated_token():
