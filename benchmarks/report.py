@@ -312,7 +312,7 @@ def paired_speedup(times: dict, name: str, reference: str) -> float:
     of the round's ratio (reference's seconds / name's). Runs of one round are seconds apart, so a slower phase of
     the machine, which lasts longer, weighs on both sides of each ratio; a ratio of the two medians, taken from
     different rounds, moves with it."""
-    return statistics.median(ours / theirs for ours, theirs in zip(times[reference], times[name]))
+    return statistics.median(before / after for before, after in zip(times[reference], times[name]))
 
 
 def generation_step_seconds(model, prompt, new_tokens: int) -> float:

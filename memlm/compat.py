@@ -14,6 +14,9 @@ nowhere else; the model files ask this module.
   release's name (`CACHE_NAME`), where memlm puts its own before the prefill.
 - 🤗 5.23 named activation checkpointing `activation_checkpointing_enable` / `_disable` / `is_activation_checkpointing`
   (the older `gradient_checkpointing_*` names warn from 5.24); 5.21 and 5.22 know only the older names.
+- The model outputs are built by `model_output` as 🤗's `ModelOutput` constructor builds them (an ordered dict of the
+  fields that are set, every field an attribute), without its per-field checks; tested against the constructor under
+  the oldest and the newest release.
 - torch before 2.13: Dynamo answers `torch.compiler.is_exporting()` with True under `torch.compile` too, so code that
   refuses to be exported refused to be compiled; `is_exporting` here reads the flag torch.export sets, on every torch.
 """
@@ -118,8 +121,8 @@ _OUTPUT_FIELDS: dict[type, tuple[tuple[str, ...], frozenset]] = {}
 def model_output(output_class, **values):
     """`output_class(**values)` for one of 🤗's `ModelOutput` dataclasses, built as its constructor builds it — every
     field an attribute, those not None also its items, in the fields' order — without the constructor's checks:
-    🤗 (5.24) walks the class's fields again at every field it sets, ~15 µs for an output of ten fields on a CPU, and a
-    decoding step makes two. The constructor itself under `torch.compile` (Dynamo knows it), for a name that is not a
+    🤗 (5.24) walks the class's fields again at every field it sets, a cost that grows with the square of the fields
+    (memlm's outputs have up to ten), and a decoding step builds two. The constructor itself under `torch.compile` (Dynamo knows it), for a name that is not a
     field (its error), and when no field but the first is set (🤗 may then read a dict or pairs from the first)."""
     known = _OUTPUT_FIELDS.get(output_class)
     if known is None:
