@@ -242,16 +242,14 @@ def main(argv=None):
     args = report.parse(parser, argv, quick={"steps": 1}, unset={"context": (128, 16), "tokens": (33, 3)})
     if args.count_instructions_here:
         return count_instructions_here(args)
+    if (args.instructions or args.generate_ops) and (args.tokens < 2 or args.context < 1):
+        parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")
     if args.instructions:
-        if args.tokens < 2 or args.context < 1:
-            parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")
         report.start(args)
         counts = instructions_per_token(args)
         print_instructions(counts, args.context)
         return report.finish({"settings": report.own_settings(args), "instructions_per_token": counts}, args)
     if args.generate_ops:
-        if args.tokens < 2 or args.context < 1:
-            parser.error(f"--tokens must be at least 2 and --context positive, got {args.tokens} and {args.context}")
         report.start(args)
         counts = {name: operations_per_token(model, args.context, args.tokens)
                   for name, model in paper_layouts.generation_models(args.quick).items()}  # fmt: skip

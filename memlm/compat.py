@@ -122,8 +122,9 @@ def model_output(output_class, **values):
     """`output_class(**values)` for one of 🤗's `ModelOutput` dataclasses, built as its constructor builds it — every
     field an attribute, those not None also its items, in the fields' order — without the constructor's checks:
     🤗 (5.24) walks the class's fields again at every field it sets, a cost that grows with the square of the fields
-    (memlm's outputs have up to ten), and a decoding step builds two. The constructor itself under `torch.compile` (Dynamo knows it), for a name that is not a
-    field (its error), and when no field but the first is set (🤗 may then read a dict or pairs from the first)."""
+    (memlm's outputs have up to ten), and a decoding step builds two. The constructor itself under `torch.compile`
+    (Dynamo knows it), for a name that is not a field (its error), and when no field but the first is set (🤗 may then
+    read a dict or pairs from the first)."""
     known = _OUTPUT_FIELDS.get(output_class)
     if known is None:
         names = tuple(field.name for field in dataclasses.fields(output_class))

@@ -152,6 +152,17 @@ def test_step_profile_names_what_instruction_counts_need_when_valgrind_is_missin
     assert "runs under valgrind's callgrind; not found: valgrind, callgrind_control" in finished.stderr
 
 
+@pytest.mark.parametrize("mode", ["--instructions", "--generate-ops"])
+def test_step_profile_counts_refuse_fewer_than_two_tokens(mode, monkeypatch, capsys):
+    """A count per token is the difference of a call for `--tokens` new tokens and a call for one: one is refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import step_profile
+
+    with pytest.raises(SystemExit):
+        step_profile.main([mode, "--tokens", "1"])
+    assert "--tokens must be at least 2 and --context positive, got 1 and 128" in capsys.readouterr().err
+
+
 def test_step_profile_counts_the_operations_of_one_generated_token():
     """`step_profile.py --generate-ops`: the operations of one token of generate(), the prompt's forward cancelled out
     (the same count after a short and a longer prompt for 🤗 Llama, whose step does not depend on it), and all of a
