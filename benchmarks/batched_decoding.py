@@ -6,7 +6,8 @@ decoding for many users. For each batch size and context: decoded tokens/s (all 
 and 🤗 Llama (🤗 Mamba too, up to `--mamba-context`: its PyTorch prefill is a loop over the tokens), timed in turns,
 and the bytes each cache holds after the prompt. All models: hidden 256, 4 layers, 4 heads, MLP 1024, byte vocabulary,
 untrained weights in their default layouts, float32; greedy steps with the cache (`report.Decoding`), the prompt
-read in pieces of `--prefill-chunk` tokens (untimed).
+read in pieces of `--prefill-chunk` tokens (untimed); each ratio to Llama is the median of the rounds' ratios
+(`report.paired_speedup`).
 
     python benchmarks/batched_decoding.py [--json RESULTS]             # the full table: many minutes on 2 cores
     python benchmarks/batched_decoding.py --quick                      # small sizes: checks the script
@@ -15,6 +16,7 @@ read in pieces of `--prefill-chunk` tokens (untimed).
 """
 
 import argparse
+import statistics
 
 import torch
 from tqdm.auto import tqdm
@@ -69,14 +71,14 @@ def measure(args, sizes: dict) -> list[dict]:
                 if name != "mamba" or context <= args.mamba_context
             }
             cache_sizes = {name: report.cache_bytes(decoding.cache) for name, decoding in decodings.items()}
-            seconds = report.interleaved_median_times(decodings, 1, args.repeats)
+            times = report.interleaved_times(decodings, 1, args.repeats)
             row = {"batch_size": batch_size, "context": context}
             for name in decodings:
-                row[f"{name}_tokens_per_s"] = batch_size * args.decode_steps / seconds[name]
+                row[f"{name}_tokens_per_s"] = batch_size * args.decode_steps / statistics.median(times[name])
                 row[f"{name}_cache_megabytes"] = cache_sizes[name] / 2**20
             if "llama" in decodings:
                 for name in decodings:
-                    row[f"{name}_over_llama"] = row[f"{name}_tokens_per_s"] / row["llama_tokens_per_s"]
+                    row[f"{name}_over_llama"] = report.paired_speedup(times, name, "llama")
             rows.append(row)
             del decodings
     return rows
@@ -95,9 +97,10 @@ def docs_section(results: dict) -> str:
     settings = results["settings"]
     return "\n\n".join(
         [
-            f"From `python benchmarks/batched_decoding.py` (medians of {settings['repeats']} runs of "
+            f"From `python benchmarks/batched_decoding.py` ({settings['repeats']} runs of "
             f"{settings['decode_steps']} greedy steps for every row, the models timed in turns at each batch size and "
-            f"context). {report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
+            "context: tokens/s the median of the runs, a ratio to Llama the median of the rounds' ratios). "
+            f"{report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
             f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, MLP "
             f"{SIZES['intermediate_size']}, byte vocabulary, untrained weights in the default layouts, float32; tok/s "
             "counts the tokens of every row; cache = the bytes its tensors hold after the prompt (🤗 Mamba only up to "

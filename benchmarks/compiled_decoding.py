@@ -6,17 +6,17 @@ in this one run:
 
 - decoding: greedy tokens/s at batch 1 after a prompt, eager and compiled, for DeltaNet, the Feedback Transformer
   and a 🤗 Llama of the same size with a static cache (`cache_implementation="static"`, what 🤗 compiles); the three
-  models and both ways take turns, run by run, and the ratio compiled / eager is printed;
+  models and both ways take turns, run by run, and compiled / eager is printed, the median of the rounds' ratios;
 - first compile: the seconds the first compiled call costs beyond a warm one, from an empty inductor cache in a
   fresh interpreter, for each family: of the decoding step `generate` compiles, and of the whole forward as
   `torch.compile(model)` compiles it for a prompt then one decoding step (the only way to compile memlm's models
   before `generate` could; Expire-Span, whose memory changes size, compiles only this way).
 
 Sizes: hidden 256, 4 layers, 4 heads, gated MLP of width 768, byte vocabulary; τ = 256 for the Feedback
-Transformer, spans up to 256 for Expire-Span. Decoding tokens/s count the steps after the first token:
-(N − 1) / (time of N new tokens − time of 1), so the prompt's (eager) forward is left out.
+Transformer, spans up to 256 for Expire-Span. Decoding tokens/s count the steps after the first token
+(`report.generation_step_seconds`), so the prompt's (eager) forward is left out.
 
-    python benchmarks/compiled_decoding.py [--json results.json]     # about 15 minutes on 2 quiet cores
+    python benchmarks/compiled_decoding.py [--json results.json]     # about 5 minutes on 2 quiet cores
     python benchmarks/compiled_decoding.py --quick                   # tiny sizes, Dynamo only: a smoke run
     python benchmarks/compiled_decoding.py --write-docs --json benchmarks/results/compiled_decoding.json
     python benchmarks/compiled_decoding.py --report benchmarks/results/compiled_decoding.json
@@ -27,8 +27,10 @@ compiled decoding section of docs/performance/speed.md from the results (see ``r
 """
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,38 +98,45 @@ def compile_config(backend: str):
     return config
 
 
-def generator(model, family: str, prompt: torch.Tensor, config, steps: int):
-    """A function generating `new_tokens` tokens greedily after `prompt`, compiled with `config` (None: eager). Llama
-    takes a static cache as long as the longest call needs, the same at every call (a new size would recompile)."""
+def generate_options(family: str, prompt: torch.Tensor, config, steps: int) -> dict:
+    """`generate`'s arguments for decoding compiled with `config` (None: eager). Llama takes a static cache as long as
+    the longest call needs, the same at every call (a new size would recompile)."""
     static = {"cache_implementation": "static", "max_cache_len": prompt.shape[1] + steps} if family == "llama" else {}
-    compiled = {} if config is None else {"compile_config": config}
+    return {**static, **({} if config is None else {"compile_config": config})}
+
+
+def generator(model, family: str, prompt: torch.Tensor, config, steps: int):
+    """A function generating `new_tokens` tokens greedily after `prompt`, compiled with `config` (None: eager)."""
+    options = generate_options(family, prompt, config, steps)
 
     def generate(new_tokens: int):
         return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              **static, **compiled)  # fmt: skip
+                              **options)  # fmt: skip
 
     return generate
 
 
 def measure_decoding(args, sizes: dict) -> list[dict]:
-    """Eager and compiled greedy decoding of each model, timed in turns (N new tokens, then 1, for each)."""
+    """Eager and compiled greedy decoding of each model, timed in turns (`report.generation_step_seconds`: the steps
+    after the first new token): tokens/s, the median of the runs, and compiled / eager, the median of the rounds'
+    ratios (`report.paired_speedup`: a round's eager and compiled runs are seconds apart)."""
     prompt = torch.randint(0, sizes["vocab_size"], (1, args.context), generator=torch.Generator().manual_seed(0))
     config = compile_config(args.backend)
     functions = {}
     for family in DECODING_MODELS:
         model = build(family, sizes)
         for way, options in (("eager", None), ("compiled", config)):
-            generate = generator(model, family, prompt, options, args.decode_steps)
-            functions[(family, way, "many")] = lambda generate=generate: generate(args.decode_steps)
-            functions[(family, way, "one")] = lambda generate=generate: generate(1)
-    seconds = report.interleaved_median_times(functions, 1, args.repeats)  # the warm-up compiles
+            options = generate_options(family, prompt, options, args.decode_steps)
+            functions[family, way] = functools.partial(
+                report.generation_step_seconds, model, prompt, args.decode_steps, **options
+            )
+    times = report.interleaved_times(functions, 1, args.repeats, timed_inside=True)  # (the warm-up compiles)
     rows = []
     for family in DECODING_MODELS:
         row = {"model": family}
         for way in ("eager", "compiled"):
-            decoding = seconds[(family, way, "many")] - seconds[(family, way, "one")]
-            row[f"{way}_tokens_per_s"] = (args.decode_steps - 1) / decoding
-        row["compiled_over_eager"] = row["compiled_tokens_per_s"] / row["eager_tokens_per_s"]
+            row[f"{way}_tokens_per_s"] = 1 / statistics.median(times[family, way])
+        row["compiled_over_eager"] = report.paired_speedup(times, (family, "compiled"), (family, "eager"))
         rows.append(row)
     return rows
 
@@ -206,8 +215,10 @@ def docs_section(results: dict) -> str:
     settings = results["settings"]
     return "\n\n".join(
         [
-            f"From `python benchmarks/compiled_decoding.py` (medians of {settings['repeats']} runs, the models and "
-            f"both ways timed in turns; torch.compile backend {settings['backend']!r}). {report.measured_on(settings)} "
+            f"From `python benchmarks/compiled_decoding.py` (the models and both ways timed in turns, "
+            f"{settings['repeats']} rounds: tokens/s the median of the runs, compiled / eager the median of the "
+            "rounds' ratios, each round's eager and compiled runs seconds apart; torch.compile backend "
+            f"{settings['backend']!r}). {report.measured_on(settings)} "
             f"Hidden size {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} layers, "
             f"{SIZES['num_attention_heads']} heads, byte vocabulary, τ = {MEMORY_SPAN}; greedy decoding at batch 1 "
             f"after a prompt of {settings['context']} tokens, tokens/s of the {settings['decode_steps'] - 1} steps "

@@ -14,16 +14,17 @@ exported to ONNX the same way: graphs whose memory is an explicit input and outp
 Each way reads the prompt once, untimed; each timed call then runs N greedy steps and carries its memory on to the
 next call, so tokens/s = N / (time of a call) counts decoding alone (a prompt of 2,048 tokens takes the Feedback
 Transformer seconds to read, which would swamp the steps). The context grows by N each call (warm-up included).
-Every model and way is timed in turns (medians). ONNX Runtime and torch use the same threads (`--threads`, default:
-one per core). The seconds each export took are printed too.
+Every model and way is timed in turns (medians; each ratio the median of the rounds' ratios). ONNX Runtime and torch
+use the same threads (`--threads`, default: one per core). The seconds each export took are printed too.
 
-    python benchmarks/onnx_decoding.py [--json results.json]      # about 20 minutes on 2 quiet cores
+    python benchmarks/onnx_decoding.py [--json results.json]      # a few minutes on 2 quiet cores
     python benchmarks/onnx_decoding.py --quick                    # one tiny layer, the eager backend: a smoke run
     python benchmarks/onnx_decoding.py --write-docs --json benchmarks/results/onnx_decoding.json
     python benchmarks/onnx_decoding.py --report benchmarks/results/onnx_decoding.json
 """
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -197,15 +198,17 @@ def measure(args, sizes: dict, work: Path) -> tuple[list[dict], list[dict]]:
                     model, family, prompt, options, args.decode_steps, capacity
                 )
             functions[(family, context, "onnx")] = decoder(prompt.numpy(), args.decode_steps)
-    seconds = report.interleaved_median_times(functions, 1, args.repeats)  # the warm-up compiles
+    times = report.interleaved_times(functions, 1, args.repeats)  # (the warm-up compiles)
     rows = []
     for family in MODELS:
         for context in args.contexts:
             row = {"model": family, "context": context}
             for way in WAYS:
-                row[f"{way}_tokens_per_s"] = args.decode_steps / seconds[(family, context, way)]
-            row["onnx_over_eager"] = row["onnx_tokens_per_s"] / row["eager_tokens_per_s"]
-            row["onnx_over_compiled"] = row["onnx_tokens_per_s"] / row["compiled_tokens_per_s"]
+                row[f"{way}_tokens_per_s"] = args.decode_steps / statistics.median(times[family, context, way])
+            for way in ("eager", "compiled"):
+                row[f"onnx_over_{way}"] = report.paired_speedup(
+                    times, (family, context, "onnx"), (family, context, way)
+                )
             rows.append(row)
     return rows, exports
 
@@ -219,8 +222,9 @@ def docs_section(results: dict) -> str:
     settings = results["settings"]
     return "\n\n".join(
         [
-            f"From `python benchmarks/onnx_decoding.py` (medians of {settings['repeats']} runs, the models and the "
-            f"three ways timed in turns; torch.compile backend {settings['backend']!r}). "
+            f"From `python benchmarks/onnx_decoding.py` ({settings['repeats']} runs, the models and the three ways "
+            "timed in turns: tokens/s the median of the runs, a ratio the median of the rounds' ratios; "
+            f"torch.compile backend {settings['backend']!r}). "
             f"{report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} layers, "
             f"{SIZES['num_attention_heads']} heads, byte vocabulary, τ = {MEMORY_SPAN}; greedy decoding at batch 1 "
             f"after the prompt (read untimed), tokens/s of calls of {settings['decode_steps']} steps, each carrying "

@@ -4,9 +4,9 @@ For each model family, two models of about the same number of parameters, timed 
 memlm's default layout (pre-norm RMSNorm blocks, gated MLP) and the layout of the paper's official code as memlm's
 converter builds it (post-norm LayerNorm blocks, plain biased ReLU MLP of 1.5× the width, so that the MLPs hold the
 same parameters; the official model's other options). Printed: training tokens/s (forward + backward of the LM loss)
-and decode tokens/s (batch 1, greedy steps with the cache after a prompt), with the ratio official / default, and the
-peak memory of one training step (in a fresh process of its own: what the step adds to the built model's resident
-memory at its highest, read from Linux's /proc; "—" elsewhere).
+and decode tokens/s (batch 1, greedy steps with the cache after a prompt), with official / default (the median of the
+rounds' ratios, `report.paired_speedup`), and the peak memory of one training step (in a fresh process of its own:
+what the step adds to the built model's resident memory at its highest, read from Linux's /proc; "—" elsewhere).
 
 A second table puts every layout next to a 🤗 Llama of the same size through `generate()` (greedy, batch 1, byte
 vocabulary) after prompts of 64 to 1,024 tokens: tokens/s of the steps after the first new token, timed inside
@@ -289,7 +289,7 @@ def measure(args) -> list[dict]:
             models[name] = AutoModelForCausalLM.from_config(config).eval()
             peaks[name] = training_peak_megabytes(config, length, batch_size)
         parameters = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
-        training = report.interleaved_median_times(
+        training = report.interleaved_times(
             {name: training_step(model, length, batch_size) for name, model in models.items()},
             1,
             args.repeats,
@@ -297,18 +297,16 @@ def measure(args) -> list[dict]:
         decodings = {name: report.Decoding(model, context, args.decode_steps) for name, model in models.items()}
         # What the memory holds after the prompt.
         cache_sizes = {name: report.cache_bytes(list(decoding.cache.layers)) for name, decoding in decodings.items()}
-        decoding = report.interleaved_median_times(decodings, 1, args.repeats)
+        decoding = report.interleaved_times(decodings, 1, args.repeats)
         row = {"family": family, "training_shape": f"{batch_size} × {length}", "context": context}
         for name in models:
             row[f"{name}_parameters"] = parameters[name]
-            row[f"{name}_training_tokens_per_s"] = batch_size * length / training[name]
-            row[f"{name}_decode_tokens_per_s"] = args.decode_steps / decoding[name]
+            row[f"{name}_training_tokens_per_s"] = batch_size * length / statistics.median(training[name])
+            row[f"{name}_decode_tokens_per_s"] = args.decode_steps / statistics.median(decoding[name])
             row[f"{name}_cache_megabytes"] = cache_sizes[name] / 2**20
             row[f"{name}_training_peak_megabytes"] = peaks[name]
-        for kind in ("training", "decode"):
-            row[f"{kind}_official_over_default"] = (
-                row[f"official_{kind}_tokens_per_s"] / row[f"default_{kind}_tokens_per_s"]
-            )
+        for kind, times in (("training", training), ("decode", decoding)):
+            row[f"{kind}_official_over_default"] = report.paired_speedup(times, "official", "default")
         if peaks["default"] and peaks["official"] is not None:
             row["training_peak_official_over_default"] = peaks["official"] / peaks["default"]
         rows.append(row)
@@ -346,8 +344,9 @@ def docs_section(results: dict) -> str:
     settings = results["settings"]
     return "\n\n".join(
         [
-            f"From `python benchmarks/paper_layouts.py` (medians of {settings['repeats']} runs, the two layouts "
-            f"timed in turns). {report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
+            f"From `python benchmarks/paper_layouts.py` ({settings['repeats']} runs, the two layouts timed in "
+            "turns: tokens/s the median of the runs, official / default the median of the rounds' ratios). "
+            f"{report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
             f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, vocabulary {VOCAB_SIZE}; "
             "training = forward + backward of the LM loss on the batch × tokens of the row; decoding = "
             f"{settings['decode_steps']} greedy steps at batch 1 after the row's context; cache = the bytes of the "

@@ -315,10 +315,11 @@ def paired_speedup(times: dict, name: str, reference: str) -> float:
     return statistics.median(before / after for before, after in zip(times[reference], times[name]))
 
 
-def generation_step_seconds(model, prompt, new_tokens: int) -> float:
-    """Seconds per token of greedy `model.generate(prompt)` after its first new token: the time from that token to
-    the last of `new_tokens` (≥ 2), read at each token by a stopping criterion that stops nothing, over the steps
-    between. So the prompt's forward is left out, and each step counts generate's own work around the model's."""
+def generation_step_seconds(model, prompt, new_tokens: int, **options) -> float:
+    """Seconds per token of greedy `model.generate(prompt, **options)` after its first new token: the time from that
+    token to the last of `new_tokens` (≥ 2), read at each token by a stopping criterion that stops nothing, over the
+    steps between. So the prompt's forward is left out, and each step counts generate's own work around the model's.
+    `options`: more of generate's arguments (`compile_config`, a cache's)."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -332,5 +333,5 @@ def generation_step_seconds(model, prompt, new_tokens: int) -> float:
     with torch.no_grad():
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                       stopping_criteria=StoppingCriteriaList([Clock()]))  # fmt: skip
+                       stopping_criteria=StoppingCriteriaList([Clock()]), **options)  # fmt: skip
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)

@@ -10,10 +10,11 @@ reaches back over the whole piece) are each trained on that doubled piece until 
 continues the prompt greedily three ways, timed in turns in this one process: plain decoding (one forward per token),
 prompt-lookup decoding (``prompt_lookup_num_tokens``) and assisted decoding (``assistant_model``: a small DeltaNet,
 trained the same way, drafts the tokens; 🤗's defaults for how many). Printed per model: tokens/s of each way and its
-ratio to plain decoding, the share of drafted tokens the model accepted, the forwards it ran, and whether the tokens
-are plain decoding's (speculative decoding must not change them; the script fails when they differ).
+ratio to plain decoding (the median of the rounds' ratios), the share of drafted tokens the model accepted, the
+forwards it ran, and whether the tokens are plain decoding's (speculative decoding must not change them; the script
+fails when they differ).
 
-    python benchmarks/speculative_decoding.py [--json results.json]    # a few minutes on 2 quiet cores
+    python benchmarks/speculative_decoding.py [--json results.json]    # 20 minutes on 2 cores (training, mostly)
     python benchmarks/speculative_decoding.py --quick                  # tiny sizes: a smoke run
     python benchmarks/speculative_decoding.py --write-docs --json benchmarks/results/speculative_decoding.json
     python benchmarks/speculative_decoding.py --report benchmarks/results/speculative_decoding.json
@@ -25,6 +26,7 @@ docs/performance/speed.md from the results (see ``report.py``).
 import argparse
 import importlib
 import inspect
+import statistics
 
 import torch
 from tqdm.auto import tqdm
@@ -147,16 +149,16 @@ def measure(args) -> tuple[list[dict], dict]:
         }
         with torch.no_grad():
             runs = {mode: decode(model, prompt, args.new_tokens, **options) for mode, options in speculations.items()}
-        seconds = report.interleaved_median_times({mode: run for mode, (run, _) in runs.items()}, 1, args.repeats)
+        times = report.interleaved_times({mode: run for mode, (run, _) in runs.items()}, 1, args.repeats)
         plain = runs["plain"][1]["tokens"]
         row = {"model": NAMES[name], "parameters": sum(p.numel() for p in model.parameters()), "final_loss": loss,
                "train_steps": steps}  # fmt: skip
         for mode, (_, outcome) in runs.items():
-            row[f"{mode}_tokens_per_s"] = args.new_tokens / seconds[mode]
+            row[f"{mode}_tokens_per_s"] = args.new_tokens / statistics.median(times[mode])
             row[f"{mode}_forwards"] = outcome["forwards"]
             row[f"{mode}_identical"] = bool(torch.equal(outcome["tokens"], plain))
             if mode != "plain":
-                row[f"{mode}_over_plain"] = row[f"{mode}_tokens_per_s"] / row["plain_tokens_per_s"]
+                row[f"{mode}_over_plain"] = report.paired_speedup(times, mode, "plain")
                 # Each forward gives one token beyond the drafts it accepted.
                 accepted = args.new_tokens - outcome["forwards"]
                 row[f"{mode}_acceptance"] = accepted / outcome["drafted"] if outcome["drafted"] else None
@@ -195,8 +197,9 @@ def docs_section(results: dict) -> str:
     settings, info = results["settings"], results["text"]
     return "\n\n".join(
         [
-            f"From `python benchmarks/speculative_decoding.py` (medians of {settings['repeats']} runs, the three ways "
-            f"timed in turns). {report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
+            f"From `python benchmarks/speculative_decoding.py` ({settings['repeats']} runs, the three ways timed in "
+            "turns: tokens/s the median of the runs, a ratio to plain decoding the median of the rounds' ratios). "
+            f"{report.measured_on(settings)} Hidden size {SIZES['hidden_size']}, "
             f"{SIZES['num_hidden_layers']} layers, {SIZES['num_attention_heads']} heads, byte-level tokens; each model "
             f"trained (AdamW, rate {settings['learning_rate']:g}) until its loss fell below {settings['target_loss']:g} "
             f"or for at most {settings['train_steps']} steps on the first {settings['piece_length']} tokens of "

@@ -214,7 +214,7 @@ def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tm
         for kind in ("training", "decode"):
             official, default = row[f"official_{kind}_tokens_per_s"], row[f"default_{kind}_tokens_per_s"]
             assert official > 0 and default > 0
-            assert abs(row[f"{kind}_official_over_default"] - official / default) < 1e-9
+            assert abs(row[f"{kind}_official_over_default"] - official / default) < 1e-9  # (one round)
         assert row["default_cache_megabytes"] > 0 and row["official_cache_megabytes"] > 0
         peaks = row["official_training_peak_megabytes"], row["default_training_peak_megabytes"]
         assert all(peak > 0 for peak in peaks)  # each step, in its own process, raised the high-water mark
@@ -312,8 +312,8 @@ def test_a_generate_step_is_timed_from_the_first_new_token_to_the_last(monkeypat
 
 def test_batched_decoding_times_every_batch_and_context_and_a_fixed_memory_does_not_grow(tmp_path, monkeypatch):
     """benchmarks/batched_decoding.py --quick: a row per (batch, context), every model in it but 🤗 Mamba beyond
-    --mamba-context, ratios to Llama from the row's own numbers; DeltaNet's cache keeps its size as the context grows
-    while Llama's keys and values grow with it (and with the batch)."""
+    --mamba-context, ratios to Llama from the run's own times (one round: the ratio of its two runs); DeltaNet's
+    cache keeps its size as the context grows while Llama's keys and values grow with it (and with the batch)."""
     results = run_script("batched_decoding.py", "--quick", "--mamba-context", "8", output=tmp_path / "results.json")
     rows = {(row["batch_size"], row["context"]): row for row in results["rows"]}
     assert list(rows) == [(1, 8), (1, 40), (3, 8), (3, 40)]
@@ -343,7 +343,7 @@ def test_compiled_decoding_compares_eager_and_compiled_and_times_first_compiles(
     results = run_script("compiled_decoding.py", "--quick", output=tmp_path / "results.json")
     assert results["settings"]["backend"] == "eager" and results["settings"]["quick"]
     assert [row["model"] for row in results["decoding"]] == ["deltanet", "feedback", "llama"]
-    for row in results["decoding"]:
+    for row in results["decoding"]:  # (one round: its ratio is the ratio of the two runs)
         ratio = row["compiled_tokens_per_s"] / row["eager_tokens_per_s"]
         assert abs(row["compiled_over_eager"] - ratio) < 1e-9
     rows = {row["family"]: row for row in results["first_compile"]}
