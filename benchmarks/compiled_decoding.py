@@ -125,8 +125,8 @@ def measure_decoding(args, sizes: dict) -> list[dict]:
     functions = {}
     for family in DECODING_MODELS:
         model = build(family, sizes)
-        for way, options in (("eager", None), ("compiled", config)):
-            options = generate_options(family, prompt, options, args.decode_steps)
+        for way, way_config in (("eager", None), ("compiled", config)):
+            options = generate_options(family, prompt, way_config, args.decode_steps)
             functions[family, way] = functools.partial(
                 report.generation_step_seconds, model, prompt, args.decode_steps, **options
             )

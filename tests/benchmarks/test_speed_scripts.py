@@ -310,6 +310,29 @@ def test_a_generate_step_is_timed_from_the_first_new_token_to_the_last(monkeypat
     assert 0.05 <= seconds < 0.25  # three steps of 0.05 s and more, not the prompt's 0.5 s
 
 
+def test_a_timed_generate_step_takes_generate_s_options(monkeypatch):
+    """`report.generation_step_seconds(..., **options)` hands the options to `generate` (compiled_decoding.py times
+    Llama with a static cache and `compile_config` this way): each forward gets the static cache asked for."""
+    from transformers import Cache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import report
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()  # fmt: skip
+    caches = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: caches.extend(
+            type(value) for value in kwargs.values() if isinstance(value, Cache)
+        ),
+        with_kwargs=True,
+    )
+    options = {"cache_implementation": "static", "max_cache_len": 16}
+    assert report.generation_step_seconds(model, torch.randint(0, 32, (1, 6)), 3, **options) > 0
+    assert caches == [StaticCache] * 3  # the prompt's forward and two steps
+
+
 def test_batched_decoding_times_every_batch_and_context_and_a_fixed_memory_does_not_grow(tmp_path, monkeypatch):
     """benchmarks/batched_decoding.py --quick: a row per (batch, context), every model in it but 🤗 Mamba beyond
     --mamba-context, ratios to Llama from the run's own times (one round: the ratio of its two runs); DeltaNet's
