@@ -23,10 +23,12 @@ minutes per step, so its training is timed only with ``--mamba-training``, and i
 capped at ``--mamba-prefill`` tokens. Its decoding step reads only a fixed-size state, so its cost does not depend on
 how many tokens built that state.
 
-Times are medians of ``--repeats`` runs after ``--warmup`` runs, with ``time.perf_counter`` and PyTorch's
-default number of threads. Absolute numbers depend on the machine; the ratios are the point.
+Whatever a ratio compares is timed in turns, one run of each per round (the reference at most 3 rounds), with
+``time.perf_counter`` and PyTorch's default number of threads: times are medians of ``--repeats`` rounds after
+``--warmup`` runs, ratios the median of the rounds' ratios (``report.paired_speedup``). Absolute numbers depend on
+the machine; the ratios are the point.
 
-    python benchmarks/delta_rule.py [--json results.json]     # about 10 minutes on 2 quiet cores
+    python benchmarks/delta_rule.py [--json results.json]     # a few minutes on 2 quiet cores
     python benchmarks/delta_rule.py --quick                   # short sizes: a smoke run
     python benchmarks/delta_rule.py --tables models           # only the model-level table
     python benchmarks/delta_rule.py --write-docs --json benchmarks/results/delta_rule.json   # what the docs quote
@@ -37,6 +39,7 @@ docs/performance/speed.md from the results (see ``report.py``).
 """
 
 import argparse
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +80,8 @@ def make_inputs(batch_size: int, num_heads: int, length: int, head_dim: int, req
     return [tensor.requires_grad_(requires_grad) for tensor in (query, key, value, beta)]
 
 
-def delta_rule_training_time(backend: str, length: int, args) -> float:
-    """Seconds for one forward + backward of ``delta_rule`` with the given backend."""
+def delta_rule_training_step(backend: str, length: int, args):
+    """One forward + backward of ``delta_rule`` with the given backend."""
     query, key, value, beta = make_inputs(args.batch_size, args.num_heads, length, args.head_dim, requires_grad=True)
     grad_output = torch.randn_like(value)
 
@@ -86,65 +89,74 @@ def delta_rule_training_time(backend: str, length: int, args) -> float:
         output, _ = delta_rule(query, key, value, beta, chunk_size=args.chunk_size, backend=backend)
         output.backward(grad_output)
 
-    slow = backend == "reference"
-    return report.median_seconds(
-        step, warmup=1 if slow else args.warmup, repeats=min(args.repeats, 3) if slow else args.repeats
-    )
+    return step
 
 
-def attention_training_time(length: int, args) -> float:
-    """Seconds for one forward + backward of causal ``scaled_dot_product_attention`` on the same shapes."""
+def attention_training_step(length: int, args):
+    """One forward + backward of causal ``scaled_dot_product_attention`` on the same shapes."""
     query, key, value, _ = make_inputs(args.batch_size, args.num_heads, length, args.head_dim, requires_grad=True)
     grad_output = torch.randn_like(value)
 
     def step():
         F.scaled_dot_product_attention(query, key, value, is_causal=True).backward(grad_output)
 
-    return report.median_seconds(step, warmup=max(1, args.warmup // 2), repeats=max(3, args.repeats // 2))
+    return step
 
 
-def delta_rule_forward_time_per_token(length: int, args) -> float:
-    """Seconds per token (of B·H·T) for one forward of the chunkwise ``delta_rule`` without autograd."""
+def delta_rule_forward(length: int, args):
+    """One forward of the chunkwise ``delta_rule`` without autograd."""
     query, key, value, beta = make_inputs(args.batch_size, args.num_heads, length, args.head_dim, requires_grad=False)
 
     def step():
         with torch.no_grad():
             delta_rule(query, key, value, beta, chunk_size=args.chunk_size, backend="torch")
 
-    return report.median_seconds(step, warmup=args.warmup, repeats=args.repeats) / (
-        args.batch_size * args.num_heads * length
-    )
+    return step
 
 
 def training_table(args) -> list[dict]:
+    """Per T: the chunkwise op and causal SDPA timed in turns, and where T allows, the recurrent reference and the
+    chunkwise op in turns again (the reference runs a Python loop per token: at most 3 rounds). Times are medians;
+    ratios are medians of the rounds' ratios (`report.paired_speedup`)."""
     rows = []
     for length in tqdm(args.training_lengths, desc="forward + backward", leave=False):
-        chunk = delta_rule_training_time("torch", length, args)
-        reference = (
-            delta_rule_training_time("reference", length, args) if length <= args.reference_max_length else None
+        chunk = delta_rule_training_step("torch", length, args)
+        times = report.interleaved_times(
+            {"chunk": chunk, "sdpa": attention_training_step(length, args)}, args.warmup, args.repeats
         )
-        attention = attention_training_time(length, args)
-        rows.append(
-            {
-                "tokens": length,
-                "chunk_ms": chunk * 1e3,
-                "reference_ms": None if reference is None else reference * 1e3,
-                "sdpa_ms": attention * 1e3,
-                "reference_over_chunk": None if reference is None else reference / chunk,
-                "chunk_over_sdpa": chunk / attention,
-            }
-        )
+        row = {
+            "tokens": length,
+            "chunk_ms": statistics.median(times["chunk"]) * 1e3,
+            "reference_ms": None,
+            "sdpa_ms": statistics.median(times["sdpa"]) * 1e3,
+            "reference_over_chunk": None,
+            "chunk_over_sdpa": report.paired_speedup(times, "sdpa", "chunk"),
+        }
+        if length <= args.reference_max_length:
+            reference = delta_rule_training_step("reference", length, args)
+            times = report.interleaved_times({"chunk": chunk, "reference": reference}, 1, min(args.repeats, 3))
+            row["reference_ms"] = statistics.median(times["reference"]) * 1e3
+            row["reference_over_chunk"] = report.paired_speedup(times, "chunk", "reference")
+        rows.append(row)
     return rows
 
 
 def forward_table(args) -> list[dict]:
-    rows = [
-        {"tokens": length, "us_per_token": delta_rule_forward_time_per_token(length, args) * 1e6}
-        for length in tqdm(args.forward_lengths, desc="forward", leave=False)
+    """Microseconds per token (of B·H·T) of the chunkwise forward at each T, the lengths timed in turns; the ratio to
+    the shortest is the median of the rounds' ratios."""
+    unit = {length: args.batch_size * args.num_heads * length for length in args.forward_lengths}
+    forwards = {length: delta_rule_forward(length, args) for length in args.forward_lengths}
+    times = report.interleaved_times(forwards, args.warmup, args.repeats)
+    shortest = args.forward_lengths[0]
+    return [
+        {
+            "tokens": length,
+            "us_per_token": statistics.median(times[length]) / unit[length] * 1e6,
+            # per token: (t_T / n_T) / (t_shortest / n_shortest)
+            "over_shortest": report.paired_speedup(times, shortest, length) * unit[shortest] / unit[length],
+        }
+        for length in forwards
     ]
-    for row in rows:
-        row["over_shortest"] = row["us_per_token"] / rows[0]["us_per_token"]
-    return rows
 
 
 def deltanet_model():
@@ -209,7 +221,8 @@ def training_step(model, length: int, args):
 
 def model_table(args) -> tuple[dict, list[dict], list[dict]]:
     """Parameter counts, then training rows (per T) and decode rows (per context), with the DeltaNet ratios. The
-    models are timed in turns (see `report.interleaved_median_times`)."""
+    models are timed in turns (see `report.interleaved_times`): tokens/s from the median time, each ratio the median
+    of the rounds' ratios (`report.paired_speedup`)."""
     models = comparison_models()
     parameters = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
     for model in models.values():
@@ -217,14 +230,16 @@ def model_table(args) -> tuple[dict, list[dict], list[dict]]:
     training_rows = []
     for length in tqdm(args.model_training_lengths, desc="model training", leave=False):
         timed = {name: model for name, model in models.items() if name != "mamba" or args.mamba_training}
-        seconds = report.interleaved_median_times(
+        times = report.interleaved_times(
             {name: training_step(model, length, args) for name, model in timed.items()}, 1, args.model_repeats
         )
         batch_size = max(1, args.model_tokens // length)
         row = {"tokens": length, "batch_size": batch_size}
         for name in models:
-            row[f"{name}_tokens_per_s"] = batch_size * length / seconds[name] if name in seconds else None
-        training_rows.append(row)
+            row[f"{name}_tokens_per_s"] = (
+                batch_size * length / statistics.median(times[name]) if name in times else None
+            )
+        training_rows.append(ratios_to_deltanet(row, times))
     decode_rows = []
     for context in tqdm(args.model_decode_contexts, desc="model decode", leave=False):
         functions = {
@@ -234,31 +249,43 @@ def model_table(args) -> tuple[dict, list[dict], list[dict]]:
             )
             for name, model in models.items()
         }
-        seconds = report.interleaved_median_times(functions, 1, args.repeats)
-        decode_rows.append(
-            {"context": context} | {f"{name}_tokens_per_s": args.decode_steps / seconds[name] for name in models}
-        )
+        times = report.interleaved_times(functions, 1, args.repeats)
+        row = {"context": context} | {
+            f"{name}_tokens_per_s": args.decode_steps / statistics.median(times[name]) for name in models
+        }
+        decode_rows.append(ratios_to_deltanet(row, times))
         del functions  # the caches (Llama's grows with the context)
-    for row in training_rows + decode_rows:
-        for other in ("llama", "mamba"):
-            theirs = row[f"{other}_tokens_per_s"]
-            row[f"deltanet_over_{other}"] = None if theirs is None else row["deltanet_tokens_per_s"] / theirs
     return parameters, training_rows, decode_rows
+
+
+def ratios_to_deltanet(row: dict, times: dict) -> dict:
+    """`row` with DeltaNet's tokens/s over Llama's and Mamba's (the same tokens each round: their time ratio), None
+    for a model not timed."""
+    for other in ("llama", "mamba"):
+        ratio = report.paired_speedup(times, "deltanet", other) if other in times else None
+        row[f"deltanet_over_{other}"] = ratio
+    return row
 
 
 def decode_table(args) -> list[dict]:
     """Milliseconds per generated token after a prefill of each context: greedy steps of one token each, the contexts
-    timed in turns (one cache each), so that a machine busy with something else slows them alike."""
+    timed in turns (one cache each), so that a machine busy with something else slows them alike; the ratio to the
+    shortest context is the median of the rounds' ratios."""
     model = deltanet_model().eval()
     functions = {
         context: report.Decoding(model, context, args.decode_steps)
         for context in tqdm(args.decode_contexts, desc="decode prefill", leave=False)
     }
-    seconds = report.interleaved_median_times(functions, 1, args.repeats)
-    rows = [{"context": context, "ms_per_token": seconds[context] / args.decode_steps * 1e3} for context in functions]
-    for row in rows:
-        row["over_shortest"] = row["ms_per_token"] / rows[0]["ms_per_token"]
-    return rows
+    times = report.interleaved_times(functions, 1, args.repeats)
+    shortest = args.decode_contexts[0]
+    return [
+        {
+            "context": context,
+            "ms_per_token": statistics.median(times[context]) / args.decode_steps * 1e3,
+            "over_shortest": report.paired_speedup(times, shortest, context),
+        }
+        for context in functions
+    ]
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -276,7 +303,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--model-tokens", type=int, default=8192, help="tokens per training step of the model table (batch × T)"
     )
-    parser.add_argument("--model-repeats", type=int, default=3, help="timed training steps per model and T")
+    parser.add_argument(
+        "--model-repeats", type=int, default=7, help="timed training rounds per T (the models in turns)"
+    )
     parser.add_argument(
         "--mamba-training", action="store_true", help="also time 🤗 Mamba's training (minutes per step on CPU)"
     )
@@ -300,7 +329,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     }
     if args.quick:
         sizes = QUICK_SIZES
-        args.warmup, args.repeats, args.model_repeats, args.decode_steps = 1, 2, 1, 4
+        args.warmup, args.repeats, args.model_repeats, args.decode_steps = 1, 1, 1, 4
         args.model_tokens = min(args.model_tokens, max(sizes["model_training_lengths"]))
         args.reference_max_length = min(args.reference_max_length, max(sizes["training_lengths"]))
         args.mamba_prefill = min(args.mamba_prefill, 32)
@@ -352,8 +381,9 @@ def docs_section(results: dict) -> str:
     settings = results["settings"]
     shape = f"B={settings['batch_size']}, H={settings['num_heads']}, D={settings['head_dim']}, chunk {settings['chunk_size']}"
     parts = [
-        f"From `python benchmarks/delta_rule.py` (medians of {settings['repeats']} repeats; models: "
-        f"{settings['model_repeats']} timed steps each, in turns). {report.measured_on(settings)}",
+        f"From `python benchmarks/delta_rule.py` (what each ratio compares timed in turns: medians of "
+        f"{settings['repeats']} rounds, the models' training {settings['model_repeats']}; each ratio the median of "
+        f"the rounds' ratios). {report.measured_on(settings)}",
         f"Forward + backward of the delta rule, {shape} (the recurrent reference is timed up to "
         f"T={settings['reference_max_length']}):",
         report.markdown_table(
@@ -404,8 +434,7 @@ def docs_section(results: dict) -> str:
     for row in models["training"]:
         goal = TRAINING_GOALS.get(row["tokens"])
         if goal is not None:
-            met = "met" if row["deltanet_over_llama"] >= goal else "missed"
-            goals.append(f"{row['deltanet_over_llama']:.2f}× at T = {row['tokens']} (goal ≥ {goal}×: {met})")
+            goals.append(report.judged(row["deltanet_over_llama"], goal, f" at T = {row['tokens']}"))
     if goals:
         parts.append("Training, DeltaNet over Llama: " + "; ".join(goals) + ".")
     return "\n\n".join(parts)

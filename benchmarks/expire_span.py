@@ -6,15 +6,17 @@ Prints two side-by-side tables, measured on this machine in one run:
    memory of earlier segments as in truncated-BPTT training) at maximum span L ∈ {4096, 16384} (`--max-spans`): time
    and peak memory of an Expire-Span model whose spans are L/8 against the same model with `expire_memories=False`,
    which keeps every memory for the full L (Transformer-XL style). Before measuring, enough segments are run to fill
-   the memory to its steady state. Every measurement runs in its own subprocess: times with the default allocator;
-   peak memory in a separate run where large buffers are returned to the system when freed (MALLOC_MMAP_THRESHOLD_),
-   so that the resident set size tracks live tensors: peak = the rise of VmHWM (reset through /proc/self/clear_refs)
-   during a step over the resident size before it.
+   the memory to its steady state. Times: the two models in one subprocess with the default allocator, their steps in
+   turns (speed-up: the median of the rounds' ratios); peak memory: each model in a subprocess of its own where large
+   buffers are returned to the system when freed (MALLOC_MMAP_THRESHOLD_), so that the resident set size tracks live
+   tensors: peak = the rise of VmHWM (reset through /proc/self/clear_refs) during a step over the resident size
+   before it.
 2. Generation: decode time per token and the number of cache entries per layer after a prefill of 1K, 8K and 32K
    tokens (`--contexts`), for the same two models at L = 16384, measured in one process with their repeats
    interleaved.
 
-Model: hidden 128, 2 layers, 4 heads, ramp R = 128, byte vocabulary. Times are medians of `--repeats` steps.
+Model: hidden 128, 2 layers, 4 heads, ramp R = 128, byte vocabulary. Times are medians of `--repeats` rounds, speed-ups
+the median of the rounds' ratios.
 
     python benchmarks/expire_span.py [--json results.json] [--tables generation] [--contexts 1024 ...]
     python benchmarks/expire_span.py --write-docs --json benchmarks/results/expire_span.json   # what the docs quote
@@ -30,7 +32,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -64,48 +65,69 @@ def _resident_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def training_measurement(max_span: int, expire: bool, args) -> dict:
-    """Runs in a subprocess: steady-state training step time, or (with --memory) peak memory rise."""
-    model = build_model(max_span, expire, args.block_size).train()
-    generator = torch.Generator().manual_seed(0)
-    cache = None
-    warmup_segments = max_span // args.segment + 2
-    for _ in range(warmup_segments):  # fill the memory to its steady state (no backward needed)
-        tokens = torch.randint(0, 258, (1, args.segment), generator=generator)
-        cache = model(tokens, cache=cache, use_cache=True).cache
-    entries = cache.memory_entries()
-    timings = []
+class TrainingSteps:
+    """A model's training steps over random segments, the memory of earlier segments carried; built with enough
+    segments run (no backward) to fill the memory to its steady state."""
+
+    def __init__(self, max_span: int, expire: bool, args):
+        self.model = build_model(max_span, expire, args.block_size).train()
+        self.generator = torch.Generator().manual_seed(0)
+        self.segment, self.cache = args.segment, None
+        for _ in range(max_span // args.segment + 2):
+            self.cache = self.model(self.segments(), cache=self.cache, use_cache=True).cache
+        self.memory_entries = max(self.cache.memory_entries())
+
+    def segments(self) -> torch.Tensor:
+        return torch.randint(0, 258, (1, self.segment), generator=self.generator)
+
+    def __call__(self) -> None:
+        tokens = self.segments()
+        output = self.model(tokens, labels=tokens, cache=self.cache, use_cache=True)
+        output.loss.backward()
+        self.cache = output.cache
+        self.model.zero_grad(set_to_none=True)
+
+
+def training_times(max_span: int, args) -> dict:
+    """Runs in a subprocess: both models' steady-state training steps in turns; each one's median step and memory
+    entries, and the speed-up (fixed / Expire-Span, the median of the rounds' ratios)."""
+    steps = {name: TrainingSteps(max_span, expire, args) for name, expire in (("fixed", False), ("expire_span", True))}
+    times = report.interleaved_times(steps, 1, args.repeats)
+    result = {
+        name: {"step_seconds": statistics.median(times[name]), "memory_entries": step.memory_entries}
+        for name, step in steps.items()
+    }
+    return result | {"speed_up": report.paired_speedup(times, "expire_span", "fixed")}
+
+
+def training_memory(max_span: int, expire: bool, args) -> dict:
+    """Runs in a subprocess (with --memory): the peak rise of the resident set size over two steady-state steps."""
+    step = TrainingSteps(max_span, expire, args)
     rise = 0
-    for _ in range(2 if args.memory else args.repeats):
-        tokens = torch.randint(0, 258, (1, args.segment), generator=generator)
+    for _ in range(2):
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # reset the peak resident set size (VmHWM)
         before = _resident_kib("VmRSS")
-        start = time.perf_counter()
-        output = model(tokens, labels=tokens, cache=cache, use_cache=True)
-        output.loss.backward()
-        timings.append(time.perf_counter() - start)
+        step()
         rise = max(rise, _resident_kib("VmHWM") - before)
-        cache = output.cache
-        model.zero_grad(set_to_none=True)
-        del output
-    if args.memory:
-        return {"peak_rise_mib": rise / 1024, "memory_entries": max(entries)}
-    return {"step_seconds": statistics.median(timings), "memory_entries": max(entries)}
+    return {"peak_rise_mib": rise / 1024, "memory_entries": step.memory_entries}
 
 
-def decode_measurement(args) -> dict[str, list[dict]]:
-    """Both models in one process, their timing repeats interleaved, so that a busy machine slows both alike."""
+def decode_measurement(args) -> dict:
+    """Both models in one process, their timing repeats interleaved, so that a busy machine slows both alike; per
+    context, each one's rows and the speed-up (fixed / Expire-Span, the median of the rounds' ratios)."""
     models = {name: build_model(DECODE_MAX_SPAN, expire, args.block_size).eval()
               for name, expire in (("expire_span", True), ("fixed", False))}  # fmt: skip
-    rows = {name: [] for name in models}
+    rows = {name: [] for name in models} | {"speed_up": []}
     with torch.no_grad():
         for context in args.contexts:
             decodings = {name: report.Decoding(model, context, args.decode_steps) for name, model in models.items()}
-            seconds = report.interleaved_median_times(decodings, 0, args.repeats)
+            times = report.interleaved_times(decodings, 0, args.repeats)
             for name, decoding in decodings.items():
-                rows[name].append({"context": context, "ms_per_token": seconds[name] / args.decode_steps * 1e3,
+                rows[name].append({"context": context,
+                                   "ms_per_token": statistics.median(times[name]) / args.decode_steps * 1e3,
                                    "memory_entries": max(decoding.cache.memory_entries())})  # fmt: skip
+            rows["speed_up"].append(report.paired_speedup(times, "expire_span", "fixed"))
     return rows
 
 
@@ -156,7 +178,7 @@ def training_rows(results: dict) -> list[dict]:
             "max_span": measured["max_span"],
             "expire_span_memories": expiring["memory_entries"], "fixed_memories": fixed["memory_entries"],
             "expire_span_seconds": expiring["step_seconds"], "fixed_seconds": fixed["step_seconds"],
-            "speed_up": fixed["step_seconds"] / expiring["step_seconds"],
+            "speed_up": measured["speed_up"],
             "expire_span_mib": expiring["peak_rise_mib"], "fixed_mib": fixed["peak_rise_mib"],
             "memory_ratio": fixed["peak_rise_mib"] / expiring["peak_rise_mib"] if expiring["peak_rise_mib"] else None,
         })  # fmt: skip
@@ -164,12 +186,13 @@ def training_rows(results: dict) -> list[dict]:
 
 
 def decode_rows(results: dict) -> list[dict]:
-    """One row per context: both models' decode time per token and cache entries, and the time ratio."""
+    """One row per context: both models' decode time per token and cache entries, and the speed-up."""
+    decode = results["decode"]
     return [
         {"context": expiring["context"], "expire_span_ms": expiring["ms_per_token"], "fixed_ms": fixed["ms_per_token"],
-         "speed_up": fixed["ms_per_token"] / expiring["ms_per_token"],
+         "speed_up": speed_up,
          "expire_span_entries": expiring["memory_entries"], "fixed_entries": fixed["memory_entries"]}
-        for expiring, fixed in zip(results["decode"]["expire_span"], results["decode"]["fixed"])
+        for expiring, fixed, speed_up in zip(decode["expire_span"], decode["fixed"], decode["speed_up"])
     ]  # fmt: skip
 
 
@@ -200,14 +223,15 @@ def docs_section(results: dict) -> str:
         "Expire-Span against the same model with expiration off (a fixed span of L, Transformer-XL style), from "
         f"`{run_command(settings)}`: {model} (the initial span fraction); a training step is forward + backward of "
         f"a {settings['segment']}-token segment in blocks of {settings['block_size']} with the memory of earlier "
-        "segments carried at its steady state (memories: the entries of the widest layer there); times are medians "
-        f"of {settings['repeats']} steps; peak memory is the rise of the resident set size during a step, with large "
-        "buffers returned to the system when freed so that it tracks live tensors (each measurement in its own "
-        f"process, see the script's docstring). {report.measured_on(settings)}",
+        "segments carried at its steady state (memories: the entries of the widest layer there); the two models' "
+        f"steps in turns in one process, times the medians of {settings['repeats']} rounds, speed-ups the median of "
+        "the rounds' ratios; peak memory is the rise of the resident set size during a step, with large buffers "
+        "returned to the system when freed so that it tracks live tensors (each model in a process of its own, see "
+        f"the script's docstring). {report.measured_on(settings)}",
         report.markdown_table(TRAINING_COLUMNS, training_rows(results)),
         f"Decoding after a prefill (L = {settings['decode_max_span']}, batch 1; times are medians of "
         f"{settings['repeats']} runs of {settings['decode_steps']} greedy steps, the two models in turns in one "
-        "process; cache entries of the widest layer, after the timed steps; decoding appends into a preallocated "
+        "process, speed-ups the median of the rounds' ratios; cache entries of the widest layer, after the timed steps; decoding appends into a preallocated "
         "buffer and compacts expired memories lazily, so the count includes expired slots not yet compacted):",
         report.markdown_table(DECODE_COLUMNS, decode_rows(results)),
     ])  # fmt: skip
@@ -224,7 +248,7 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=512, help="tokens per block of a segment")
     parser.add_argument("--decode-steps", type=int, default=32, help="greedy steps per timed decoding run")
     parser.add_argument("--tables", nargs="+", choices=["training", "generation"], default=["training", "generation"],
-                        help="which tables to measure (generation alone takes a few minutes)")  # fmt: skip
+                        help="which tables to measure (both take a few minutes)")  # fmt: skip
     parser.add_argument("--max-spans", nargs="+", type=int, default=list(MAX_SPANS),
                         help="maximum spans L of the training table")  # fmt: skip
     parser.add_argument("--contexts", nargs="+", type=int, default=list(DECODE_CONTEXTS),
@@ -247,8 +271,10 @@ def main(argv=None):
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         request = json.loads(args.measure)
-        if request["kind"] == "training":
-            result = training_measurement(request["max_span"], request["expire"], args)
+        if request["kind"] == "training" and args.memory:
+            result = training_memory(request["max_span"], request["expire"], args)
+        elif request["kind"] == "training":
+            result = training_times(request["max_span"], args)
         else:
             result = decode_measurement(args)
         print(json.dumps(result))
@@ -270,11 +296,11 @@ def main(argv=None):
 def run_tables(args, results: dict) -> None:
     if "training" in args.tables:
         for max_span in args.max_spans:
-            fixed = run_isolated("training", args, max_span=max_span, expire=False)
-            fixed |= run_isolated("training", args, memory=True, max_span=max_span, expire=False)
-            expiring = run_isolated("training", args, max_span=max_span, expire=True)
-            expiring |= run_isolated("training", args, memory=True, max_span=max_span, expire=True)
-            results["training"].append({"max_span": max_span, "fixed": fixed, "expire_span": expiring})
+            measured = {"max_span": max_span} | run_isolated("training", args, max_span=max_span)
+            for name, expire in (("fixed", False), ("expire_span", True)):
+                peak = run_isolated("training", args, memory=True, max_span=max_span, expire=expire)
+                measured[name]["peak_rise_mib"] = peak["peak_rise_mib"]
+            results["training"].append(measured)
         report.print_table(
             f"Training step, segment {args.segment} tokens in blocks of {args.block_size}, steady-state memory "
             "(Expire-Span spans = L/8 vs fixed span L)",

@@ -9,9 +9,10 @@ Prints one side-by-side table, all measured in this one process:
   one per layer.
 
 Both models: hidden 256, 4 layers, 4 heads, gated MLP of width 768, byte vocabulary; the Feedback memory span
-τ = 2048 so both see the whole context. Times are medians of `--repeats` runs after a warm-up; the models take
-turns run by run, so that a machine busy with something else slows them alike. `--compile-step` adds a column for
-the Feedback Transformer with `compile_step=True` (its step body through `torch.compile`; warm-up compiles).
+τ = 2048 so both see the whole context. The models take turns run by run, so that a machine busy with something else
+slows them alike: times are medians of `--repeats` rounds after a warm-up, ratios the median of the rounds' ratios.
+`--compile-step` adds a column for the Feedback Transformer with `compile_step=True` (its step body through
+`torch.compile`; warm-up compiles).
 
     python benchmarks/feedback.py [--compile-step] [--json results.json]
     python benchmarks/feedback.py --write-docs --json benchmarks/results/feedback.json   # what the docs quote
@@ -20,6 +21,8 @@ the Feedback Transformer with `compile_step=True` (its step body through `torch.
 ``--write-docs`` (after a run) and ``--report RESULTS_JSON`` rewrite the Feedback Transformer section of
 docs/performance/speed.md from the results (see ``report.py``).
 """
+
+import statistics
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -70,7 +73,8 @@ ROWS = [
 
 
 def table_rows(results: dict) -> list[dict]:
-    """One row per measurement: each model's figure and the Feedback models' ratios to Llama."""
+    """One row per measurement: each model's figure and the Feedback models' ratios to Llama (for times, the median
+    of the rounds' ratios the run kept; for the cache, the ratio of the figures)."""
     settings, llama = results["settings"], results["results"]["llama"]
     rows = []
     for key, header in ROWS:
@@ -78,7 +82,7 @@ def table_rows(results: dict) -> list[dict]:
         for name, figures in results["results"].items():
             row[name] = figures[key]
             if name != "llama":
-                row[f"{name}_over_llama"] = figures[key] / llama[key]
+                row[f"{name}_over_llama"] = figures["over_llama"].get(key, figures[key] / llama[key])
         rows.append(row)
     return rows
 
@@ -100,14 +104,14 @@ def docs_section(results: dict) -> str:
         f"From `python benchmarks/feedback.py{' --compile-step' if compiled else ''}`: hidden 256, 4 layers, 4 heads, "
         f"MLP 768, τ = 2048; training = forward + backward on B = {settings['batch_size']} sequences of "
         f"T = {settings['length']}; decoding = {settings['decode_steps']} greedy steps at batch 1 after a prefill; "
-        f"medians of {settings['repeats']} runs, the models in turns. {report.measured_on(settings)}",
+        f"the models in turns, medians of {settings['repeats']} rounds, each ratio the median of the rounds' ratios. "
+        f"{report.measured_on(settings)}",
         report.markdown_table(columns(compiled), table_rows(results)),
     ]
-    feedback, llama = results["results"]["feedback"], results["results"]["llama"]
     goals = []
     for key, (what, goal) in GOALS.items():
-        ratio = feedback[key] / llama[key]
-        goals.append(f"{what} {ratio:.2f}× (goal ≥ {goal}×: {'met' if ratio >= goal else 'missed'})")
+        ratio = results["results"]["feedback"]["over_llama"][key]
+        goals.append(f"{what} {report.judged(ratio, goal)}")
     parts.append("Feedback over Llama: " + "; ".join(goals) + ".")
     return "\n\n".join(parts)
 
@@ -117,7 +121,7 @@ SECTION = report.Section("feedback", "python benchmarks/feedback.py --report ben
 
 
 def main(argv=None):
-    parser = report.arguments(__doc__, repeats=3, section=SECTION)
+    parser = report.arguments(__doc__, repeats=7, section=SECTION)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=64)
@@ -129,17 +133,25 @@ def main(argv=None):
     machine = report.start(args)
     models = build_models(args.compile_step)
     results = {name: {} for name in models}
-    seconds = report.interleaved_median_times(
+
+    def record(key: str, times: dict, tokens: int) -> None:
+        """Each model's tokens/s under `key` (the median round), and its paired ratio to Llama's."""
+        for name in models:
+            results[name][key] = tokens / statistics.median(times[name])
+            if name != "llama":
+                results[name].setdefault("over_llama", {})[key] = report.paired_speedup(times, name, "llama")
+
+    times = report.interleaved_times(
         {name: training_step(model, args.batch_size, args.length) for name, model in models.items()}, 1, args.repeats
     )
-    for name in models:
-        results[name]["train_tokens_per_s"] = args.batch_size * args.length / seconds[name]
+    record("train_tokens_per_s", times, args.batch_size * args.length)
     for context in DECODE_CONTEXTS:
         decodings = {name: report.Decoding(model, context, args.decode_steps) for name, model in models.items()}
-        seconds = report.interleaved_median_times(decodings, 1, args.repeats)
-        for name, decoding in decodings.items():
-            results[name][f"decode_{context}_tokens_per_s"] = args.decode_steps / seconds[name]
-            if context == DECODE_CONTEXTS[-1]:
+        record(
+            f"decode_{context}_tokens_per_s", report.interleaved_times(decodings, 1, args.repeats), args.decode_steps
+        )
+        if context == DECODE_CONTEXTS[-1]:
+            for name, decoding in decodings.items():
                 # The Feedback ring holds τ slots; Llama holds every token seen: per token of context.
                 seen = decoding.cache.get_seq_length()
                 slots = models[name].config.memory_span if name.startswith("feedback") else seen
