@@ -120,9 +120,9 @@ def goals(rows: list[dict]) -> str:
     far = largest["deltanet_over_llama"] >= 10
     return (
         f"DeltaNet over Llama: at least 1× in every cell — {'met' if every else 'missed'} (lowest "
-        f"{lowest['deltanet_over_llama']:.2f}× at batch {lowest['batch_size']} after {lowest['context']} tokens); at "
-        f"least 10× at batch {largest['batch_size']} after {largest['context']} tokens — {'met' if far else 'missed'} "
-        f"({largest['deltanet_over_llama']:.2f}×)."
+        f"{report.against(lowest['deltanet_over_llama'], 1)}× at batch {lowest['batch_size']} after "
+        f"{lowest['context']} tokens); at least 10× at batch {largest['batch_size']} after {largest['context']} tokens "
+        f"— {'met' if far else 'missed'} ({report.against(largest['deltanet_over_llama'], 10)}×)."
     )
 
 

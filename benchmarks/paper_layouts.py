@@ -265,7 +265,8 @@ def generation_goals(rows: list[dict]) -> str:
                 continue
             lowest = min(measured, key=lambda row: row[key])
             met = "met" if lowest[key] >= 1 else "missed"
-            verdicts.append(f"{label}, {layout}: {met} (lowest {lowest[key]:.2f}× after {lowest['context']} tokens)")
+            lowest_text = report.against(lowest[key], 1)
+            verdicts.append(f"{label}, {layout}: {met} (lowest {lowest_text}× after {lowest['context']} tokens)")
     return (
         "At least 🤗 Llama's speed through `generate()` (DeltaNet and Expire-Span from 64 tokens of context up, the "
         "Feedback Transformer from 512 up): " + "; ".join(verdicts) + "."

@@ -232,16 +232,19 @@ def cell(value, pattern: str) -> str:
     return "—" if value is None else format(value, pattern)
 
 
-def judged(ratio: float, goal: float, where: str = "") -> str:
-    """A ratio against its goal, as in "1.28×{where} (goal ≥ 1.25×: met)": two decimals, or as many more (up to six)
-    as it takes for the printed number to sit on the same side of the goal as the ratio (0.4996 does not show as a
-    missed 0.50)."""
-    met = ratio >= goal
+def against(ratio: float, goal: float) -> str:
+    """`ratio` printed for a comparison with `goal`: two decimals, or as many more (up to six) as it takes for the
+    printed number to sit on the same side of the goal as the ratio (0.4996 does not show as a missed 0.50)."""
     for decimals in range(2, 7):
         text = f"{ratio:.{decimals}f}"
-        if (float(text) >= goal) == met:
+        if (float(text) >= goal) == (ratio >= goal):
             break
-    return f"{text}×{where} (goal ≥ {goal}×: {'met' if met else 'missed'})"
+    return text
+
+
+def judged(ratio: float, goal: float, where: str = "") -> str:
+    """A ratio against its goal, as in "1.28×{where} (goal ≥ 1.25×: met)" (the ratio printed by `against`)."""
+    return f"{against(ratio, goal)}×{where} (goal ≥ {goal}×: {'met' if ratio >= goal else 'missed'})"
 
 
 def print_table(title: str, columns: list[tuple[str, str, str]], rows: list[dict]) -> None:

@@ -286,7 +286,7 @@ def test_functions_timed_in_turns_keep_each_round_and_their_speedup_is_the_media
 
 
 def test_a_ratio_judged_against_its_goal_never_prints_as_the_goal_it_missed(monkeypatch):
-    """`report.judged`, which the DeltaNet and Feedback sections use for their goals: two decimals, more only where
+    """`report.judged` (the DeltaNet and Feedback sections' goals) and `report.against`: two decimals, more only where
     two would print a missed ratio as the goal itself (or a met one below it)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import report
@@ -296,6 +296,8 @@ def test_a_ratio_judged_against_its_goal_never_prints_as_the_goal_it_missed(monk
     assert report.judged(0.49996, 0.5, " at T = 8") == "0.49996× at T = 8 (goal ≥ 0.5×: missed)"
     assert report.judged(2.5, 2.5) == "2.50× (goal ≥ 2.5×: met)"
     assert report.judged(0.3, 2.0) == "0.30× (goal ≥ 2.0×: missed)"
+    # (the papers' layouts' and batched decoding's "lowest" ratios against 1×)
+    assert (report.against(0.996, 1), report.against(1.0032, 1)) == ("0.996", "1.00")
 
 
 def test_the_generation_goals_are_judged_from_the_contexts_each_family_is_held_to(monkeypatch):
