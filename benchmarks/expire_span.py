@@ -231,8 +231,9 @@ def docs_section(results: dict) -> str:
         report.markdown_table(TRAINING_COLUMNS, training_rows(results)),
         f"Decoding after a prefill (L = {settings['decode_max_span']}, batch 1; times are medians of "
         f"{settings['repeats']} runs of {settings['decode_steps']} greedy steps, the two models in turns in one "
-        "process, speed-ups the median of the rounds' ratios; cache entries of the widest layer, after the timed steps; decoding appends into a preallocated "
-        "buffer and compacts expired memories lazily, so the count includes expired slots not yet compacted):",
+        "process, speed-ups the median of the rounds' ratios; cache entries of the widest layer, after the timed "
+        "steps; decoding appends into a preallocated buffer and compacts expired memories lazily, so the count "
+        "includes expired slots not yet compacted):",
         report.markdown_table(DECODE_COLUMNS, decode_rows(results)),
     ])  # fmt: skip
 

@@ -82,7 +82,8 @@ def table_rows(results: dict) -> list[dict]:
         for name, figures in results["results"].items():
             row[name] = figures[key]
             if name != "llama":
-                row[f"{name}_over_llama"] = figures["over_llama"].get(key, figures[key] / llama[key])
+                timed = key != "cache_bytes_per_token"
+                row[f"{name}_over_llama"] = figures["over_llama"][key] if timed else figures[key] / llama[key]
         rows.append(row)
     return rows
 

@@ -235,6 +235,37 @@ def test_expire_span_training_times_both_models_in_turns_at_their_steady_state(m
     assert result["fixed"]["memory_entries"] > result["expire_span"]["memory_entries"] > 0
 
 
+def test_the_feedback_table_reads_its_time_ratios_from_the_rounds_and_its_cache_ratio_from_the_figures(monkeypatch):
+    """feedback.py keeps each timed ratio as the median of the rounds' ratios (`over_llama`); the table and the goal
+    line print those, not the ratio of the two medians (here made different on purpose)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import feedback
+
+    figures = {"train_tokens_per_s": 100.0, "decode_512_tokens_per_s": 300.0, "decode_2048_tokens_per_s": 400.0,
+               "cache_bytes_per_token": 2048.0}  # fmt: skip
+    llama = {key: 200.0 for key in figures} | {"cache_bytes_per_token": 8192.0}
+    paired = {"train_tokens_per_s": 0.52, "decode_512_tokens_per_s": 1.4, "decode_2048_tokens_per_s": 2.1}
+    results = {
+        "settings": {
+            "batch_size": 32,
+            "length": 256,
+            "decode_steps": 64,
+            "repeats": 7,
+            "date": "2026-12-02",
+            "processor": "CPU",
+            "cpus": 2,
+            "torch": "2",
+            "threads": 2,
+        },  # fmt: skip
+        "results": {"feedback": figures | {"over_llama": paired}, "llama": llama},
+    }
+    ratios = [row["feedback_over_llama"] for row in feedback.table_rows(results)]
+    assert ratios == [0.52, 1.4, 2.1, 0.25]
+    assert "training 0.52× (goal ≥ 0.5×: met); decoding at 2K 2.10× (goal ≥ 2.0×: met)" in feedback.docs_section(
+        results
+    )
+
+
 def test_paper_layouts_table_times_each_family_s_two_layouts_of_the_same_size(tmp_path):
     results = run_script("paper_layouts.py", "--quick", output=tmp_path / "results.json")
     assert [row["family"] for row in results["rows"]] == [
